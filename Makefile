@@ -1,0 +1,34 @@
+# Set-up is part of every target: each creates or updates the local venv (.venv) first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+# Tests and benchmarks run torch single-threaded: libgomp's spinning pool makes
+# 2 threads 3-50x slower than 1 on a busy 2-core machine.
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install serve demo test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+# The main job. Until the server lands (issue: server), this is the cache demo.
+serve: demo
+
+demo: $(STAMP)
+	$(PY) -m radixserve.cache
+
+test: $(STAMP)
+	$(PY) -m mypy radixserve/cache radixserve/memory
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) -m radixserve.bench.cache_ops
+
+clean:
+	rm -rf $(VENV) .mypy_cache .hypothesis *.egg-info
