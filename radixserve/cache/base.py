@@ -1,0 +1,209 @@
+"""The prefix-cache contract every variant answers (radix, block, none).
+
+Seven operations, as in the chapter: ``reset``, ``match_prefix``,
+``cache_finished_req``, ``cache_unfinished_req``, ``evict``, ``inc_lock_ref``,
+``dec_lock_ref``; plus the tree primitive ``insert`` and the size counters.
+
+Who owns which slot of a request (``CacheReq.kv_indices``)::
+
+    0                 cache_protected_len                         len(token_ids)
+    |-- owned by the cache, --|-- private: allocated for this request, --|
+    |   locked via last_node  |   freed by it or handed to the cache     |
+                               \\__ the last page may be partial (page_size > 1):
+                                   the request owns that whole page until it
+                                   frees it; the cache only ever holds full pages.
+
+``cache_finished_req`` hands the private part to the cache (duplicates of what
+the cache already holds are freed) and unlocks; ``cache_unfinished_req`` does
+the same but keeps the request running, now locked on its own longer prefix.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+from radixserve.cache.events import KVEventLog
+from radixserve.cache.key import RadixKey, TokenArray
+from radixserve.memory.allocator import IndexArray, TokenAllocator
+
+EMPTY_INDICES: IndexArray = np.empty(0, dtype=np.int64)
+
+
+class MatchResult(NamedTuple):
+    """Slots of the longest cached prefix, and the node to lock before using them."""
+
+    indices: IndexArray
+    last_node: Any
+
+
+@dataclass(eq=False)
+class CacheReq:
+    """The part of a request the cache reads and updates.
+
+    ``kv_indices[i]`` is the KV slot of ``token_ids[i]``; the two grow together.
+    """
+
+    token_ids: TokenArray
+    kv_indices: IndexArray
+    extra_key: str | None = None
+    priority: int = 0
+    last_node: Any = None
+    cache_protected_len: int = 0
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.cache_protected_len
+
+    def key(self, length: int | None = None) -> RadixKey:
+        return RadixKey(self.token_ids[:length], self.extra_key)
+
+
+class BasePrefixCache(ABC):
+    """Indexes KV slots by token prefix. Single-threaded: call from the scheduler only."""
+
+    def __init__(self, allocator: TokenAllocator, page_size: int, events: KVEventLog | None) -> None:
+        if page_size % allocator.page_size:
+            raise ValueError(
+                f"cache page_size {page_size} must be a multiple of the allocator's {allocator.page_size}"
+            )
+        self.allocator = allocator
+        self.page_size = page_size
+        self.events = events
+
+    # ---- the primitives each variant implements -------------------------------------------
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop every cached prefix and free its slots. Raises if any prefix is locked."""
+
+    @abstractmethod
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """Longest cached prefix of ``key`` (rounded down to page_size)."""
+
+    @abstractmethod
+    def insert(self, key: RadixKey, indices: IndexArray, priority: int = 0, count_hit: bool = True) -> int:
+        """Cache ``key`` -> ``indices``; return the length that was already cached.
+
+        The cache takes ownership of ``indices[returned:]``. The caller still
+        owns ``indices[:returned]`` and frees whichever of them it allocated
+        itself (they duplicate slots the cache already holds). ``count_hit``:
+        whether this insert counts as a reuse of the nodes it passes through
+        (True for finished requests, False for a chunk of a running one).
+        """
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` cached slots if possible; return how many were freed."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> int:
+        """Protect ``node``'s whole prefix from eviction; return the evictable-size delta."""
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any) -> int:
+        """Undo one ``inc_lock_ref(node)``; return the evictable-size delta."""
+
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Cached tokens no live request locks: what ``evict`` can still reclaim."""
+
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Cached tokens locked by live requests."""
+
+    @abstractmethod
+    def check_invariants(self) -> None:
+        """Verify every structural invariant; raise AssertionError on the first broken one."""
+
+    @abstractmethod
+    def cached_slots(self) -> IndexArray:
+        """Every slot the cache owns (for conservation checks)."""
+
+    def total_size(self) -> int:
+        return self.evictable_size() + self.protected_size()
+
+    # ---- the request-level operations, shared by every variant that keeps KV -------------------
+
+    def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
+        """Hand a finished request's KV to the cache and unlock its prefix.
+
+        Mutates the tree (insert may split). Afterwards the request owns no slot:
+        duplicates and the partial last page are freed here.
+        """
+        protected = req.cache_protected_len
+        if is_insert:
+            aligned = len(req.kv_indices) - len(req.kv_indices) % self.page_size
+            new_prefix_len = self.insert(req.key(aligned), req.kv_indices[:aligned], req.priority)
+            self.allocator.free(req.kv_indices[protected:new_prefix_len])
+            self.allocator.free(req.kv_indices[aligned:])
+        else:
+            self.allocator.free(req.kv_indices[protected:])
+        self.dec_lock_ref(req.last_node)
+        req.last_node, req.cache_protected_len = None, 0
+        req.kv_indices = EMPTY_INDICES
+
+    def cache_unfinished_req(self, req: CacheReq) -> None:
+        """Cache what a running request computed so far (chunked prefill) and re-lock.
+
+        Mutates the tree. Afterwards ``kv_indices[:cache_protected_len]`` are the
+        cache's slots (the request's duplicates are freed) and the request is
+        locked on its new, longer prefix; its partial last page stays private.
+        """
+        aligned = len(req.kv_indices) - len(req.kv_indices) % self.page_size
+        key = req.key(aligned)
+        new_prefix_len = self.insert(key, req.kv_indices[:aligned], req.priority, count_hit=False)
+        self.allocator.free(req.kv_indices[req.cache_protected_len : new_prefix_len])
+        indices, node = self.match_prefix(key)
+        if len(indices) != aligned:
+            raise AssertionError(f"cache lost a locked prefix: matched {len(indices)} of {aligned}")
+        self.inc_lock_ref(node)
+        self.dec_lock_ref(req.last_node)
+        req.kv_indices = np.concatenate([indices, req.kv_indices[aligned:]])
+        req.last_node, req.cache_protected_len = node, aligned
+
+    # ---- helpers the scheduler, tests and benchmarks share -------------------------------------
+
+    def open_request(
+        self, token_ids: Sequence[int] | TokenArray, extra_key: str | None = None, priority: int = 0
+    ) -> CacheReq:
+        """Match the longest cached prefix of ``token_ids`` and lock it for a new request.
+
+        The returned request holds only the cached prefix; call ``extend_request``
+        for the rest (the caller keeps the full token list).
+        """
+        key = RadixKey(token_ids, extra_key)
+        indices, node = self.match_prefix(key)
+        self.inc_lock_ref(node)
+        return CacheReq(key.token_ids[: len(indices)], indices, extra_key, priority, node, len(indices))
+
+    def extend_request(self, req: CacheReq, new_token_ids: Sequence[int] | TokenArray) -> bool:
+        """Give ``req`` slots for ``new_token_ids`` (evicting if short). False: the pool can't.
+
+        Fills the unused end of the request's partial last page first, so the
+        request never holds two partial pages. On False nothing changed.
+        """
+        new = np.asarray(new_token_ids, dtype=np.int64)
+        used = len(req.kv_indices) % self.allocator.page_size
+        reuse = min(len(new), self.allocator.page_size - used) if used else 0
+        slots = self.alloc_slots(len(new) - reuse)
+        if slots is None:
+            return False
+        if reuse:
+            last = int(req.kv_indices[-1])
+            slots = np.concatenate([np.arange(last + 1, last + 1 + reuse, dtype=np.int64), slots])
+        req.token_ids = np.concatenate([req.token_ids, new])
+        req.kv_indices = np.concatenate([req.kv_indices, slots])
+        return True
+
+    def alloc_slots(self, num_tokens: int) -> IndexArray | None:
+        """Allocator slots, evicting unlocked cached prefixes when the pool is short."""
+        slots = self.allocator.alloc(num_tokens)
+        if slots is None:
+            page = self.allocator.page_size
+            self.evict(-(-num_tokens // page) * page - self.allocator.free_size())
+            slots = self.allocator.alloc(num_tokens)
+        return slots

@@ -1,0 +1,118 @@
+"""RadixKey: a token sequence inside a cache namespace, and the hash chain over pages.
+
+A namespace (``extra_key``: a LoRA adapter, a tenant's ``cache_salt``) splits
+the cache into disjoint subtrees: it is part of every child key, so identical
+tokens under different namespaces never share a node, and comparing keys of two
+namespaces is a bug that raises instead of silently matching.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Hashable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+TokenArray = npt.NDArray[np.int64]
+
+# Up to this many tokens one vectorised compare beats galloping (measured: a 4k-token
+# compare costs about as much as the numpy call overhead of two gallop steps).
+_GALLOP_MIN = 4096
+
+
+class RadixKey:
+    """``token_ids`` (int64, viewed, never copied by slicing) plus a namespace."""
+
+    __slots__ = ("token_ids", "extra_key")
+
+    def __init__(self, token_ids: Sequence[int] | TokenArray, extra_key: str | None = None) -> None:
+        self.token_ids: TokenArray = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        self.extra_key = extra_key
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, item: slice) -> RadixKey:
+        if not isinstance(item, slice):
+            raise TypeError("RadixKey supports slicing only")
+        return RadixKey(self.token_ids[item], self.extra_key)
+
+    def __repr__(self) -> str:
+        head = self.token_ids[:10].tolist()
+        more = "..." if len(self) > 10 else ""
+        ns = f", extra_key={self.extra_key!r}" if self.extra_key is not None else ""
+        return f"RadixKey({head}{more} len={len(self)}{ns})"
+
+    def child_key(self, page_size: int) -> Hashable:
+        """The dict key a child edge starting with this key is stored under.
+
+        The first page of tokens, folded with the namespace: descent is one
+        dict lookup, and two namespaces can never collide on a child.
+        """
+        if page_size == 1:
+            first: Hashable = int(self.token_ids[0])
+        else:
+            first = tuple(self.token_ids[:page_size].tolist())
+        return first if self.extra_key is None else (self.extra_key, first)
+
+    def match(self, other: RadixKey, page_size: int = 1) -> int:
+        """Length of the common prefix with ``other``, rounded down to ``page_size``.
+
+        Raises ValueError if the two keys live in different namespaces.
+        """
+        if self.extra_key != other.extra_key:
+            raise ValueError(
+                f"RadixKey operations require matching extra_key: {self.extra_key!r} != {other.extra_key!r}"
+            )
+        matched = common_prefix_len(self.token_ids, other.token_ids)
+        return matched - matched % page_size
+
+
+def common_prefix_len(a: TokenArray, b: TokenArray) -> int:
+    """Number of leading positions where ``a`` and ``b`` agree.
+
+    Short runs: one vectorised compare. Long runs: gallop in doubling windows
+    (one C-level compare each) so a divergence near the start costs little even
+    on a 100k-token edge, then compare the window that holds the divergence.
+    """
+    n = min(len(a), len(b))
+    if n <= _GALLOP_MIN:
+        return _first_mismatch(a[:n], b[:n])
+    lo, step = 0, _GALLOP_MIN
+    while lo < n:
+        hi = min(lo + step, n)
+        if (a[lo:hi] != b[lo:hi]).any():
+            return lo + _first_mismatch(a[lo:hi], b[lo:hi])
+        lo, step = hi, step * 2
+    return n
+
+
+def _first_mismatch(a: TokenArray, b: TokenArray) -> int:
+    if not len(a):
+        return 0
+    diff = a != b
+    index = int(diff.argmax())
+    return index if diff[index] else len(a)
+
+
+def chain_hash(parent: bytes, extra_key: str | None, token_ids: TokenArray) -> bytes:
+    """Hash of one page chained from its parent page's hash, inside a namespace.
+
+    blake2b, not Python's ``hash``: the block cache trusts a hash match as a
+    KV match, so collisions must be infeasible even for crafted inputs. The
+    namespace is length-prefixed (domain separation: no two namespace/token
+    pairs serialise alike).
+    """
+    h = hashlib.blake2b(parent, digest_size=16)
+    if extra_key is not None:
+        ns = extra_key.encode()
+        h.update(len(ns).to_bytes(4, "little"))
+        h.update(ns)
+    else:
+        h.update(b"\xff\xff\xff\xff")
+    h.update(np.ascontiguousarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+ROOT_HASH = b"\x00" * 16

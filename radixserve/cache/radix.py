@@ -1,0 +1,304 @@
+"""RadixCache: a radix tree over token sequences whose nodes hold KV slot indices.
+
+Every edge carries a run of tokens (a whole number of pages) and one slot per
+token; a node boundary is exactly where two cached sequences stopped agreeing.
+The tree holds indices only: a split copies 8 bytes per token, never KV.
+
+Sizes: every cached token is either evictable (its node has lock_ref == 0) or
+protected; the counters change only in lock, unlock, insert and delete.
+Eviction candidates are the unlocked leaves, kept ranked incrementally
+(``CandidateHeap``), so evicting k tokens costs O(k log n).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable, Iterator
+
+import numpy as np
+
+from radixserve.cache.base import EMPTY_INDICES, BasePrefixCache, MatchResult
+from radixserve.cache.candidates import CandidateHeap
+from radixserve.cache.events import KVEventLog
+from radixserve.cache.key import RadixKey, TokenArray
+from radixserve.cache.policy import create_eviction_strategy
+from radixserve.memory.allocator import IndexArray, TokenAllocator
+
+Clock = Callable[[], float]
+
+
+class TreeNode:
+    __slots__ = (
+        "id", "key", "value", "parent", "children", "lock_ref",
+        "last_access_time", "creation_time", "hit_count", "priority",
+    )  # fmt: skip
+
+    def __init__(self, node_id: int, key: RadixKey, value: IndexArray, parent: TreeNode | None, now: float) -> None:
+        self.id = node_id
+        self.key = key  # the edge from the parent: a whole number of pages
+        self.value = value  # one KV slot per token of key
+        self.parent = parent
+        self.children: dict[object, TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access_time = now
+        self.creation_time = now
+        self.hit_count = 0  # finished requests that reused this node's tokens
+        self.priority = 0  # max request priority among the inserts that passed through
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+class RadixCache(BasePrefixCache):
+    """The radix-tree prefix cache (``--prefix-cache radix``, the default)."""
+
+    def __init__(
+        self,
+        allocator: TokenAllocator,
+        page_size: int = 1,
+        eviction_policy: str = "lru",
+        clock: Clock | None = None,
+        enable_kv_events: bool = False,
+    ) -> None:
+        super().__init__(allocator, page_size, KVEventLog(page_size) if enable_kv_events else None)
+        self.eviction_policy = eviction_policy
+        self.strategy = create_eviction_strategy(eviction_policy)
+        self.clock: Clock = clock or time.monotonic
+        self.reset_tree()
+
+    def reset_tree(self) -> None:
+        self._ids = itertools.count()
+        self.root = TreeNode(next(self._ids), RadixKey([]), EMPTY_INDICES, None, self.clock())
+        self.root.lock_ref = 1  # permanently locked: never a candidate, ends every lock walk
+        self._evictable_size = 0
+        self._protected_size = 0
+        strategy = self.strategy
+        self.candidates: CandidateHeap[TreeNode] = CandidateHeap(
+            strategy.rank, lambda node: node.id, strategy.rank_only_grows
+        )
+
+    def reset(self) -> None:
+        """Free every cached slot and start an empty tree. Raises if any prefix is locked."""
+        if self._protected_size:
+            raise RuntimeError(f"reset with {self._protected_size} locked tokens: finish or abort requests first")
+        self.allocator.free(self.cached_slots())
+        self.reset_tree()
+
+    # ---- sizes ------------------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    # ---- match / insert ---------------------------------------------------------------------
+
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """Longest cached prefix of ``key``, page-aligned; refreshes the path's access time.
+
+        Mutates: a divergence inside an edge splits that node, so the returned
+        ``last_node`` ends exactly at the match. Lock it before the returned
+        indices are used: until then eviction may free them.
+        """
+        key = key[: len(key) - len(key) % self.page_size]
+        now = self.clock()
+        node, values = self.root, []
+        self.root.last_access_time = now
+        while len(key):
+            child = node.children.get(key.child_key(self.page_size))
+            if child is None:
+                break
+            matched = child.key.match(key, self.page_size)
+            if matched < len(child.key):
+                if matched:  # only the matched part was accessed: the tail keeps its rank
+                    node = self._split(child, matched)
+                    self._touch(node, now)
+                    values.append(node.value)
+                break
+            self._touch(child, now)
+            values.append(child.value)
+            node, key = child, key[matched:]
+        if not values:
+            return MatchResult(EMPTY_INDICES, node)
+        indices = values[0] if len(values) == 1 else np.concatenate(values)
+        return MatchResult(indices, node)
+
+    def insert(self, key: RadixKey, indices: IndexArray, priority: int = 0, count_hit: bool = True) -> int:
+        """Cache ``key`` -> ``indices``; return the length already cached (see base class).
+
+        Mutates (may split). Takes ownership of ``indices[returned:]`` (copied).
+        Every node on the path gets ``priority`` (max) and, if ``count_hit``,
+        one more hit: a hit is a finished request reusing the node's tokens.
+        """
+        if len(key) != len(indices) or len(key) % self.page_size:
+            raise ValueError(f"insert needs page-aligned key and indices of one length: {len(key)}, {len(indices)}")
+        full, now = key.token_ids, self.clock()
+        node, matched_len = self.root, 0
+        while matched_len < len(full):
+            rest = key[matched_len:]
+            child = node.children.get(rest.child_key(self.page_size))
+            if child is None:
+                break
+            matched = child.key.match(rest, self.page_size)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            child.priority = max(child.priority, priority)
+            child.hit_count += count_hit
+            self._touch(child, now)
+            node, matched_len = child, matched_len + matched
+        if matched_len < len(full):
+            self._add_leaf(node, key[matched_len:], indices[matched_len:].copy(), priority, now)
+            if self.events is not None:
+                self.events.record("store", key.extra_key, matched_len, full)
+        return matched_len
+
+    # ---- eviction ---------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Free unlocked leaves, lowest rank first, until ``num_tokens`` slots are freed.
+
+        A parent left as an unlocked leaf joins the candidates at once, so a
+        dead branch is evicted bottom-up within one call. Returns the number of
+        slots freed (whole nodes, so possibly more than asked; fewer only when
+        nothing evictable is left).
+        """
+        evicted, freed = 0, []
+        while evicted < num_tokens:
+            node = self.candidates.pop()
+            if node is None:
+                break
+            if self.events is not None:
+                self.events.record("remove", node.key.extra_key, self._depth(node.parent), self._path_tokens(node))
+            freed.append(node.value)
+            evicted += len(node.value)
+            self._delete_leaf(node)
+        if freed:  # one allocator call for the whole batch
+            self.allocator.free(freed[0] if len(freed) == 1 else np.concatenate(freed))
+        return evicted
+
+    # ---- locking ----------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock ``node`` and every ancestor; return the (non-positive) evictable-size delta."""
+        delta = 0
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable_size -= len(node.key)
+                self._protected_size += len(node.key)
+                delta -= len(node.key)
+                self.candidates.discard(node)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Undo one ``inc_lock_ref(node)``; return the (non-negative) evictable-size delta."""
+        delta = 0
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref on unlocked {node!r}: unbalanced lock")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable_size += len(node.key)
+                self._protected_size -= len(node.key)
+                delta += len(node.key)
+                self._update_candidate(node)
+            node = node.parent  # type: ignore[assignment]
+        return delta
+
+    # ---- walking ----------------------------------------------------------------------------
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every node except the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def cached_slots(self) -> IndexArray:
+        values = [node.value for node in self.nodes()]
+        return np.concatenate(values) if values else EMPTY_INDICES
+
+    def rank(self, node: TreeNode) -> tuple[tuple[float, ...], int]:
+        """The eviction order key of ``node``: lowest goes first."""
+        return self.strategy.rank(node), node.id
+
+    def check_invariants(self) -> None:
+        from radixserve.cache.radix_check import check_radix_invariants
+
+        check_radix_invariants(self)
+
+    def pretty_print(self) -> str:
+        from radixserve.cache.radix_check import format_tree
+
+        text = format_tree(self)
+        print(text)
+        return text
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Cut ``child``'s edge at ``split_len``: parent -> new -> child. Returns new.
+
+        The new node inherits the child's lock count and statistics (it stands
+        for the shared part of every request below it). Sizes do not change.
+        """
+        parent = child.parent
+        assert parent is not None
+        new = TreeNode(next(self._ids), child.key[:split_len], child.value[:split_len].copy(), parent, 0.0)
+        new.key.token_ids = new.key.token_ids.copy()
+        new.lock_ref, new.hit_count, new.priority = child.lock_ref, child.hit_count, child.priority
+        new.last_access_time, new.creation_time = child.last_access_time, child.creation_time
+        parent.children[new.key.child_key(self.page_size)] = new
+        child.key = child.key[split_len:]
+        child.key.token_ids = child.key.token_ids.copy()
+        child.value = child.value[split_len:].copy()
+        child.parent = new
+        new.children[child.key.child_key(self.page_size)] = child
+        return new
+
+    def _add_leaf(self, parent: TreeNode, key: RadixKey, value: IndexArray, priority: int, now: float) -> None:
+        key.token_ids = key.token_ids.copy()  # never alias the caller's token buffer
+        leaf = TreeNode(next(self._ids), key, value, parent, now)
+        leaf.priority = priority
+        parent.children[key.child_key(self.page_size)] = leaf
+        self._evictable_size += len(key)
+        self.candidates.discard(parent)
+        self._update_candidate(leaf)
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None and not node.children and node.lock_ref == 0
+        del parent.children[node.key.child_key(self.page_size)]
+        self._evictable_size -= len(node.key)
+        self.candidates.discard(node)
+        self._update_candidate(parent)
+
+    def _update_candidate(self, node: TreeNode) -> None:
+        """Make ``node`` a candidate iff it is an unlocked, non-root leaf."""
+        if node.lock_ref == 0 and not node.children and node is not self.root:
+            self.candidates.add(node)
+        else:
+            self.candidates.discard(node)
+
+    def _touch(self, node: TreeNode, now: float) -> None:
+        node.last_access_time = now
+        self.candidates.refresh(node)
+
+    def _depth(self, node: TreeNode | None) -> int:
+        depth = 0
+        while node is not None and node is not self.root:
+            depth += len(node.key)
+            node = node.parent
+        return depth
+
+    def _path_tokens(self, node: TreeNode) -> TokenArray:
+        edges = []
+        cursor: TreeNode | None = node
+        while cursor is not None and cursor is not self.root:
+            edges.append(cursor.key.token_ids)
+            cursor = cursor.parent
+        return np.concatenate(edges[::-1])
