@@ -44,7 +44,7 @@ import numpy as np
 
 from radixserve.cache.base import EMPTY_INDICES, BasePrefixCache, MatchResult
 from radixserve.cache.events import KVEventLog
-from radixserve.cache.key import ROOT_HASH, RadixKey, TokenArray, chain_hash
+from radixserve.cache.key import ROOT_HASH, RadixKey, TokenArray, page_hashes
 from radixserve.memory.allocator import IndexArray, TokenAllocator
 
 Clock = Callable[[], float]
@@ -129,14 +129,13 @@ class BlockHashCache(BasePrefixCache):
         even recency. Lock ``last_node`` before using the indices: until then
         eviction may free them. ``last_node`` is ``self.root`` when nothing matched.
         """
-        tokens, size, extra_key = key.token_ids, self.block_size, key.extra_key
-        parent, last, found = ROOT_HASH, self.root, []
-        for start in range(0, len(tokens) - size + 1, size):
-            block = self._blocks.get(chain_hash(parent, extra_key, tokens[start : start + size]))
+        last, found = self.root, []
+        for block_hash in page_hashes(key.token_ids, key.extra_key, self.block_size):
+            block = self._blocks.get(block_hash)
             if block is None:
                 break
             found.append(block.slots)
-            parent, last = block.hash, block
+            last = block
         if not found:
             return MatchResult(EMPTY_INDICES, self.root)
         return MatchResult(found[0] if len(found) == 1 else np.concatenate(found), last)
@@ -156,8 +155,7 @@ class BlockHashCache(BasePrefixCache):
         path: list[Block] = []
         parent, cached_len = ROOT_HASH, -1  # cached_len: set at the first missing block
         prefix, owned, run_start = tokens, indices, -1  # run_start: the run of new blocks (one event)
-        for start in range(0, len(tokens), size):
-            block_hash = chain_hash(parent, extra_key, tokens[start : start + size])
+        for start, block_hash in zip(range(0, len(tokens), size), page_hashes(tokens, extra_key, size)):
             block = self._blocks.get(block_hash)
             if block is None:  # from the first miss on, the cache takes the slots
                 if cached_len < 0:  # one copy each, shared by every block stored below
@@ -188,9 +186,10 @@ class BlockHashCache(BasePrefixCache):
         queue. Returns slots freed (whole blocks; fewer only when the queue ran out).
         """
         freed, run_tail, run_head = 0, None, None  # a chain evicted tail to head: one remove event
+        slots: list[IndexArray] = []
         while freed < num_tokens and self._free_queue:
             _, block = self._free_queue.popitem(last=False)
-            self.allocator.free(block.slots)
+            slots.append(block.slots)
             freed += len(block.slots)
             self._remove(block)
             if self.events is not None:
@@ -199,6 +198,8 @@ class BlockHashCache(BasePrefixCache):
                     run_tail = block
                 run_head = block
         self._record_remove(run_tail, run_head)
+        if slots:  # one allocator call for the whole batch
+            self.allocator.free(np.concatenate(slots))
         return freed
 
     # ---- locking ----------------------------------------------------------------------------

@@ -11,11 +11,12 @@ Off by default: a cache built with ``events=None`` pays one ``is None`` check.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from radixserve.cache.key import ROOT_HASH, TokenArray, chain_hash
+from radixserve.cache.key import TokenArray, page_hashes
 
 EventKind = Literal["store", "remove"]
 
@@ -41,11 +42,8 @@ class KVEvent:
     def block_hashes(self) -> list[bytes]:
         """Chained page hashes of the pages in ``[start, end)``, computed on first read."""
         if not self._hashes:
-            parent, page = ROOT_HASH, self.page_size
-            for pos in range(0, self.end, page):
-                parent = chain_hash(parent, self.extra_key, self.prefix[pos : pos + page])
-                if pos >= self.start:
-                    self._hashes.append(parent)
+            hashes = page_hashes(self.prefix[: self.end], self.extra_key, self.page_size)
+            self._hashes.extend(itertools.islice(hashes, self.start // self.page_size, None))
         return self._hashes
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -143,13 +144,15 @@ def test_match_is_pure_and_hashes_lazily(monkeypatch: pytest.MonkeyPatch) -> Non
     serve(cache, b)
     before = [block_key(x) for x in cache.free_queue()]
     calls: list[int] = []
+    real_page_hashes = block_module.page_hashes
 
-    def counting_miss(*args: object) -> bytes:
-        calls.append(1)
-        return b"\x01" * 16
+    def counting(*args: Any) -> Iterator[bytes]:
+        for page_hash in real_page_hashes(*args):
+            calls.append(1)
+            yield page_hash
 
-    monkeypatch.setattr(block_module, "chain_hash", counting_miss)
-    assert matched(cache, a + tokens(400)) == 0 and len(calls) == 1, "hashing went past the first miss"
+    monkeypatch.setattr(block_module, "page_hashes", counting)
+    assert matched(cache, tokens(400)) == 0 and len(calls) == 1, "hashing went past the first miss"
     monkeypatch.undo()
     assert matched(cache, a) == 8
     assert [block_key(x) for x in cache.free_queue()] == before, "match changed recency"
