@@ -73,12 +73,22 @@ class BasePrefixCache(ABC):
         self.allocator = allocator
         self.page_size = page_size
         self.events = events
+        # Change only in lock, unlock, insert and delete (and _clear).
+        self._evictable_size = 0
+        self._protected_size = 0
 
     # ---- the primitives each variant implements -------------------------------------------
 
-    @abstractmethod
     def reset(self) -> None:
         """Drop every cached prefix and free its slots. Raises if any prefix is locked."""
+        if self._protected_size:
+            raise RuntimeError(f"reset with {self._protected_size} locked tokens: finish or abort requests first")
+        self.allocator.free(self.cached_slots())
+        self._clear()
+
+    @abstractmethod
+    def _clear(self) -> None:
+        """Forget every cached prefix (slots already freed) and zero the size counters."""
 
     @abstractmethod
     def match_prefix(self, key: RadixKey) -> MatchResult:
@@ -107,13 +117,13 @@ class BasePrefixCache(ABC):
     def dec_lock_ref(self, node: Any) -> int:
         """Undo one ``inc_lock_ref(node)``; return the evictable-size delta."""
 
-    @abstractmethod
     def evictable_size(self) -> int:
         """Cached tokens no live request locks: what ``evict`` can still reclaim."""
+        return self._evictable_size
 
-    @abstractmethod
     def protected_size(self) -> int:
         """Cached tokens locked by live requests."""
+        return self._protected_size
 
     @abstractmethod
     def check_invariants(self) -> None:

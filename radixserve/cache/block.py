@@ -101,21 +101,6 @@ class BlockHashCache(BasePrefixCache):
         self._free_queue: OrderedDict[bytes, Block] = OrderedDict()  # ref_cnt == 0, LRU first
         self._evictable_size = self._protected_size = self._unreachable_size = 0
 
-    def reset(self) -> None:
-        """Free every cached slot. Raises RuntimeError if any block is locked."""
-        if self._protected_size:
-            raise RuntimeError(f"reset with {self._protected_size} locked tokens: finish or abort requests first")
-        self.allocator.free(self.cached_slots())
-        self._clear()
-
-    # ---- sizes ------------------------------------------------------------------------------
-
-    def evictable_size(self) -> int:
-        return self._evictable_size
-
-    def protected_size(self) -> int:
-        return self._protected_size
-
     def unreachable_size(self) -> int:
         """Tokens in resident blocks with a missing ancestor: held, never a hit."""
         return self._unreachable_size

@@ -16,7 +16,7 @@ class ChunkCache(BasePrefixCache):
     def __init__(self, allocator: TokenAllocator, page_size: int = 1) -> None:
         super().__init__(allocator, page_size, None)
 
-    def reset(self) -> None:
+    def _clear(self) -> None:
         pass
 
     def match_prefix(self, key: RadixKey) -> MatchResult:
@@ -40,12 +40,6 @@ class ChunkCache(BasePrefixCache):
         return 0
 
     def dec_lock_ref(self, node: object) -> int:
-        return 0
-
-    def evictable_size(self) -> int:
-        return 0
-
-    def protected_size(self) -> int:
         return 0
 
     def cached_slots(self) -> IndexArray:

@@ -65,9 +65,9 @@ class RadixCache(BasePrefixCache):
         self.eviction_policy = eviction_policy
         self.strategy = create_eviction_strategy(eviction_policy)
         self.clock: Clock = clock or time.monotonic
-        self.reset_tree()
+        self._clear()
 
-    def reset_tree(self) -> None:
+    def _clear(self) -> None:
         self._ids = itertools.count()
         self.root = TreeNode(next(self._ids), RadixKey([]), EMPTY_INDICES, None, self.clock())
         self.root.lock_ref = 1  # permanently locked: never a candidate, ends every lock walk
@@ -77,21 +77,6 @@ class RadixCache(BasePrefixCache):
         self.candidates: CandidateHeap[TreeNode] = CandidateHeap(
             strategy.rank, lambda node: node.id, strategy.rank_only_grows
         )
-
-    def reset(self) -> None:
-        """Free every cached slot and start an empty tree. Raises if any prefix is locked."""
-        if self._protected_size:
-            raise RuntimeError(f"reset with {self._protected_size} locked tokens: finish or abort requests first")
-        self.allocator.free(self.cached_slots())
-        self.reset_tree()
-
-    # ---- sizes ------------------------------------------------------------------------------
-
-    def evictable_size(self) -> int:
-        return self._evictable_size
-
-    def protected_size(self) -> int:
-        return self._protected_size
 
     # ---- match / insert ---------------------------------------------------------------------
 
@@ -221,10 +206,6 @@ class RadixCache(BasePrefixCache):
     def cached_slots(self) -> IndexArray:
         values = [node.value for node in self.nodes()]
         return np.concatenate(values) if values else EMPTY_INDICES
-
-    def rank(self, node: TreeNode) -> tuple[tuple[float, ...], int]:
-        """The eviction order key of ``node``: lowest goes first."""
-        return self.strategy.rank(node), node.id
 
     def check_invariants(self) -> None:
         from radixserve.cache.radix_check import check_radix_invariants
