@@ -1,11 +1,15 @@
-"""Test-wide settings: deterministic hypothesis runs by default (CI must not flake).
+"""Test-wide settings: one torch thread; deterministic hypothesis runs by default (CI must not flake).
 
 `HYPOTHESIS_PROFILE=explore pytest ...` runs many more random examples, for hunting bugs.
 """
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+# One thread: libgomp's spinning pool makes 2 threads 3-50x slower on a busy 2-core box.
+torch.set_num_threads(1)
 
 settings.register_profile(
     "default",

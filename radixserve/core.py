@@ -1,0 +1,101 @@
+"""Shared types every layer may use: sampling parameters and per-request results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token, and when to stop (the SGLang / OpenAI field names).
+
+    ``temperature == 0`` is greedy. Penalties follow OpenAI (frequency, presence:
+    subtracted per occurrence / once, over generated tokens) and the CTRL paper
+    (repetition: logits of tokens already in prompt or output divided if > 0,
+    multiplied if < 0). ``seed`` makes a request reproducible on its own,
+    whatever else is in its batch.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no limit
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_new_tokens < 0:
+            problems.append(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            problems.append(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            problems.append(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
+            problems.append("stop and stop_token_ids are sequences (use a tuple or list)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> SamplingParams:
+        """Build from a user's dict; unknown keys are an error, never ignored."""
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        if isinstance(values.get("stop"), str):
+            values["stop"] = (values["stop"],)
+        return cls(**values)
+
+
+@dataclass
+class GenerateResult:
+    """One request's outcome, shaped like SGLang's offline Engine returns it (see ``to_dict``)."""
+
+    text: str
+    output_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: FinishReason
+    e2e_latency: float
+    output_logprobs: list[float] = field(default_factory=list)
+    matched_stop: int | str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": len(self.output_ids),
+            "finish_reason": self.finish_reason,
+            "matched_stop": self.matched_stop,
+            "e2e_latency": self.e2e_latency,
+        }
+        if self.output_logprobs:
+            meta["output_token_logprobs"] = self.output_logprobs
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}

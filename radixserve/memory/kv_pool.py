@@ -1,0 +1,42 @@
+"""The KV pool: per layer, K and V tensors of [num_slots, num_kv_heads, head_dim].
+
+Row i holds the K/V of whichever token the allocator handed slot i to; row 0
+(page 0) is padding. The pool knows nothing of requests: the model writes the
+new tokens' K/V by slot index and reads a context by gathering its slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K and V of one token across all layers (SmolLM2 fp32: 30 x 3 x 64 x 2 x 4 B = 46 KiB)."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V [n, num_kv_heads, head_dim] of n tokens at ``slots`` [n]."""
+        self.k[layer][slots] = k.to(self.dtype)
+        self.v[layer][slots] = v.to(self.dtype)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather K/V [n, num_kv_heads, head_dim] of the tokens at ``slots`` [n]."""
+        return self.k[layer][slots], self.v[layer][slots]
