@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(PY) -m radixserve.cache
 
 test: $(STAMP)
-	$(PY) -m mypy radixserve/cache radixserve/memory
+	$(PY) -m mypy radixserve
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)

@@ -16,7 +16,8 @@ class SamplingParams:
     subtracted per occurrence / once, over generated tokens) and the CTRL paper
     (repetition: logits of tokens already in prompt or output divided if > 0,
     multiplied if < 0). ``seed`` makes a request reproducible on its own,
-    whatever else is in its batch.
+    whatever else is in its batch (on the same device type: CPU and CUDA
+    generators differ).
     """
 
     max_new_tokens: int = 128
@@ -59,7 +60,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below 1e-5 a division by the temperature overflows to inf/NaN: treat it as greedy.
+        return self.temperature < 1e-5 or self.top_k == 1
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> SamplingParams:
@@ -86,6 +88,7 @@ class GenerateResult:
     e2e_latency: float
     output_logprobs: list[float] = field(default_factory=list)
     matched_stop: int | str | None = None
+    error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -98,4 +101,6 @@ class GenerateResult:
         }
         if self.output_logprobs:
             meta["output_token_logprobs"] = self.output_logprobs
+        if self.error is not None:
+            meta["error"] = self.error
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}

@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'variant':<10} {'N':>8} {'match 2055':>11} {'insert 2000':>12} {'evict 300':>10}")
     for variant in (v for v in variants if v != "none"):
         for size in (int(s) for s in args.sizes.split(",")):
-            r = measure_growth(variant, size, args.repeat)
-            print(f"{r.variant:<10} {r.num_requests:>8} {r.match_us:>11.1f} {r.insert_us:>12.1f} {r.evict_us:>10.1f}")
+            g = measure_growth(variant, size, args.repeat)
+            print(f"{g.variant:<10} {g.num_requests:>8} {g.match_us:>11.1f} {g.insert_us:>12.1f} {g.evict_us:>10.1f}")
 
     trace = support_agent(num_users=args.users)
     print(f"\nSupport-agent replay: {len(trace)} requests, pool {args.pool_tokens} tokens, 16 in flight")

@@ -1,0 +1,134 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, SwiGLU MLP, rotary embeddings.
+
+Numerics follow HF transformers step for step (norm in float32, rotary tables
+in float32 then cast), so our logits match theirs to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., hidden]; the mean of squares is taken in float32."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.intermediate_size = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(inter, hidden, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]."""
+        gate, up = torch.split(self.gate_up_proj(x), self.intermediate_size, dim=-1)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return out
+
+
+def _base_inv_freq(theta: float, dim: int, device: torch.device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Llama 3.1 scaling: divide low frequencies by ``factor``, blend the middle band."""
+    params = config.rope_scaling or {}
+    factor = float(params["factor"])
+    low_freq_factor = float(params["low_freq_factor"])
+    high_freq_factor = float(params["high_freq_factor"])
+    old_context_len = params.get("original_max_position_embeddings", config.max_position_embeddings)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _dynamic_inv_freq(config: ModelConfig, seq_len: int, device: torch.device) -> torch.Tensor:
+    """Dynamic NTK: a larger base once the sequence outgrows max_position_embeddings.
+
+    Computed with 0-d tensors, as transformers does in its forward pass, so the
+    float32 rounding is the same as theirs.
+    """
+    dim, max_pos = config.head_dim, config.max_position_embeddings
+    factor = float((config.rope_scaling or {})["factor"])
+    length = torch.tensor(seq_len, dtype=torch.int64, device=device)
+    base = config.rope_theta * ((factor * length / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+
+
+def compute_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32) for sequences within max_position_embeddings."""
+    inv_freq = _base_inv_freq(config.rope_theta, config.head_dim, device)
+    if config.rope_type == "linear":
+        return inv_freq / float((config.rope_scaling or {})["factor"])
+    if config.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, config)
+    return inv_freq  # "default", and "dynamic" below max_position_embeddings
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the new tokens of one step; applied to q and k by ``apply_rotary``.
+
+    "dynamic" rope follows transformers' single-sequence behaviour per request:
+    a request's new tokens use the base scaled for its current context length
+    (the keys already in the pool keep the rotation they were written with,
+    exactly as in transformers' own KV cache).
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", compute_inv_freq(config, device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, seq_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
+        """positions [T] -> angles [T, head_dim] (float32, the two halves equal).
+
+        ``seq_lens[i]`` is request i's context length including its new tokens.
+        """
+        inv_freq = self.inv_freq[None, :]
+        max_pos = self.config.max_position_embeddings
+        if self.config.rope_type == "dynamic" and max(seq_lens) > max_pos:
+            rows = [
+                self.inv_freq if n <= max_pos else _dynamic_inv_freq(self.config, n, self.inv_freq.device)
+                for n in seq_lens
+            ]
+            repeats = torch.tensor(extend_lens, device=positions.device)
+            inv_freq = torch.stack(rows).repeat_interleave(repeats, dim=0)
+        freqs = positions[:, None].float() * inv_freq
+        return torch.cat((freqs, freqs), dim=-1)
+
+
+def rotary_cos_sin(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Angles [T, head_dim] -> cos, sin [T, 1, head_dim] in ``dtype`` (broadcast over heads)."""
+    return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by position (the "rotate half" layout of HF checkpoints)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,40 @@
+"""load_model: a path (HF folder or .gguf file, or None for the embedded default) -> ready model.
+
+No hub access ever: weights and tokenizer come from local files only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.model.config import ModelConfig
+from radixserve.model.gguf_loader import default_model_path, load_gguf
+from radixserve.model.hf_loader import load_hf_folder
+from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    path: str
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+
+
+def load_model(model_path: str | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Load weights, build the decoder on ``device`` in ``dtype``, and load the tokenizer."""
+    path = model_path or default_model_path()
+    if os.path.isdir(path):
+        config, weights = load_hf_folder(path)
+    elif path.endswith(".gguf") and os.path.isfile(path):
+        config, weights = load_gguf(path)
+    else:
+        raise FileNotFoundError(f"model_path {path!r} is neither an HF folder nor a .gguf file")
+    model = LlamaForCausalLM(config, device=device, dtype=dtype)
+    model.load_weights(weights)
+    model.eval()
+    return LoadedModel(path, config, model, Tokenizer.from_model_path(path))

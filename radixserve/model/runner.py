@@ -1,0 +1,71 @@
+"""ModelRunner: turns host-side slot lists into a ForwardBatch and runs one model step.
+
+It owns the model and the KV pool and knows nothing of requests or caches:
+callers hand it, per request, the new tokens and the slots of the whole
+context (cached prefix first), and get back each request's last-token logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from radixserve.memory.kv_pool import KVPool
+from radixserve.model.config import ModelConfig
+from radixserve.model.forward import ForwardBatch
+
+
+class CausalLM(Protocol):
+    def __call__(self, batch: ForwardBatch, kv_pool: KVPool, return_all_logits: bool = False) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One request's part of a step: its new tokens and its whole context's slots."""
+
+    new_token_ids: Sequence[int] | np.ndarray
+    context_slots: np.ndarray  # int64: prefix slots, then one slot per new token
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, config: ModelConfig, kv_pool: KVPool, device: torch.device) -> None:
+        self.model = model
+        self.config = config
+        self.kv_pool = kv_pool
+        self.device = device
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[StepInput], mode: str) -> torch.Tensor:
+        """Logits [len(inputs), vocab] (float32) of each request's last new token."""
+        batch = self.build_batch(inputs, mode)
+        return self.model(batch, self.kv_pool).float()
+
+    def build_batch(self, inputs: list[StepInput], mode: str) -> ForwardBatch:
+        if mode not in ("extend", "decode"):
+            raise ValueError(f"unknown forward mode {mode!r}")
+        ids, positions, out_slots, contexts, lens = [], [], [], [], []
+        for item in inputs:
+            new = np.asarray(item.new_token_ids, dtype=np.int64)
+            ctx = np.asarray(item.context_slots, dtype=np.int64)
+            if not 0 < len(new) <= len(ctx) or (mode == "decode" and len(new) != 1):
+                raise ValueError(f"{mode}: {len(new)} new tokens for a context of {len(ctx)}")
+            prefix_len = len(ctx) - len(new)
+            ids.append(new)
+            positions.append(np.arange(prefix_len, len(ctx), dtype=np.int64))
+            out_slots.append(ctx[prefix_len:])
+            contexts.append(torch.from_numpy(ctx).to(self.device))
+            lens.append(len(new))
+        return ForwardBatch(
+            mode,  # type: ignore[arg-type]  # checked above
+            self._to_device(ids),
+            self._to_device(positions),
+            self._to_device(out_slots),
+            contexts,
+            lens,
+        )
+
+    def _to_device(self, parts: list[np.ndarray]) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(parts)).to(self.device)

@@ -1,0 +1,176 @@
+"""Tokenizer, chat template, streaming detokenisation and stop strings.
+
+``Tokenizer`` wraps a transformers fast tokenizer loaded strictly offline, either from an
+HF folder (``tokenizer.json`` + ``tokenizer_config.json``) or from a GGUF file's embedded
+vocabulary. ``IncrementalDecoder`` turns output ids into text deltas that never split a
+multi-byte character; ``find_stop`` / ``partial_stop_len`` implement stop strings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import gguf
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from radixserve.model.gguf_loader import default_model_path
+
+# Chat templates end a turn with one of these; generation must stop on it as well as on eos.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+# Prompt tokens an IncrementalDecoder keeps as context, so a first output token decodes as
+# it would mid-text (SentencePiece decoders drop a space at the start of a decode).
+_DECODE_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    """Encode, decode and chat-template for one model; build with a ``from_*`` constructor."""
+
+    def __init__(self, hf: PreTrainedTokenizerBase, chat_template: str | None = None) -> None:
+        self.hf = hf
+        self.chat_template: str | None = chat_template or hf.chat_template
+        self.vocab_size: int = len(hf)
+        self.eos_token_ids: tuple[int, ...] = self._find_eos_ids()
+
+    @classmethod
+    def from_hf_folder(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """From a folder holding ``tokenizer.json`` / ``tokenizer_config.json``; never touches the network."""
+        return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """From the vocabulary, merges and chat template embedded in a GGUF file (offline)."""
+        gguf_path = Path(path)
+        hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+        template = None
+        if not hf.chat_template:  # transformers normally copies it; read it ourselves if not
+            field = gguf.GGUFReader(gguf_path).get_field("tokenizer.chat_template")
+            template = None if field is None else str(field.contents())
+        return cls(hf, chat_template=template)
+
+    @classmethod
+    def from_model_path(cls, path: str | os.PathLike[str] | None = None) -> Tokenizer:
+        """From a ``.gguf`` file or an HF folder; None means the embedded default model."""
+        target = Path(default_model_path() if path is None else path)
+        if target.is_file() and target.suffix == ".gguf":
+            return cls.from_gguf(target)
+        if target.is_dir() and any((target / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+            return cls.from_hf_folder(target)
+        raise FileNotFoundError(f"{target} is neither a .gguf file nor a folder with tokenizer.json")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the special tokens (e.g. BOS) the model's tokenizer adds."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; tokenization-space cleanup is off so decodes concatenate exactly."""
+        text = self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return str(text)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The chat template applied to ``messages``, as text (special tokens written out)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        text = self.hf.apply_chat_template(
+            messages,
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **kwargs,
+        )
+        return str(text)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Prompt ids for ``messages``. Rendered to text and encoded without extra special tokens
+        (the template writes its own), as HF does; transformers 5 would return a BatchEncoding."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+
+    def _find_eos_ids(self) -> tuple[int, ...]:
+        ids: list[int] = [] if self.hf.eos_token_id is None else [int(self.hf.eos_token_id)]
+        vocab = self.hf.get_vocab()
+        for token in END_OF_TURN_TOKENS:
+            if self.chat_template and token in self.chat_template and token in vocab and vocab[token] not in ids:
+                ids.append(vocab[token])
+        return tuple(ids)
+
+
+class IncrementalDecoder:
+    """Text deltas for a growing list of output ids; never emits half a UTF-8 character.
+
+    A byte-level token may end inside a character: its decode then ends in U+FFFD. We
+    decode a short window, ``ids[prefix_offset:]``, and emit only what it adds beyond
+    ``ids[prefix_offset:read_offset]`` (already emitted), and only once it no longer ends in
+    U+FFFD; then the window slides forward. Concatenated deltas plus ``flush()`` equal
+    ``decode(all output ids)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-_DECODE_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # everything emitted so far
+
+    def push(self, new_ids: Iterable[int]) -> str:
+        """Append output ids; return the new text that is now complete (may be empty)."""
+        self._ids.extend(new_ids)
+        prefix_text, window_text = self._decode_window()
+        if len(window_text) <= len(prefix_text) or window_text.endswith("\ufffd"):
+            return ""  # nothing new yet, or a character still incomplete
+        return self._emit(window_text[len(prefix_text) :])
+
+    def flush(self) -> str:
+        """At the end of generation: emit whatever was held back (e.g. a real U+FFFD)."""
+        prefix_text, window_text = self._decode_window()
+        return self._emit(window_text[len(prefix_text) :])
+
+    def _decode_window(self) -> tuple[str, str]:
+        window = self._ids[self._prefix_offset :]
+        prefix_text = self._tokenizer.decode(window[: self._read_offset - self._prefix_offset], self._skip_special)
+        return prefix_text, self._tokenizer.decode(window, self._skip_special)
+
+    def _emit(self, delta: str) -> str:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+
+class StopMatch(NamedTuple):
+    """Result of ``find_stop``: the text before the stop string, and which stop matched."""
+
+    text: str
+    stop: str
+
+
+def find_stop(text: str, stops: Iterable[str], start: int = 0) -> StopMatch | None:
+    """The earliest stop string in ``text[start:]`` (the longest one on a tie), or None.
+
+    A streamer passes ``start = len(previous_text) - max(len(s) for s in stops) + 1`` so each
+    step scans only the tail that could hold a new match.
+    """
+    best: tuple[int, int, str] | None = None  # (position, -length, stop)
+    for stop in stops:
+        pos = text.find(stop, max(start, 0)) if stop else -1
+        if pos >= 0 and (best is None or (pos, -len(stop)) < best[:2]):
+            best = (pos, -len(stop), stop)
+    return None if best is None else StopMatch(text[: best[0]], best[2])
+
+
+def partial_stop_len(text: str, stops: Iterable[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string.
+
+    A streamer holds that many characters back: the next tokens may complete the stop.
+    """
+    held = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:size]):
+                held = size
+                break
+    return held

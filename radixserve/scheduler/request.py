@@ -1,0 +1,74 @@
+"""Request: one generation's state as it moves waiting -> running -> finished.
+
+``kv`` is the part the prefix cache owns the bookkeeping of (see
+``cache.base.CacheReq``): the tokens whose K/V is computed and their slots.
+The newest sampled token has no K/V yet; the next decode step computes it::
+
+    prompt_ids + output_ids[:-1]   K/V computed (kv.token_ids, kv.kv_indices)
+    output_ids[-1]                 sampled, fed to the next decode step
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixserve.cache.base import CacheReq
+from radixserve.core import FinishReason, GenerateResult, SamplingParams
+from radixserve.model.sampling import SamplingState
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    prompt_ids: np.ndarray  # int64
+    params: SamplingParams
+    extra_key: str | None = None
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    kv: CacheReq | None = None
+    cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    prefill_len: int = 0  # tokens the current admission prefills (the uncached suffix)
+    error: str | None = None
+    num_retractions: int = 0
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    sampling: SamplingState | None = None
+
+    @property
+    def fill_ids(self) -> np.ndarray:
+        """What an admission prefills: the prompt, plus every output token when resuming.
+
+        The last of them is run even if cached: its logits give the next token.
+        """
+        if not self.output_ids:
+            return self.prompt_ids
+        return np.concatenate([self.prompt_ids, np.asarray(self.output_ids, dtype=np.int64)])
+
+    def result(self) -> GenerateResult:
+        assert self.finish_reason is not None and self.finish_time is not None
+        return GenerateResult(
+            text=self.text,
+            output_ids=list(self.output_ids),
+            prompt_tokens=len(self.prompt_ids),
+            cached_tokens=self.cached_tokens,
+            finish_reason=self.finish_reason,
+            e2e_latency=self.finish_time - self.arrival_time,
+            output_logprobs=list(self.output_logprobs),
+            matched_stop=self.matched_stop,
+            error=self.error,
+        )

@@ -1,0 +1,82 @@
+"""Tiny random HF models saved to disk, and small helpers to drive our model by hand.
+
+Weights are HF's own init with the norms and biases perturbed, so a swapped
+norm or a dropped bias shows in the logits (HF inits them to ones and zeros).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+
+from radixserve.memory import TokenAllocator
+from radixserve.memory.kv_pool import KVPool
+from radixserve.model.config import ModelConfig
+from radixserve.model.forward import ForwardBatch
+from radixserve.model.hf_loader import load_hf_folder
+from radixserve.model.llama import LlamaForCausalLM
+
+TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,
+    initializer_range=0.1, rms_norm_eps=1e-6,
+)
+CONFIG_CLASSES: dict[str, Any] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {"use_sliding_window": False},
+    "mistral": {"sliding_window": None},
+}
+
+
+def build_hf_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """A random tiny ``arch`` model, float32, eval mode, saved as safetensors into ``folder``."""
+    kwargs = {**TINY, **ARCH_DEFAULTS[arch], "tie_word_embeddings": False, **overrides}
+    hf_config = CONFIG_CLASSES[arch](**kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def load_ours(folder: Path) -> LlamaForCausalLM:
+    config, state_dict = load_hf_folder(folder)
+    model = LlamaForCausalLM(config)
+    model.load_weights(state_dict)
+    return model
+
+
+def make_pool(config: ModelConfig, size: int = 512) -> tuple[KVPool, TokenAllocator]:
+    """A KV pool with ``size`` usable slots (row 0 is padding) and its allocator."""
+    pool = KVPool(config.num_layers, size + 1, config.num_kv_heads, config.head_dim)
+    return pool, TokenAllocator(size)
+
+
+def make_batch(mode: str, items: list[tuple[list[int], torch.Tensor]]) -> ForwardBatch:
+    """Per request (new token ids, whole-context slots, new tokens last) -> a ForwardBatch."""
+    ids, positions, out_slots = [], [], []
+    for new_ids, context in items:
+        prefix_len = len(context) - len(new_ids)
+        ids.append(torch.tensor(new_ids, dtype=torch.int64))
+        positions.append(torch.arange(prefix_len, len(context)))
+        out_slots.append(context[prefix_len:])
+    return ForwardBatch(
+        mode,  # type: ignore[arg-type]
+        torch.cat(ids), torch.cat(positions), torch.cat(out_slots),
+        [context for _, context in items], [len(new_ids) for new_ids, _ in items],
+    )
+
+
+def alloc(allocator: TokenAllocator, num_tokens: int) -> torch.Tensor:
+    slots = allocator.alloc(num_tokens)
+    assert slots is not None, "test pool too small"
+    return torch.from_numpy(slots)

@@ -1,0 +1,162 @@
+"""The offline engine end to end on a tiny random Llama saved as an HF folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from radixserve import Engine
+from tests.model.tiny import build_hf_model
+
+VOCAB = 128
+EOS = 2
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+def save_word_tokenizer(folder: Path) -> None:
+    """A whitespace word-level tokenizer over the tiny vocabulary: "w3 w7" -> [3, 7]."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": EOS, **{f"w{i}": i for i in range(3, VOCAB)}}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}w{{ 3 + loop.index }} {{ m['content'] }} {% endfor %}w99"
+    tok.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build_hf_model("llama", folder, seed=0, eos_token_id=EOS, bos_token_id=1)
+    save_word_tokenizer(folder)
+    return folder
+
+
+def make_engine(model_dir: Path, **options: Any) -> Engine:
+    return Engine(model_path=str(model_dir), max_total_tokens=options.pop("max_total_tokens", 2048), **options)
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+SHARED = list(range(3, 43))  # a 40-token shared preamble
+PROMPTS = [SHARED + [50, 51, 52], SHARED + [60, 61], SHARED[:20] + [70] * 9, [5, 6, 7]]
+
+
+def test_generate_result_shape_and_slots_conserved(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    out = engine.generate(words([3, 4, 5]), GREEDY)
+    assert isinstance(out, dict) and len(out["output_ids"]) == 12
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 12
+    assert meta["finish_reason"] == "length" and meta["e2e_latency"] > 0 and meta["cached_tokens"] == 0
+    assert out["text"] == words([i for i in out["output_ids"] if i > 2])  # specials are skipped
+    engine.check_idle_invariants()
+
+
+def test_greedy_output_equals_transformers_generate(model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = [1, 9, 17, 33, 4, 88]
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None)
+    out = make_engine(model_dir).generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 20})
+    assert out["output_ids"] == expected[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("prefix_cache,page_size", [("radix", 1), ("radix", 16), ("block", 16)])
+def test_shared_prefix_hits_and_gives_the_same_tokens_as_no_cache(model_dir: Path, prefix_cache: str, page_size: int) -> None:
+    control = make_engine(model_dir, prefix_cache="none")
+    cached = make_engine(model_dir, prefix_cache=prefix_cache, page_size=page_size)
+    for prompt in PROMPTS[:2]:
+        cold = control.generate(input_ids=prompt, sampling_params=GREEDY)
+        warm = cached.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert warm["output_ids"] == cold["output_ids"]
+        assert cold["meta_info"]["cached_tokens"] == 0
+    assert warm["meta_info"]["cached_tokens"] == (40 if page_size == 1 else 32)
+    cached.check_idle_invariants()
+    control.check_idle_invariants()
+
+
+def test_a_mixed_batch_equals_one_by_one(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    alone = [make_engine(model_dir).generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
+    together = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [r["output_ids"] for r in together] == alone
+    engine.check_idle_invariants()
+
+
+def test_a_tiny_pool_retracts_and_still_gives_the_same_tokens(model_dir: Path) -> None:
+    roomy = make_engine(model_dir)
+    tight = make_engine(model_dir, max_total_tokens=160)
+    params = {**GREEDY, "max_new_tokens": 30}
+    expected = [r["output_ids"] for r in roomy.generate(input_ids=PROMPTS, sampling_params=params)]
+    got = tight.generate(input_ids=PROMPTS, sampling_params=params)
+    assert [r["output_ids"] for r in got] == expected
+    assert tight.scheduler.num_retractions > 0
+    tight.check_idle_invariants()
+
+
+def test_stop_conditions(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    free = engine.generate(input_ids=[3, 4, 5], sampling_params=GREEDY)["output_ids"]
+    by_id = engine.generate(input_ids=[3, 4, 5], sampling_params={**GREEDY, "stop_token_ids": [free[3]]})
+    assert by_id["output_ids"] == free[: free.index(free[3]) + 1]
+    assert by_id["meta_info"]["finish_reason"] == "stop" and by_id["meta_info"]["matched_stop"] == free[3]
+    stop_word = f"w{free[2]}"
+    by_text = engine.generate(input_ids=[3, 4, 5], sampling_params={**GREEDY, "stop": [stop_word]})
+    assert stop_word not in by_text["text"] and by_text["meta_info"]["matched_stop"] == stop_word
+    none = engine.generate(input_ids=[3, 4, 5], sampling_params={**GREEDY, "max_new_tokens": 0})
+    assert none["output_ids"] == [] and none["meta_info"]["finish_reason"] == "length"
+    engine.check_idle_invariants()
+
+
+def test_seeded_sampling_is_reproducible_inside_any_batch(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    params = {"max_new_tokens": 10, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    alone = engine.generate(input_ids=[3, 4, 5], sampling_params=params)["output_ids"]
+    batch = engine.generate(input_ids=[[9, 9], [3, 4, 5]], sampling_params=[{"max_new_tokens": 10}, params])
+    assert batch[1]["output_ids"] == alone
+
+
+def test_chat_applies_the_template(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    via_chat = engine.chat([{"role": "user", "content": "w10 w11"}], GREEDY)
+    direct = engine.generate(input_ids=[4, 10, 11, 99], sampling_params=GREEDY)
+    assert via_chat["output_ids"] == direct["output_ids"] and via_chat["meta_info"]["prompt_tokens"] == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"input_ids": []},
+        {"input_ids": [3, VOCAB]},
+        {"input_ids": [-1, 3]},
+        {"input_ids": [3], "sampling_params": {"max_tokens": 3}},
+        {"input_ids": [3], "sampling_params": {"temperature": -1}},
+        {"input_ids": [[3], [4]], "sampling_params": [GREEDY]},
+        {"input_ids": list(range(3, 100)) * 3},  # longer than the model's 256 positions
+    ],
+)
+def test_bad_input_is_a_clear_error_and_changes_nothing(model_dir: Path, kwargs: dict[str, Any]) -> None:
+    engine = make_engine(model_dir)
+    engine.generate(input_ids=SHARED, sampling_params=GREEDY)
+    before = (engine.allocator.free_size(), engine.cache.total_size())
+    with pytest.raises(ValueError):
+        engine.generate(**kwargs)
+    assert (engine.allocator.free_size(), engine.cache.total_size()) == before
+    engine.check_idle_invariants()
+    assert engine.generate(input_ids=SHARED, sampling_params=GREEDY)["meta_info"]["cached_tokens"] == 39
+
+
+def test_unknown_engine_option_is_an_error(model_dir: Path) -> None:
+    with pytest.raises(TypeError):
+        Engine(model_path=str(model_dir), max_total_tokenz=100)
+    with pytest.raises(ValueError, match="prefix_cache"):
+        Engine(model_path=str(model_dir), prefix_cache="lru")
