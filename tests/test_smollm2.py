@@ -1,0 +1,64 @@
+"""The embedded default model, end to end (slow: loads the real 98 MB GGUF twice).
+
+The reference is transformers reading the same GGUF with its own code
+(``load_gguf_checkpoint``: its own dequantisation and Q/K un-permutation),
+independent of our loader.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.model.gguf_loader import default_model_path
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "Name three colors of the rainbow."}]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(max_total_tokens=4096)
+
+
+def transformers_greedy(prompt_ids: list[int], num_tokens: int) -> list[int]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = default_model_path()
+    parsed = load_gguf_checkpoint(path)
+    config = {k: v for k, v in parsed["config"].items() if k not in ("model_type", "_model_name_or_path")}
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and all("lm_head" in name for name in missing), (missing, unexpected)
+    model.tie_weights()
+    # An explicit mask: pad_token_id is <|im_end|> here, which the ChatML prompt contains, and
+    # generate would otherwise mask those tokens out as padding.
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, do_sample=False,
+                         eos_token_id=None)  # fmt: skip
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def test_chat_template_is_chatml_with_the_default_system_message(engine: Engine) -> None:
+    text = engine.tokenizer.hf.decode(engine.tokenizer.apply_chat_template(QUESTION))
+    assert text.startswith("<|im_start|>system\n") and "You are a helpful AI assistant" in text
+    assert text.endswith("<|im_start|>user\nName three colors of the rainbow.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_greedy_chat_equals_transformers_on_the_same_gguf(engine: Engine) -> None:
+    prompt = engine.tokenizer.apply_chat_template(QUESTION)
+    ours = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    assert ours["output_ids"] == transformers_greedy(prompt, 16)
+    assert ours["text"].strip()
+
+
+def test_a_second_question_reuses_the_system_prompt(engine: Engine) -> None:
+    first = engine.chat(QUESTION, {"max_new_tokens": 8, "temperature": 0})
+    second = engine.chat([{"role": "user", "content": "Name three animals."}], {"max_new_tokens": 8, "temperature": 0})
+    assert second["meta_info"]["cached_tokens"] >= 20  # the default system message and the user header
+    assert first["meta_info"]["prompt_tokens"] > 20
+    engine.check_idle_invariants()
