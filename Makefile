@@ -18,18 +18,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The main job. Until the server lands (issue: server), this is the cache demo.
-serve: demo
+# The main job. Until the HTTP server lands, an offline chat on the embedded SmolLM2:
+# the second question reuses the cached system prompt (see "from the cache").
+serve: $(STAMP)
+	$(PY) -m radixserve chat "What is the capital of France?" "Name three colors of the rainbow."
 
 demo: $(STAMP)
-	$(PY) -m radixserve.cache
+	$(PY) -m radixserve demo
 
 test: $(STAMP)
 	$(PY) -m mypy radixserve
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
-	$(PY) -m radixserve.bench.cache_ops
+	$(PY) -m radixserve bench cache-ops
+	$(PY) -m radixserve bench model-speed
 
 clean:
 	rm -rf $(VENV) .mypy_cache .hypothesis *.egg-info

@@ -1,6 +1,10 @@
-"""The ``radixserve`` command: ``radixserve demo``, ``radixserve bench cache-ops``.
+"""The ``radixserve`` command.
 
-(The server, ``radixserve serve``, arrives with the engine.)
+    radixserve chat "question" ["question" ...]   offline chat on the embedded model (or --model-path)
+    radixserve demo                               the radix tree demo: inserts, splits, a match
+    radixserve bench cache-ops|model-speed [...]  benchmarks (each prints its figures)
+
+(The HTTP server, ``radixserve serve``, arrives with the server.)
 """
 
 from __future__ import annotations
@@ -9,15 +13,40 @@ import argparse
 import sys
 
 
+def chat(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="radixserve chat", description="Ask the model, one question at a time.")
+    parser.add_argument("questions", nargs="+", help="each is asked in a fresh conversation")
+    parser.add_argument("--model-path", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prefix-cache", default="radix", choices=["radix", "block", "none"])
+    parser.add_argument("--num-threads", type=int, default=1, help="torch CPU threads (1 is safe on a busy box)")
+    args = parser.parse_args(argv)
+
+    from radixserve import Engine
+
+    engine = Engine(model_path=args.model_path, prefix_cache=args.prefix_cache, num_threads=args.num_threads)
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    for question in args.questions:
+        out = engine.chat([{"role": "user", "content": question}], params)
+        meta = out["meta_info"]  # type: ignore[call-overload]
+        print(f"\n> {question}\n{out['text']}")  # type: ignore[call-overload]
+        print(f"  [{meta['prompt_tokens']} prompt tokens, {meta['cached_tokens']} from the cache, "
+              f"{meta['completion_tokens']} generated, {meta['e2e_latency'] * 1000:.0f} ms]")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="radixserve", description="A RadixAttention LLM serving engine.")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("chat", help="offline chat on the embedded model", add_help=False)
     commands.add_parser("demo", help="build the chapter's example tree and print it after every insert")
     bench = commands.add_parser("bench", help="benchmarks (each prints its figures)")
-    bench.add_argument("name", choices=["cache-ops"], help="which benchmark; pass --help after it for its flags")
+    bench.add_argument("name", choices=["cache-ops", "model-speed"], help="pass --help after it for its flags")
     args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
+    if args.command == "chat":
+        chat(rest)
+    elif args.command == "demo":
         from radixserve.cache.__main__ import main as demo
 
         demo()
@@ -25,6 +54,10 @@ def main(argv: list[str] | None = None) -> None:
         from radixserve.bench.cache_ops import main as cache_ops
 
         cache_ops(rest)
+    else:
+        from radixserve.bench.model_speed import main as model_speed
+
+        model_speed(rest)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,23 @@ def test_load_weights_rejects_missing_unknown_and_misshapen(models: dict[str, tu
         model.load_weights(bad_shape)
 
 
+def test_bfloat16_extend_and_ragged_decode_stay_close_to_float32(models: dict[str, tuple[Any, Path]]) -> None:
+    """bf16 weights and pool (decode takes the matmul path on CPU) against the float32 model."""
+    folder = models["llama_untied"][1]
+    prompts, next_ids = [prompt(6, seed=8), prompt(11, seed=9)], [[3], [4]]
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_ours(folder, dtype)
+        pool, allocator = make_pool(model.config, dtype=dtype)
+        contexts = [alloc(allocator, len(p)) for p in prompts]
+        extend = model(make_batch("extend", list(zip(prompts, contexts))), pool)
+        contexts = [torch.cat([c, alloc(allocator, 1)]) for c in contexts]
+        decode = model(make_batch("decode", list(zip(next_ids, contexts))), pool)
+        results.append(torch.cat([extend, decode]))
+    assert results[1].dtype == torch.float32
+    assert (results[1] - results[0]).abs().max().item() <= 0.1
+
+
 def test_grouped_matmul_decode_attention_matches_sdpa() -> None:
     """The bf16-on-CPU decode path, checked in float32 against SDPA with GQA and a ragged mask."""
     generator = torch.Generator().manual_seed(0)

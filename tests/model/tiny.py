@@ -48,16 +48,18 @@ def build_hf_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) -> 
     return model
 
 
-def load_ours(folder: Path) -> LlamaForCausalLM:
+def load_ours(folder: Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     config, state_dict = load_hf_folder(folder)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config, dtype=dtype)
     model.load_weights(state_dict)
     return model
 
 
-def make_pool(config: ModelConfig, size: int = 512) -> tuple[KVPool, TokenAllocator]:
+def make_pool(
+    config: ModelConfig, size: int = 512, dtype: torch.dtype = torch.float32
+) -> tuple[KVPool, TokenAllocator]:
     """A KV pool with ``size`` usable slots (row 0 is padding) and its allocator."""
-    pool = KVPool(config.num_layers, size + 1, config.num_kv_heads, config.head_dim)
+    pool = KVPool(config.num_layers, size + 1, config.num_kv_heads, config.head_dim, dtype=dtype)
     return pool, TokenAllocator(size)
 
 
