@@ -17,6 +17,7 @@ import torch
 
 from radixserve.engine import Engine
 from radixserve.model.config import ModelConfig
+from radixserve.model.loader import read_checkpoint
 from radixserve.scheduler.request import Request, Status
 
 
@@ -33,9 +34,10 @@ def hf_reference(engine: Engine) -> Any:
     )  # fmt: skip
     model = LlamaForCausalLM(LlamaConfig(**options))
     model.eval()  # type: ignore[no-untyped-call]
-    state = {name: p for name, p in engine.loaded.model.state_dict().items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all("lm_head" in m or "rotary" in m for m in missing), (missing, unexpected)
+    _, _, weights = read_checkpoint(engine.loaded.path)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    model.tie_weights()
     return model
 
 
@@ -89,11 +91,11 @@ def ours_decode(engine: Engine, batch: int, prompt_len: int, steps: int, rng: np
 def hf_decode(model: Any, batch: int, prompt_len: int, steps: int, rng: np.random.Generator) -> float:
     ids = torch.from_numpy(rng.integers(0, model.config.vocab_size, (batch, prompt_len)))
     out = model(ids, use_cache=True)
-    past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    cache, token = out.cache, out.logits[:, -1:].argmax(-1)  # transformers 5: `cache`, not past_key_values
     t0 = time.perf_counter()
     for _ in range(steps):
-        out = model(token, past_key_values=past, use_cache=True)
-        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        out = model(token, cache=cache, use_cache=True)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
     return (time.perf_counter() - t0) / steps
 
 

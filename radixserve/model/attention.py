@@ -51,8 +51,8 @@ class GatherWorkspace:
 
 
 def _ensure_rows(buffer: torch.Tensor | None, pool: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``buffer`` [Hkv, >= num_rows, D] matching ``pool``; reallocated (doubling) when short."""
-    num_heads, head_dim = pool.shape[1:]
+    """``buffer`` [Hkv, >= num_rows, D] matching ``pool`` [Hkv, N, D]; reallocated (doubling) when short."""
+    num_heads, head_dim = pool.shape[0], pool.shape[2]
     if (
         buffer is not None and buffer.shape[1] >= num_rows and buffer.shape[::2] == (num_heads, head_dim)
         and buffer.dtype == pool.dtype and buffer.device == pool.device
@@ -64,11 +64,11 @@ def _ensure_rows(buffer: torch.Tensor | None, pool: torch.Tensor, num_rows: int)
 
 
 def _gather_heads_first(buffer: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """pool [N, Hkv, D] rows at slots [..., S] -> [..., Hkv, S, D], written into ``buffer``."""
+    """pool [Hkv, N, D] rows at slots [..., S] -> [..., Hkv, S, D], written into ``buffer``."""
     flat = slots.reshape(-1)
-    for head in range(pool.shape[1]):
-        torch.index_select(pool[:, head], 0, flat, out=buffer[head, : flat.shape[0]])
-    num_heads, head_dim = pool.shape[1:]
+    for head in range(pool.shape[0]):
+        torch.index_select(pool[head], 0, flat, out=buffer[head, : flat.shape[0]])
+    num_heads, head_dim = pool.shape[0], pool.shape[2]
     return buffer[:, : flat.shape[0]].view(num_heads, *slots.shape, head_dim).movedim(0, -3)
 
 

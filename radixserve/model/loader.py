@@ -25,15 +25,19 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def load_model(model_path: str | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Load weights, build the decoder on ``device`` in ``dtype``, and load the tokenizer."""
+def read_checkpoint(model_path: str | None) -> tuple[str, ModelConfig, dict[str, torch.Tensor]]:
+    """The resolved path, config and HF-named float32 weights of an HF folder or a .gguf file."""
     path = model_path or default_model_path()
     if os.path.isdir(path):
-        config, weights = load_hf_folder(path)
-    elif path.endswith(".gguf") and os.path.isfile(path):
-        config, weights = load_gguf(path)
-    else:
-        raise FileNotFoundError(f"model_path {path!r} is neither an HF folder nor a .gguf file")
+        return (path, *load_hf_folder(path))
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return (path, *load_gguf(path))
+    raise FileNotFoundError(f"model_path {path!r} is neither an HF folder nor a .gguf file")
+
+
+def load_model(model_path: str | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Load weights, build the decoder on ``device`` in ``dtype``, and load the tokenizer."""
+    path, config, weights = read_checkpoint(model_path)
     model = LlamaForCausalLM(config, device=device, dtype=dtype)
     model.load_weights(weights)
     model.eval()
