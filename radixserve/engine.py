@@ -30,6 +30,7 @@ from radixserve.memory.kv_pool import KVPool
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.loop import Scheduler
+from radixserve.scheduler.policy import SCHEDULE_POLICIES, create_schedule_policy
 from radixserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -46,10 +47,11 @@ class EngineConfig:
     prefix_cache: str = "radix"  # radix | block | none
     page_size: int = 1
     radix_eviction_policy: str = "lru"
-    schedule_policy: str = "fcfs"
+    schedule_policy: str = "fcfs"  # fcfs | lpm | dfs-weight | lof | random | routing-key | priority | hrrn
+    in_batch_dedup: bool = True  # hold requests whose shared uncached prefix a sibling is computing
     max_total_tokens: int | None = None  # KV pool size in tokens; None: a share of free memory
     max_running_requests: int = 64
-    max_prefill_tokens: int = 8192
+    chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts go in chunks
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda when present, else cpu
     num_threads: int = 1  # torch CPU threads: 1 is the safe default on a small shared box
@@ -59,10 +61,10 @@ class EngineConfig:
         checks = [
             (self.prefix_cache in PREFIX_CACHES, f"prefix_cache must be one of {PREFIX_CACHES}"),
             (self.radix_eviction_policy in EVICTION_POLICIES, f"radix_eviction_policy: one of {sorted(EVICTION_POLICIES)}"),
-            (self.schedule_policy == "fcfs", "schedule_policy: only 'fcfs' until the scheduler lands"),
+            (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}"),
             (self.page_size >= 1, "page_size must be >= 1"),
             (self.max_total_tokens is None or self.max_total_tokens >= 16, "max_total_tokens must be >= 16"),
-            (self.max_running_requests >= 1 and self.max_prefill_tokens >= 1, "limits must be >= 1"),
+            (self.max_running_requests >= 1 and self.chunked_prefill_size >= 1, "limits must be >= 1"),
             (self.dtype == "auto" or self.dtype in DTYPES, f"dtype must be auto or one of {sorted(DTYPES)}"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device: auto|cpu|cuda[:N]"),
             (self.num_threads >= 1, "num_threads must be >= 1"),
@@ -102,8 +104,9 @@ class Engine:
                                          config.radix_eviction_policy, enable_kv_events=config.enable_kv_events)  # fmt: skip
         runner = ModelRunner(self.loaded.model, model_config, self.kv_pool, self.device)
         eos = tuple(model_config.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
+        policy = create_schedule_policy(config.schedule_policy, in_batch_dedup=config.in_batch_dedup)
         self.scheduler = Scheduler(runner, self.cache, self.tokenizer.decode, eos,
-                                   config.max_running_requests, config.max_prefill_tokens)  # fmt: skip
+                                   config.max_running_requests, config.chunked_prefill_size, policy)  # fmt: skip
         self._rids = itertools.count()
         logger.info("engine ready: %s, %d KV slots, %s on %s", config, size, dtype, self.device)
 

@@ -7,34 +7,14 @@ from typing import Any
 
 import pytest
 import torch
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-
 from radixserve import Engine
-from tests.model.tiny import build_hf_model
-
-VOCAB = 128
-EOS = 2
+from tests.model.tiny import EOS, VOCAB, build_engine_folder
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-
-
-def save_word_tokenizer(folder: Path) -> None:
-    """A whitespace word-level tokenizer over the tiny vocabulary: "w3 w7" -> [3, 7]."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": EOS, **{f"w{i}": i for i in range(3, VOCAB)}}
-    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tok.chat_template = "{% for m in messages %}w{{ 3 + loop.index }} {{ m['content'] }} {% endfor %}w99"
-    tok.save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    build_hf_model("llama", folder, seed=0, eos_token_id=EOS, bos_token_id=1)
-    save_word_tokenizer(folder)
-    return folder
+    return build_engine_folder(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def make_engine(model_dir: Path, **options: Any) -> Engine:
@@ -99,7 +79,7 @@ def test_a_tiny_pool_retracts_and_still_gives_the_same_tokens(model_dir: Path) -
     expected = [r["output_ids"] for r in roomy.generate(input_ids=PROMPTS, sampling_params=params)]
     got = tight.generate(input_ids=PROMPTS, sampling_params=params)
     assert [r["output_ids"] for r in got] == expected
-    assert tight.scheduler.num_retractions > 0
+    assert tight.scheduler.stats.retractions > 0
     tight.check_idle_invariants()
 
 

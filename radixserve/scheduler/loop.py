@@ -1,14 +1,15 @@
-"""The step loop: admit waiting requests (FCFS), prefill them, decode the running ones.
+"""The step loop: admit waiting requests by policy, prefill them (in chunks), decode the rest.
 
-Each ``step`` is either one prefill (extend) batch, when something can be
-admitted, or one decode batch over every running request. Admission matches
-the request's longest cached prefix and locks it, so only the uncached suffix
-is prefilled. When decode runs out of slots, the newest running request is
-retracted: its computed K/V goes into the cache (insert before release), so on
-resumption it recomputes only what was evicted meanwhile.
+A step is one model call: a prefill (extend) batch when there is prefill work,
+else a decode batch over every running request; after a prefill step with
+requests still decoding, the next step decodes, so a long chunked prompt does
+not stall everyone else. After every prefill chunk the request's computed
+prefix goes into the cache (``cache_unfinished_req``) and stays locked, so
+requests held by in-batch dedup, or arriving later, hit it at once.
 
-Policies beyond FCFS, chunked prefill and in-batch prefix dedup come with the
-scheduler issue; this loop is the minimal continuous batching the engine needs.
+When decode runs out of slots, the running request that frees the most (with
+the least decode progress) is retracted: its K/V goes into the cache first
+(insert before release), so on resumption it recomputes only what was evicted.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from typing import Callable
 
 import numpy as np
 
-from radixserve.cache.base import BasePrefixCache, CacheReq
+from radixserve.cache.base import BasePrefixCache
 from radixserve.model.runner import ModelRunner, StepInput
 from radixserve.model.sampling import SamplingState, sample
+from radixserve.scheduler.admission import PrefillAdder, decode_reserve
+from radixserve.scheduler.policy import BaseSchedulePolicy, create_schedule_policy
 from radixserve.scheduler.request import Request, Status
+from radixserve.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -38,17 +42,22 @@ class Scheduler:
         detokenize: Detokenize,
         eos_token_ids: tuple[int, ...],
         max_running_requests: int = 64,
-        max_prefill_tokens: int = 8192,
+        chunked_prefill_size: int = 8192,
+        policy: BaseSchedulePolicy | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.runner = runner
         self.cache = cache
         self.detokenize = detokenize
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_running_requests = max_running_requests
-        self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill_size = chunked_prefill_size
+        self.policy = policy or create_schedule_policy("fcfs")
+        self.clock = clock
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.num_retractions = 0
+        self.running: list[Request] = []  # admitted: prefilling (in chunks) or decoding
+        self.stats = SchedulerStats()
+        self._last_was_prefill = False
 
     def add(self, req: Request) -> None:
         req.sampling = SamplingState(req.params, req.prompt_ids.tolist())
@@ -60,83 +69,85 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort(self, rid: int) -> bool:
+        """Abort a request in any state: locks released, private slots freed, now. False: unknown."""
+        for req in list(self.waiting) + self.running:
+            if req.rid == rid:
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                self._finish(req, "abort", insert=False)
+                self.running = [r for r in self.running if r is not req]
+                return True
+        return False
+
     def step(self) -> list[Request]:
         """Run one model step; return the requests that finished in it."""
-        admitted = self._admit()
-        batch = admitted if admitted else self._prepare_decode()
-        if not batch:
-            return []
-        mode = "extend" if admitted else "decode"
-        inputs = [StepInput(self._new_tokens(req, mode), req.kv.kv_indices) for req in batch if req.kv is not None]
-        states = [req.sampling for req in batch if req.sampling is not None]
-        try:
-            logits = self.runner.forward(inputs, mode)
-            out = sample(logits, states)
-        except Exception as exc:  # one bad batch must not take the engine down
-            logger.exception("model step failed")
-            for req in batch:
-                self._finish(req, "abort", error=f"{type(exc).__name__}: {exc}", insert=False)
+        decoding = [r for r in self.running if r.prefill_done]
+        prefill = [] if (self._last_was_prefill and decoding) else self._schedule_prefill()
+        self._last_was_prefill = bool(prefill)
+        if prefill:
+            return self._run(prefill, "extend")
+        batch = self._prepare_decode()
+        return self._run(batch, "decode") if batch else []
+
+    # ---- prefill -------------------------------------------------------------------------------
+
+    def _schedule_prefill(self) -> list[Request]:
+        """Continue unfinished prefills, then admit waiting requests in policy order."""
+        adder = PrefillAdder(self.cache, self.chunked_prefill_size,
+                             self.max_running_requests - len(self.running), decode_reserve(self.running))  # fmt: skip
+        batch = []
+        for req in self.running:
+            if not req.prefill_done and req.kv is not None and adder.add(req, req.kv, len(req.fill_ids)):
+                batch.append(req)
+        if not self.waiting or adder.slots_left <= 0 or adder.room() <= 0:
             return batch
-        finished = []
-        for i, req in enumerate(batch):
-            if self._append_token(req, out.token_ids[i], out.logprobs[i] if out.logprobs else None):
-                finished.append(req)
-        self.running = [r for r in self.running if r.status is Status.RUNNING]
-        return finished
-
-    # ---- admission ------------------------------------------------------------------------------
-
-    def _admit(self) -> list[Request]:
-        admitted: list[Request] = []
-        budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
-            req = self.waiting[0]
-            fill = req.fill_ids
-            # Match at most len - 1 tokens: the last one must run to produce logits.
-            kv = self.cache.open_request(fill[: len(fill) - 1], req.extra_key)
-            new = fill[len(kv.token_ids) :]
-            if admitted and len(new) > budget:
-                self.cache.cache_finished_req(kv, is_insert=False)
+        result = self.policy.order(list(self.waiting), self.cache, self.running, self.clock())
+        for req in result.order:
+            if adder.slots_left <= 0 or adder.room() <= 0 or not self._admit(req, adder):
                 break
-            if not self.cache.extend_request(kv, new):
-                self.cache.cache_finished_req(kv, is_insert=False)
-                if not admitted and not self.running:
-                    self.waiting.popleft()
-                    self._finish(req, "abort", error=f"{len(fill)} tokens do not fit in the KV pool", insert=False)
-                    continue
-                break
-            self.waiting.popleft()
-            if not req.output_ids:
-                req.cached_tokens = kv.cache_protected_len
-            req.kv, req.status = kv, Status.RUNNING
-            req.prefill_len = len(new)
-            budget -= len(new)
-            admitted.append(req)
-        self.running.extend(admitted)
-        return admitted
+            batch.append(req)
+        return batch
 
-    def _new_tokens(self, req: Request, mode: str) -> np.ndarray:
-        assert req.kv is not None
-        if mode == "decode":
-            return req.kv.token_ids[-1:]
-        return req.kv.token_ids[len(req.kv.token_ids) - req.prefill_len :]
+    def _admit(self, req: Request, adder: PrefillAdder) -> bool:
+        fill = req.fill_ids
+        # Match at most len - 1 tokens: the last one must run to produce logits.
+        kv = self.cache.open_request(fill[: len(fill) - 1], req.extra_key, req.priority)
+        matched = len(kv.token_ids)
+        if not adder.add(req, kv, len(fill)):
+            self.cache.cache_finished_req(kv, is_insert=False)
+            if not self.running and adder.budget == self.chunked_prefill_size:
+                self.waiting.remove(req)  # alone and still no room: it can never fit
+                self._finish(req, "abort", error=f"{len(fill)} tokens do not fit in the KV pool", insert=False)
+            return False
+        self.waiting.remove(req)
+        if req.num_retractions == 0:
+            req.cached_tokens = matched
+            self.stats.cached_tokens += matched
+        else:
+            self.stats.recomputed_tokens += max(len(fill) - 1 - matched, 0)
+        req.kv, req.status = kv, Status.RUNNING
+        adder.slots_left -= 1
+        self.running.append(req)
+        return True
 
     # ---- decode -----------------------------------------------------------------------------------
 
     def _prepare_decode(self) -> list[Request]:
-        """Give every running request a slot for its newest token, retracting when short.
+        """Give every decoding request a slot for its newest token, retracting when short.
 
-        Oldest first; when the pool is short even after eviction, the newest
-        request not yet given its slot steps back (its K/V stays cached).
+        Oldest first; when the pool is short even after eviction, a request not
+        yet given its slot steps back (its K/V stays cached).
         """
-        pending = sorted(self.running, key=lambda r: r.arrival_time)
+        pending = sorted((r for r in self.running if r.prefill_done), key=lambda r: r.arrival_time)
         ready: list[Request] = []
         while pending:
             req = pending.pop(0)
             assert req.kv is not None
             while not self.cache.extend_request(req.kv, req.output_ids[-1:]):
                 if pending:
-                    self._retract(pending.pop())
+                    self._retract(max(pending, key=_retract_rank))
+                    pending = [r for r in pending if r.status is Status.RUNNING]
                     continue
                 if ready:
                     self._retract(req)
@@ -145,18 +156,56 @@ class Scheduler:
                 break
             else:
                 ready.append(req)
-        self.running = ready
+        self.running = [r for r in self.running if r.status is Status.RUNNING]
         return ready
 
     def _retract(self, req: Request) -> None:
         """Put a running request back in the queue; its computed K/V goes into the cache."""
         assert req.kv is not None
-        self._release(req.kv, insert=True)
-        req.kv, req.status = None, Status.WAITING
+        self.cache.cache_finished_req(req.kv, is_insert=True)
+        req.kv, req.status, req.prefill_done = None, Status.WAITING, False
         req.num_retractions += 1
-        self.num_retractions += 1
+        self.stats.retractions += 1
         self.waiting.appendleft(req)
+        self.running = [r for r in self.running if r is not req]
         logger.info("retracted request %d (%d tokens computed)", req.rid, len(req.fill_ids))
+
+    # ---- one model call -----------------------------------------------------------------------------
+
+    def _run(self, batch: list[Request], mode: str) -> list[Request]:
+        inputs = [StepInput(self._new_tokens(req, mode), req.kv.kv_indices) for req in batch if req.kv is not None]
+        try:
+            logits = self.runner.forward(inputs, mode)
+        except Exception as exc:  # one bad batch must not take the engine down
+            logger.exception("model step failed")
+            for req in batch:
+                self._finish(req, "abort", error=f"{type(exc).__name__}: {exc}", insert=False)
+            self.running = [r for r in self.running if r.status is Status.RUNNING]
+            return batch
+        if mode == "extend":
+            self.stats.prefill_tokens += sum(len(i.new_token_ids) for i in inputs)
+        sampled = [i for i, req in enumerate(batch) if mode == "decode" or _prefilled(req)]
+        states = [batch[i].sampling for i in sampled]
+        out = sample(logits[sampled], states) if sampled else None  # type: ignore[arg-type]
+        finished = []
+        for row, i in enumerate(sampled):
+            req = batch[i]
+            if mode == "extend":
+                req.prefill_done = True
+            logprob = out.logprobs[row] if out is not None and out.logprobs else None
+            if out is not None and self._append_token(req, out.token_ids[row], logprob):
+                finished.append(req)
+        for req in batch:  # share every computed prompt chunk at once (dedup-held requests hit it)
+            if mode == "extend" and req.status is Status.RUNNING and req.kv is not None:
+                self.cache.cache_unfinished_req(req.kv)
+        self.running = [r for r in self.running if r.status is Status.RUNNING]
+        return finished
+
+    def _new_tokens(self, req: Request, mode: str) -> np.ndarray:
+        assert req.kv is not None
+        if mode == "decode":
+            return req.kv.token_ids[-1:]
+        return req.kv.token_ids[req.chunk_start :]
 
     # ---- finishing --------------------------------------------------------------------------------
 
@@ -190,13 +239,20 @@ class Scheduler:
     def _finish(self, req: Request, reason: str, *, error: str | None = None, insert: bool = True,
                 decode: bool = True) -> None:  # fmt: skip
         if req.kv is not None:
-            self._release(req.kv, insert=insert)
+            self.cache.cache_finished_req(req.kv, is_insert=insert)
             req.kv = None
         if decode:
             req.text = self.detokenize(req.output_ids)
         req.finish_reason, req.error = reason, error  # type: ignore[assignment]  # reason: a FinishReason
         req.status, req.finish_time = Status.FINISHED, time.perf_counter()
+        self.stats.count_finish(reason)
 
-    def _release(self, kv: CacheReq, insert: bool) -> None:
-        """Hand the request's K/V to the cache (or free it) and unlock its prefix."""
-        self.cache.cache_finished_req(kv, is_insert=insert)
+
+def _prefilled(req: Request) -> bool:
+    return req.kv is not None and len(req.kv.token_ids) == len(req.fill_ids)
+
+
+def _retract_rank(req: Request) -> tuple[int, int]:
+    """Retract first: most private (uncached) tokens, then least decode progress."""
+    assert req.kv is not None
+    return len(req.kv.token_ids) - req.kv.cache_protected_len, -len(req.output_ids)

@@ -33,13 +33,17 @@ class Request:
     prompt_ids: np.ndarray  # int64
     params: SamplingParams
     extra_key: str | None = None
+    priority: int = 0  # schedule_policy=priority: higher first; also the cache eviction priority
+    routing_key: str | None = None  # schedule_policy=routing-key
     status: Status = Status.WAITING
+    match_len: int = 0  # cached prefix length found by the last scheduling round (policy input)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     text: str = ""
     kv: CacheReq | None = None
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
-    prefill_len: int = 0  # tokens the current admission prefills (the uncached suffix)
+    prefill_done: bool = False  # this admission's prefill has produced a token
+    chunk_start: int = 0  # where in kv.token_ids this step's prefill chunk starts
     error: str | None = None
     num_retractions: int = 0
     finish_reason: FinishReason | None = None

@@ -82,3 +82,27 @@ def alloc(allocator: TokenAllocator, num_tokens: int) -> torch.Tensor:
     slots = allocator.alloc(num_tokens)
     assert slots is not None, "test pool too small"
     return torch.from_numpy(slots)
+
+
+VOCAB, EOS = TINY["vocab_size"], 2
+
+
+def save_word_tokenizer(folder: Path) -> None:
+    """A whitespace word-level tokenizer over the tiny vocabulary: "w3 w7" -> [3, 7]."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": EOS, **{f"w{i}": i for i in range(3, VOCAB)}}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}w{{ 3 + loop.index }} {{ m['content'] }} {% endfor %}w99"
+    tok.save_pretrained(folder)
+
+
+def build_engine_folder(folder: Path, **overrides: Any) -> Path:
+    """A tiny Llama with a word-level tokenizer: everything ``Engine(model_path=...)`` needs."""
+    build_hf_model("llama", folder, seed=0, eos_token_id=EOS, bos_token_id=1, **overrides)
+    save_word_tokenizer(folder)
+    return folder
