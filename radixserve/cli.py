@@ -2,7 +2,7 @@
 
     radixserve chat "question" ["question" ...]   offline chat on the embedded model (or --model-path)
     radixserve demo                               the radix tree demo: inserts, splits, a match
-    radixserve bench cache-ops|model-speed [...]  benchmarks (each prints its figures)
+    radixserve bench cache-ops|model-speed|schedule [...]  benchmarks (each prints its figures)
 
 (The HTTP server, ``radixserve serve``, arrives with the server.)
 """
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("chat", help="offline chat on the embedded model", add_help=False)
     commands.add_parser("demo", help="build the chapter's example tree and print it after every insert")
     bench = commands.add_parser("bench", help="benchmarks (each prints its figures)")
-    bench.add_argument("name", choices=["cache-ops", "model-speed"], help="pass --help after it for its flags")
+    bench.add_argument("name", choices=["cache-ops", "model-speed", "schedule"], help="pass --help after it for its flags")
     args, rest = parser.parse_known_args(argv)
     if args.command == "chat":
         chat(rest)
@@ -54,10 +54,14 @@ def main(argv: list[str] | None = None) -> None:
         from radixserve.bench.cache_ops import main as cache_ops
 
         cache_ops(rest)
-    else:
+    elif args.name == "model-speed":
         from radixserve.bench.model_speed import main as model_speed
 
         model_speed(rest)
+    else:
+        from radixserve.bench.schedule import main as schedule
+
+        schedule(rest)
 
 
 if __name__ == "__main__":

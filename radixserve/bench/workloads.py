@@ -23,8 +23,9 @@ class TraceRequest:
     extra_key: str | None = None
 
 
-def _segment(rng: np.random.Generator, n: int) -> TokenArray:
-    return rng.integers(1, VOCAB_SIZE, size=n, dtype=np.int64)
+def _segment(rng: np.random.Generator, n: int, vocab_size: int = VOCAB_SIZE) -> TokenArray:
+    # Ids 0-2 are special in both SmolLM2 and the tiny test vocabulary.
+    return rng.integers(3, vocab_size, size=n, dtype=np.int64)
 
 
 def support_agent(
@@ -33,6 +34,7 @@ def support_agent(
     system_len: int = 512,
     fewshot_len: int = 1543,
     seed: int = 0,
+    vocab_size: int = VOCAB_SIZE,
 ) -> list[TraceRequest]:
     """The chapter's customer-support agent.
 
@@ -41,15 +43,15 @@ def support_agent(
     Users interleave at random, so conversations compete for the cache.
     """
     rng = np.random.default_rng(seed)
-    preamble = np.concatenate([_segment(rng, system_len), _segment(rng, fewshot_len)])
+    preamble = np.concatenate([_segment(rng, system_len, vocab_size), _segment(rng, fewshot_len, vocab_size)])
     histories = [preamble] * num_users
     turns_left = [turns_per_user] * num_users
     requests: list[TraceRequest] = []
     active = list(range(num_users))
     while active:
         user = active[int(rng.integers(len(active)))]
-        message = _segment(rng, int(rng.integers(20, 120)))
-        reply = _segment(rng, int(rng.integers(50, 300)))
+        message = _segment(rng, int(rng.integers(20, 120)), vocab_size)
+        reply = _segment(rng, int(rng.integers(50, 300)), vocab_size)
         prompt = np.concatenate([histories[user], message])
         requests.append(TraceRequest(prompt, reply))
         histories[user] = np.concatenate([prompt, reply])
@@ -57,3 +59,15 @@ def support_agent(
         if not turns_left[user]:
             active.remove(user)
     return requests
+
+
+def fewshot_burst(
+    num_requests: int = 64, shared_len: int = 2000, suffix_len: int = 50, vocab_size: int = VOCAB_SIZE, seed: int = 0
+) -> list[TraceRequest]:
+    """``num_requests`` arriving together on one cold shared prefix, each with its own suffix."""
+    rng = np.random.default_rng(seed)
+    shared = _segment(rng, shared_len, vocab_size)
+    return [
+        TraceRequest(np.concatenate([shared, _segment(rng, suffix_len, vocab_size)]), _segment(rng, 8, vocab_size))
+        for _ in range(num_requests)
+    ]

@@ -10,43 +10,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
 
+from radixserve.bench.tiny_model import (  # noqa: F401  (re-exported for the tests)
+    EOS,
+    TINY,
+    VOCAB,
+    build_engine_folder,
+    build_hf_model,
+    save_word_tokenizer,
+)
 from radixserve.memory import TokenAllocator
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.hf_loader import load_hf_folder
 from radixserve.model.llama import LlamaForCausalLM
-
-TINY = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,
-    initializer_range=0.1, rms_norm_eps=1e-6,
-)
-CONFIG_CLASSES: dict[str, Any] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
-ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "qwen2": {"use_sliding_window": False},
-    "mistral": {"sliding_window": None},
-}
-
-
-def build_hf_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) -> PreTrainedModel:
-    """A random tiny ``arch`` model, float32, eval mode, saved as safetensors into ``folder``."""
-    kwargs = {**TINY, **ARCH_DEFAULTS[arch], "tie_word_embeddings": False, **overrides}
-    hf_config = CONFIG_CLASSES[arch](**kwargs)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.1 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.1)
-    model.save_pretrained(folder)
-    return model
-
 
 def load_ours(folder: Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     config, state_dict = load_hf_folder(folder)
@@ -83,26 +61,3 @@ def alloc(allocator: TokenAllocator, num_tokens: int) -> torch.Tensor:
     assert slots is not None, "test pool too small"
     return torch.from_numpy(slots)
 
-
-VOCAB, EOS = TINY["vocab_size"], 2
-
-
-def save_word_tokenizer(folder: Path) -> None:
-    """A whitespace word-level tokenizer over the tiny vocabulary: "w3 w7" -> [3, 7]."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": EOS, **{f"w{i}": i for i in range(3, VOCAB)}}
-    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tok.chat_template = "{% for m in messages %}w{{ 3 + loop.index }} {{ m['content'] }} {% endfor %}w99"
-    tok.save_pretrained(folder)
-
-
-def build_engine_folder(folder: Path, **overrides: Any) -> Path:
-    """A tiny Llama with a word-level tokenizer: everything ``Engine(model_path=...)`` needs."""
-    build_hf_model("llama", folder, seed=0, eos_token_id=EOS, bos_token_id=1, **overrides)
-    save_word_tokenizer(folder)
-    return folder

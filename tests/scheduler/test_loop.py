@@ -1,0 +1,118 @@
+"""The scheduler on a tiny model: count tokens, never time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from radixserve import Engine
+from radixserve.core import SamplingParams
+from radixserve.scheduler.request import Request, Status
+from tests.model.tiny import build_engine_folder
+
+GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_engine_folder(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=4096)
+
+
+def make_engine(model_dir: Path, **options: Any) -> Engine:
+    return Engine(model_path=str(model_dir), max_total_tokens=options.pop("max_total_tokens", 8192), **options)
+
+
+def burst(rng: np.random.Generator, shared_len: int = 2000, suffix_len: int = 50, n: int = 64) -> list[list[int]]:
+    """Each suffix starts with its own token, so no two requests share more than the prefix."""
+    shared = rng.integers(3, 128, shared_len).tolist()
+    return [shared + [3 + i] + rng.integers(3, 128, suffix_len - 1).tolist() for i in range(n)]
+
+
+def test_burst_on_a_cold_prefix_prefills_it_once_with_dedup(model_dir: Path) -> None:
+    prompts = burst(np.random.default_rng(0))
+    # One step could admit all 64 at once: only in-batch dedup stops them all computing the prefix.
+    options = dict(max_total_tokens=140_000, chunked_prefill_size=200_000, max_running_requests=64)
+    deduped = make_engine(model_dir, schedule_policy="lpm", in_batch_dedup=True, **options)
+    control = make_engine(model_dir, schedule_policy="fcfs", in_batch_dedup=False, **options)
+    with_dedup = deduped.generate(input_ids=prompts, sampling_params=GREEDY)
+    without = control.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [r["output_ids"] for r in with_dedup] == [r["output_ids"] for r in without]
+    # The first request computes the 2,000 shared tokens; every request computes its own 50.
+    assert deduped.scheduler.stats.prefill_tokens == 2000 + 64 * 50
+    assert control.scheduler.stats.prefill_tokens == 64 * 2050
+    assert sum(r["meta_info"]["cached_tokens"] for r in with_dedup) == 63 * 2000
+    deduped.check_idle_invariants()
+    control.check_idle_invariants()
+
+
+def test_memory_pressure_retracts_resumes_and_recomputes_only_what_was_evicted(model_dir: Path) -> None:
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 128, n).tolist() for n in (300, 280, 260, 240, 220, 200)]
+    params = {**GREEDY, "max_new_tokens": 80}
+    roomy = make_engine(model_dir)
+    tight = make_engine(model_dir, max_total_tokens=1024)
+    expected = [r["output_ids"] for r in roomy.generate(input_ids=prompts, sampling_params=params)]
+    got = tight.generate(input_ids=prompts, sampling_params=params)
+    assert [r["output_ids"] for r in got] == expected
+    stats = tight.scheduler.stats
+    assert stats.retractions > 0
+    # Everything prefilled is the prompts once, plus exactly what resumptions recomputed.
+    assert stats.prefill_tokens == sum(map(len, prompts)) + stats.recomputed_tokens + stats.retractions
+    tight.check_idle_invariants()
+
+
+def test_chunked_prefill_gives_the_same_tokens(model_dir: Path) -> None:
+    prompts = [list(range(3, 120)) * 3, list(range(5, 100))]
+    whole = make_engine(model_dir).generate(input_ids=prompts, sampling_params=GREEDY)
+    engine = make_engine(model_dir, chunked_prefill_size=32)
+    chunked = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [r["output_ids"] for r in chunked] == [r["output_ids"] for r in whole]
+    engine.check_idle_invariants()
+
+
+def new_request(rid: int, prompt: list[int], **params: Any) -> Request:
+    return Request(rid, np.asarray(prompt, dtype=np.int64), SamplingParams(**{**GREEDY, **params}))
+
+
+def test_a_second_request_hits_the_first_while_it_is_still_prefilling(model_dir: Path) -> None:
+    engine = make_engine(model_dir, chunked_prefill_size=64)
+    sched = engine.scheduler
+    long_prompt = list(range(3, 123)) * 2  # 240 tokens: four chunks
+    first = new_request(1, long_prompt)
+    sched.add(first)
+    sched.step()
+    sched.step()  # two chunks in: 128 tokens cached and locked by the running request
+    assert first.status is Status.RUNNING and not first.prefill_done
+    second = new_request(2, long_prompt[:100] + [7, 7, 7])
+    sched.add(second)
+    while second.status is Status.WAITING:
+        first_still_prefilling = not first.prefill_done
+        sched.step()  # the step that admits the second request matches against the cache first
+    assert second.cached_tokens >= 99 and first_still_prefilling
+    while sched.has_work():
+        sched.step()
+    engine.check_idle_invariants()
+
+
+@pytest.mark.parametrize("when", ["waiting", "mid-prefill", "mid-decode"])
+def test_abort_in_any_state_frees_everything(model_dir: Path, when: str) -> None:
+    engine = make_engine(model_dir, chunked_prefill_size=64)
+    sched = engine.scheduler
+    victim, bystander = new_request(1, list(range(3, 123)) * 2, max_new_tokens=20), new_request(2, [9, 8, 7])
+    sched.add(bystander)
+    sched.add(victim)
+    steps = {"waiting": 0, "mid-prefill": 2, "mid-decode": 8}[when]
+    for _ in range(steps):
+        sched.step()
+    state = {"waiting": Status.WAITING, "mid-prefill": Status.RUNNING, "mid-decode": Status.RUNNING}[when]
+    assert victim.status is state and victim.prefill_done == (when == "mid-decode")
+    assert sched.abort(victim.rid) and not sched.abort(victim.rid)
+    assert victim.finish_reason == "abort" and victim.kv is None
+    engine.cache.check_invariants()
+    while sched.has_work():
+        sched.step()
+    assert bystander.finish_reason == "length"
+    engine.check_idle_invariants()
