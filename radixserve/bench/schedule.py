@@ -27,12 +27,13 @@ from radixserve.memory import TokenAllocator
 from radixserve.scheduler.policy import create_schedule_policy
 from radixserve.scheduler.request import Request
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "hrrn")
+POLICIES = ("fcfs", "lpm", "dfs-weight", "hrrn", "fcfs/no-dedup")  # the last: in-batch dedup off
 
 
-def run_workload(model_path: str, policy: str, trace: list[TraceRequest], max_new_tokens: int) -> str:
+def run_workload(model_path: str, label: str, trace: list[TraceRequest], max_new_tokens: int) -> str:
+    policy, _, no_dedup = label.partition("/")
     engine = Engine(model_path=model_path, schedule_policy=policy, max_total_tokens=160_000,
-                    chunked_prefill_size=200_000, max_running_requests=64)  # fmt: skip
+                    chunked_prefill_size=200_000, max_running_requests=64, in_batch_dedup=not no_dedup)  # fmt: skip
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     results = engine.generate(input_ids=[r.prompt.tolist() for r in trace], sampling_params=params)
@@ -41,7 +42,7 @@ def run_workload(model_path: str, policy: str, trace: list[TraceRequest], max_ne
     prompt_tokens = sum(len(r.prompt) for r in trace)
     cached = sum(int(r["meta_info"]["cached_tokens"]) for r in results if isinstance(r, dict))
     hit_rate = cached / prompt_tokens
-    return (f"{policy:<11} {stats.prefill_tokens:>15,} {hit_rate:>9.1%} {len(trace) / elapsed:>8.2f} "
+    return (f"{label:<14} {stats.prefill_tokens:>15,} {hit_rate:>9.1%} {len(trace) / elapsed:>8.2f} "
             f"{len(trace) * max_new_tokens / elapsed:>10.1f}")  # fmt: skip
 
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             vocab = 128 if model == "tiny" else 49_152
             for name, (trace, new_tokens) in scaled_workloads(vocab, small=model != "tiny").items():
                 print(f"\n{model}: {name}, {new_tokens} output tokens each")
-                print(f"{'policy':<11} {'prefill tokens':>15} {'hit rate':>9} {'req/s':>8} {'out tok/s':>10}")
+                print(f"{'policy':<14} {'prefill tokens':>15} {'hit rate':>9} {'req/s':>8} {'out tok/s':>10}")
                 for policy in args.policies.split(","):
                     print(run_workload(path, policy, trace, new_tokens), flush=True)
     print("\nOne LPM scheduling round (match every waiting request + in-batch dedup):")

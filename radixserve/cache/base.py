@@ -76,6 +76,7 @@ class BasePrefixCache(ABC):
         # Change only in lock, unlock, insert and delete (and _clear).
         self._evictable_size = 0
         self._protected_size = 0
+        self.evicted_tokens = 0  # running total, for metrics
 
     # ---- the primitives each variant implements -------------------------------------------
 

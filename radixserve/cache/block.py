@@ -185,6 +185,7 @@ class BlockHashCache(BasePrefixCache):
         self._record_remove(run_tail, run_head)
         if slots:  # one allocator call for the whole batch
             self.allocator.free(np.concatenate(slots))
+        self.evicted_tokens += freed
         return freed
 
     # ---- locking ----------------------------------------------------------------------------

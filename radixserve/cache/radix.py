@@ -161,6 +161,7 @@ class RadixCache(BasePrefixCache):
             self._delete_leaf(node)
         if freed:  # one allocator call for the whole batch
             self.allocator.free(freed[0] if len(freed) == 1 else np.concatenate(freed))
+        self.evicted_tokens += evicted
         return evicted
 
     # ---- locking ----------------------------------------------------------------------------

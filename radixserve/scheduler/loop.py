@@ -69,6 +69,20 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def snapshot(self) -> dict[str, object]:
+        """The figures the server exports each step (see SchedulerStats for the counters)."""
+        allocator = self.cache.allocator
+        held = allocator.size - allocator.free_size() - self.cache.evictable_size()
+        return {
+            **self.stats.snapshot(),
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "evicted_tokens": self.cache.evicted_tokens,
+            "policy_fallbacks": getattr(self.policy, "fallbacks", 0),
+            "token_usage": held / allocator.size,  # share of KV slots live requests hold (not reclaimable)
+            "cache_tokens": self.cache.total_size(),
+        }
+
     def abort(self, rid: int) -> bool:
         """Abort a request in any state: locks released, private slots freed, now. False: unknown."""
         for req in list(self.waiting) + self.running:
@@ -225,7 +239,7 @@ class Scheduler:
             self._finish(req, "stop", decode=False)
         elif len(req.output_ids) >= params.max_new_tokens:
             self._finish(req, "length")
-        return req.status is Status.FINISHED
+        return req.status is not Status.RUNNING
 
     def _hit_stop_string(self, req: Request) -> bool:
         text = self.detokenize(req.output_ids)
@@ -244,7 +258,8 @@ class Scheduler:
         if decode:
             req.text = self.detokenize(req.output_ids)
         req.finish_reason, req.error = reason, error  # type: ignore[assignment]  # reason: a FinishReason
-        req.status, req.finish_time = Status.FINISHED, time.perf_counter()
+        req.status = Status.ABORTED if reason == "abort" else Status.FINISHED
+        req.finish_time = time.perf_counter()
         self.stats.count_finish(reason)
 
 

@@ -25,6 +25,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    ABORTED = "aborted"
 
 
 @dataclass(eq=False)

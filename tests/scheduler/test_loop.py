@@ -62,6 +62,10 @@ def test_memory_pressure_retracts_resumes_and_recomputes_only_what_was_evicted(m
     # Everything prefilled is the prompts once, plus exactly what resumptions recomputed.
     assert stats.prefill_tokens == sum(map(len, prompts)) + stats.recomputed_tokens + stats.retractions
     tight.check_idle_invariants()
+    snapshot = tight.scheduler.snapshot()
+    assert snapshot["retractions"] == stats.retractions and snapshot["evicted_tokens"] == tight.cache.evicted_tokens > 0
+    assert snapshot["num_running"] == snapshot["num_waiting"] == 0 and snapshot["token_usage"] == 0.0
+    assert snapshot["finished"] == {"length": len(prompts)}
 
 
 def test_chunked_prefill_gives_the_same_tokens(model_dir: Path) -> None:
@@ -110,7 +114,7 @@ def test_abort_in_any_state_frees_everything(model_dir: Path, when: str) -> None
     state = {"waiting": Status.WAITING, "mid-prefill": Status.RUNNING, "mid-decode": Status.RUNNING}[when]
     assert victim.status is state and victim.prefill_done == (when == "mid-decode")
     assert sched.abort(victim.rid) and not sched.abort(victim.rid)
-    assert victim.finish_reason == "abort" and victim.kv is None
+    assert victim.finish_reason == "abort" and victim.kv is None and victim.status is Status.ABORTED
     engine.cache.check_invariants()
     while sched.has_work():
         sched.step()
