@@ -102,14 +102,31 @@ class Scheduler:
         if prefill:
             return self._run(prefill, "extend")
         batch = self._prepare_decode()
-        return self._run(batch, "decode") if batch else []
+        if batch:
+            return self._run(batch, "decode")
+        return self._unstick()
+
+    def _unstick(self) -> list[Request]:
+        """Nothing could run: a half-prefilled request cannot get memory. Abort the newest one.
+
+        Its computed chunks stay cached, so nothing else loses work; without this
+        the loop would spin forever.
+        """
+        stuck = [r for r in self.running if not r.prefill_done]
+        if not stuck:
+            return []
+        victim = max(stuck, key=lambda r: r.arrival_time)
+        self._finish(victim, "abort", error="the KV pool cannot hold this prompt next to the running requests")
+        self.running = [r for r in self.running if r is not victim]
+        return [victim]
 
     # ---- prefill -------------------------------------------------------------------------------
 
     def _schedule_prefill(self) -> list[Request]:
         """Continue unfinished prefills, then admit waiting requests in policy order."""
+        decoding = [r for r in self.running if r.prefill_done]  # a prefill must not be starved by its own reserve
         adder = PrefillAdder(self.cache, self.chunked_prefill_size,
-                             self.max_running_requests - len(self.running), decode_reserve(self.running))  # fmt: skip
+                             self.max_running_requests - len(self.running), decode_reserve(decoding))  # fmt: skip
         batch = []
         for req in self.running:
             if not req.prefill_done and req.kv is not None and adder.add(req, req.kv, len(req.fill_ids)):
@@ -138,8 +155,8 @@ class Scheduler:
         if req.num_retractions == 0:
             req.cached_tokens = matched
             self.stats.cached_tokens += matched
-        else:
-            self.stats.recomputed_tokens += max(len(fill) - 1 - matched, 0)
+        else:  # what it had computed before retraction and eviction took since
+            self.stats.recomputed_tokens += max(req.computed_len - matched, 0)
         req.kv, req.status = kv, Status.RUNNING
         adder.slots_left -= 1
         self.running.append(req)
@@ -159,8 +176,10 @@ class Scheduler:
             req = pending.pop(0)
             assert req.kv is not None
             while not self.cache.extend_request(req.kv, req.output_ids[-1:]):
-                if pending:
-                    self._retract(max(pending, key=_retract_rank))
+                prefilling = [r for r in self.running if not r.prefill_done]
+                if prefilling or pending:  # half-prefilled requests step back first
+                    self._retract(max(prefilling, key=lambda r: r.arrival_time) if prefilling
+                                  else max(pending, key=_retract_rank))  # fmt: skip
                     pending = [r for r in pending if r.status is Status.RUNNING]
                     continue
                 if ready:
@@ -176,10 +195,12 @@ class Scheduler:
     def _retract(self, req: Request) -> None:
         """Put a running request back in the queue; its computed K/V goes into the cache."""
         assert req.kv is not None
+        req.computed_len = len(req.kv.token_ids)
         self.cache.cache_finished_req(req.kv, is_insert=True)
         req.kv, req.status, req.prefill_done = None, Status.WAITING, False
         req.num_retractions += 1
         self.stats.retractions += 1
+        self.stats.decode_retractions += bool(req.output_ids)
         self.waiting.appendleft(req)
         self.running = [r for r in self.running if r is not req]
         logger.info("retracted request %d (%d tokens computed)", req.rid, len(req.fill_ids))

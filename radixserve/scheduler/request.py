@@ -47,6 +47,7 @@ class Request:
     chunk_start: int = 0  # where in kv.token_ids this step's prefill chunk starts
     error: str | None = None
     num_retractions: int = 0
+    computed_len: int = 0  # tokens whose K/V it had computed when last retracted
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)

@@ -11,6 +11,7 @@ class SchedulerStats:
     prefill_tokens: int = 0  # prompt tokens actually computed (extend steps)
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     retractions: int = 0
+    decode_retractions: int = 0  # retracted after decoding began (resuming re-feeds its newest token)
     recomputed_tokens: int = 0  # tokens a resumed request had computed before and lost to eviction
     finished: Counter[str] = field(default_factory=Counter)  # by finish_reason
 
@@ -22,6 +23,7 @@ class SchedulerStats:
             "prefill_tokens": self.prefill_tokens,
             "cached_tokens": self.cached_tokens,
             "retractions": self.retractions,
+            "decode_retractions": self.decode_retractions,
             "recomputed_tokens": self.recomputed_tokens,
             "finished": dict(self.finished),
         }

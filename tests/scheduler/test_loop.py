@@ -59,8 +59,9 @@ def test_memory_pressure_retracts_resumes_and_recomputes_only_what_was_evicted(m
     assert [r["output_ids"] for r in got] == expected
     stats = tight.scheduler.stats
     assert stats.retractions > 0
-    # Everything prefilled is the prompts once, plus exactly what resumptions recomputed.
-    assert stats.prefill_tokens == sum(map(len, prompts)) + stats.recomputed_tokens + stats.retractions
+    # Everything prefilled is the prompts once, plus exactly what resumptions recomputed, plus
+    # the newest token of each request retracted mid-decode (it had no K/V yet).
+    assert stats.prefill_tokens == sum(map(len, prompts)) + stats.recomputed_tokens + stats.decode_retractions
     tight.check_idle_invariants()
     snapshot = tight.scheduler.snapshot()
     assert snapshot["retractions"] == stats.retractions and snapshot["evicted_tokens"] == tight.cache.evicted_tokens > 0
@@ -119,4 +120,21 @@ def test_abort_in_any_state_frees_everything(model_dir: Path, when: str) -> None
     while sched.has_work():
         sched.step()
     assert bystander.finish_reason == "length"
+    engine.check_idle_invariants()
+
+
+def test_a_prompt_that_fills_the_pool_is_prefilled_in_chunks_and_finishes(model_dir: Path) -> None:
+    engine = make_engine(model_dir, max_total_tokens=256, chunked_prefill_size=64)
+    out = engine.generate(input_ids=list(range(3, 123)) * 2, sampling_params={**GREEDY, "max_new_tokens": 10})
+    assert out["meta_info"]["finish_reason"] == "length" and len(out["output_ids"]) == 10
+    engine.check_idle_invariants()
+
+
+def test_requests_that_cannot_fit_next_to_each_other_end_with_a_clear_error_not_a_hang(model_dir: Path) -> None:
+    engine = make_engine(model_dir, max_total_tokens=256, chunked_prefill_size=64)
+    prompts = [list(range(3, 123)) * 2, list(range(120, 2, -1)) * 2]  # 240 tokens each, nothing shared
+    outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 10})
+    reasons = sorted(str(r["meta_info"]["finish_reason"]) for r in outs)
+    assert reasons in (["abort", "length"], ["length", "length"])
+    assert all("error" in r["meta_info"] for r in outs if r["meta_info"]["finish_reason"] == "abort")
     engine.check_idle_invariants()
