@@ -33,6 +33,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m radixserve bench cache-ops
 	$(PY) -m radixserve bench model-speed
+	$(PY) -m radixserve bench schedule
 
 clean:
 	rm -rf $(VENV) .mypy_cache .hypothesis *.egg-info
