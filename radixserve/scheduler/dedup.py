@@ -19,10 +19,8 @@ from radixserve.cache.base import BasePrefixCache, MatchResult
 from radixserve.cache.key import RadixKey
 from radixserve.scheduler.request import Request
 
-# A request whose real cache match is shorter than this is checked for in-batch
-# sharing, and held when it shares at least this many tokens with a request kept
-# earlier in the round. One constant for both (SGLang's two are both 32): it makes
-# the span set below decide exactly what a scratch radix tree would.
+# Held when a request kept earlier in the round shares at least this many tokens
+# beyond the cached match (SGLang uses 32 too).
 DEDUP_THRESHOLD_LEN = 32
 
 
@@ -52,42 +50,38 @@ def hold_in_batch_duplicates(
 ) -> DedupResult:
     """Split ``ordered`` into kept and held, keeping the order of each.
 
-    A request is held iff its real match is < ``threshold_len`` and a request
-    kept before it (same ``extra_key``) shares >= ``threshold_len`` tokens with
-    it, counted in whole pages of the cache. ``matches_fresh``: the policy
-    already matched every request this round (``req.match_len`` is current);
-    otherwise a request is matched only when it collides.
+    A request is held iff a request kept before it (same ``extra_key``) shares
+    its real cached match *and* at least ``threshold_len`` more tokens (whole
+    pages): a sibling is about to compute and insert those, so waiting one round
+    turns them into a hit. That covers a cold burst (real match 0) and, beyond
+    SGLang's rule, a burst on a cached system prompt followed by a cold shared
+    block (real match 512, then 1,543 shared uncached tokens).
 
-    Why spans and not a scratch radix tree (SGLang's ``create_simulated``): a
-    scratch match is page-aligned, so it reaches ``threshold_len`` iff the first
-    ``span`` tokens (threshold rounded up to a page) equal a kept request's. For
-    the same reason a request's own match is long iff its span is cached, so the
-    hold decision depends on the span alone: it is made once per distinct span
-    (at most one ``match_prefix``) and costs a dict lookup for every other
-    request, copying no prompt into a tree.
+    Why a key and not a scratch radix tree: if two requests share their first
+    ``m + span`` tokens and the cache holds only ``m`` of them, both match exactly
+    ``m`` (the cache diverges inside the shared part for both). So "shares my
+    match plus a span with a kept request" is the equality of one key, the
+    request's first ``match_len + span`` tokens: one dict lookup per request, no
+    prompt copied into a tree. ``matches_fresh``: the policy already matched every
+    request this round (``req.match_len`` is current); otherwise match here.
     """
     if threshold_len < 1:
         raise ValueError(f"threshold_len must be >= 1, got {threshold_len}")
     span = -(-threshold_len // cache.page_size) * cache.page_size
-    # span -> None: one kept request starts with it; True/False: the span is cached / cold.
-    spans: dict[tuple[str | None, bytes], bool | None] = {}
+    seen: set[tuple[str | None, bytes]] = set()
     kept: list[Request] = []
     held: list[Request] = []
     for req in ordered:
-        fill = req.fill_ids
-        if len(fill) - 1 < span:  # too short to share a span: nothing to wait for
+        if not matches_fresh:
+            match_request(req, cache)
+        fill, end = req.fill_ids, req.match_len + span
+        if len(fill) - 1 < end:  # fewer than a span of uncached tokens: nothing worth waiting for
             kept.append(req)
             continue
-        key = (req.extra_key, fill[:span].tobytes())
-        if key not in spans:
-            spans[key] = None
+        key = (req.extra_key, fill[:end].tobytes())
+        if key in seen:
+            held.append(req)
         else:
-            cached = spans[key]
-            if cached is None:
-                match_len = req.match_len if matches_fresh else len(match_request(req, cache).indices)
-                cached = spans[key] = match_len >= threshold_len
-            if not cached:
-                held.append(req)
-                continue
-        kept.append(req)
+            seen.add(key)
+            kept.append(req)
     return DedupResult(kept, held)

@@ -230,14 +230,24 @@ def test_dedup_respects_namespaces() -> None:
     assert result.held == [waiting[2], waiting[4], waiting[5]]
 
 
-def test_dedup_never_holds_a_request_with_a_long_real_match() -> None:
+def test_dedup_holds_a_burst_on_a_cached_system_prompt_and_cold_shared_block() -> None:
     cache = radix()
-    system = cached(cache, fresh(DEDUP_THRESHOLD_LEN))
-    cold_block = fresh(1500)  # shared, not cached: a sibling would compute it, but the rule is the match
+    system = cached(cache, fresh(512))
+    cold_block = fresh(1543)  # shared, not cached yet: one sibling computes it
     waiting = [req(system, cold_block, fresh(10)) for _ in range(8)]
     for name in ("fcfs", "lpm"):
         result = create_schedule_policy(name).order(waiting, cache, [], 0.0)
-        assert not result.held and len(result.order) == 8
+        assert len(result.order) == 1 and len(result.held) == 7, name
+    cached(cache, np.concatenate([system, cold_block]))  # the kept one's prompt got inserted
+    assert not create_schedule_policy("lpm").order(waiting, cache, [], 0.0).held
+
+
+def test_dedup_does_not_hold_requests_that_share_only_the_cached_part() -> None:
+    cache = radix()
+    system = cached(cache, fresh(512))
+    waiting = [req(system, fresh(300)) for _ in range(8)]  # distinct tails right after the cached prompt
+    result = create_schedule_policy("fcfs").order(waiting, cache, [], 0.0)
+    assert not result.held and result.order == waiting
 
 
 def test_dedup_off_holds_nothing() -> None:
