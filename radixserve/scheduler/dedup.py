@@ -38,7 +38,7 @@ def match_request(req: Request, cache: BasePrefixCache) -> MatchResult:
     """
     fill = req.fill_ids
     result = cache.match_prefix(RadixKey(fill[: len(fill) - 1], req.extra_key))
-    req.match_len = len(result.indices)
+    req.match_len, req.match_node = len(result.indices), result.last_node
     return result
 
 
@@ -59,16 +59,16 @@ def hold_in_batch_duplicates(
 
     Why a key and not a scratch radix tree: if two requests share their first
     ``m + span`` tokens and the cache holds only ``m`` of them, both match exactly
-    ``m`` (the cache diverges inside the shared part for both). So "shares my
-    match plus a span with a kept request" is the equality of one key, the
-    request's first ``match_len + span`` tokens: one dict lookup per request, no
-    prompt copied into a tree. ``matches_fresh``: the policy already matched every
+    ``m`` and end on the same cache node (the cache diverges inside the shared
+    part for both). So "shares my match plus a span with a kept request" is the
+    equality of one small key, (node the match ended on, the next ``span``
+    tokens): one set lookup per request, no prompt copied or hashed whole. ``matches_fresh``: the policy already matched every
     request this round (``req.match_len`` is current); otherwise match here.
     """
     if threshold_len < 1:
         raise ValueError(f"threshold_len must be >= 1, got {threshold_len}")
     span = -(-threshold_len // cache.page_size) * cache.page_size
-    seen: set[tuple[str | None, bytes]] = set()
+    seen: set[tuple[str | None, int, bytes]] = set()
     kept: list[Request] = []
     held: list[Request] = []
     for req in ordered:
@@ -78,7 +78,7 @@ def hold_in_batch_duplicates(
         if len(fill) - 1 < end:  # fewer than a span of uncached tokens: nothing worth waiting for
             kept.append(req)
             continue
-        key = (req.extra_key, fill[:end].tobytes())
+        key = (req.extra_key, id(req.match_node), fill[req.match_len : end].tobytes())
         if key in seen:
             held.append(req)
         else:

@@ -38,6 +38,7 @@ class Request:
     routing_key: str | None = None  # schedule_policy=routing-key
     status: Status = Status.WAITING
     match_len: int = 0  # cached prefix length found by the last scheduling round (policy input)
+    match_node: object = None  # the cache node that match ended on (same round only)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     text: str = ""
