@@ -14,7 +14,6 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -25,6 +24,7 @@ from radixserve.cache.key import TokenArray
 from radixserve.cache.radix_check import check_slot_conservation
 from radixserve.memory import TokenAllocator
 from radixserve.memory.allocator import IndexArray
+from tests.machine_settings import machine_settings
 from tests.cache.helpers import serve, start, tokens
 
 BlockKey = tuple[str | None, tuple[int, ...]]
@@ -438,4 +438,4 @@ class BlockMachine(RuleBasedStateMachine):
 def test_block_cache_matches_reference(block_size: int, alloc_page: int, tail_first: bool) -> None:
     attrs = {"block_size": block_size, "alloc_page": alloc_page, "tail_first": tail_first}
     machine = type("Machine", (BlockMachine,), attrs)
-    run_state_machine_as_test(machine, settings=settings(max_examples=60, stateful_step_count=50))
+    run_state_machine_as_test(machine, settings=machine_settings(60, 50))

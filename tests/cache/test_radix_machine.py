@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from radixserve.cache import EVICTION_POLICIES, CacheReq, KVEvent, RadixCache, RadixKey, TreeNode
 from radixserve.cache.radix_check import check_slot_conservation
 from radixserve.memory import TokenAllocator
+from tests.machine_settings import machine_settings
 from tests.cache.helpers import counter_clock
 
 PageKey = tuple[str | None, tuple[int, ...]]
@@ -229,4 +229,4 @@ class RadixMachine(RuleBasedStateMachine):
 @pytest.mark.parametrize("page_size", [1, 2, 4, 16])
 def test_radix_cache_matches_reference(page_size: int, policy: str) -> None:
     machine = type("Machine", (RadixMachine,), {"page_size": page_size, "policy": policy})
-    run_state_machine_as_test(machine, settings=settings(max_examples=25, stateful_step_count=40))
+    run_state_machine_as_test(machine, settings=machine_settings(25, 40))
