@@ -86,6 +86,8 @@ class BasePrefixCache(ABC):
             raise RuntimeError(f"reset with {self._protected_size} locked tokens: finish or abort requests first")
         self.allocator.free(self.cached_slots())
         self._clear()
+        if self.events is not None:
+            self.events.record_clear()
 
     @abstractmethod
     def _clear(self) -> None:

@@ -16,9 +16,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from radixserve.cache.key import TokenArray, page_hashes
 
-EventKind = Literal["store", "remove"]
+EventKind = Literal["store", "remove", "clear"]  # clear: everything cached is gone (reset)
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,6 +62,11 @@ class KVEventLog:
         self._seq += 1
         event = KVEvent(self._seq, kind, extra_key, start, len(prefix), prefix.copy(), self.page_size)
         self._queue.append(event)
+
+    def record_clear(self) -> None:
+        """Record that the whole cache was dropped (``reset``): a consumer forgets everything."""
+        self._seq += 1
+        self._queue.append(KVEvent(self._seq, "clear", None, 0, 0, np.empty(0, dtype=np.int64), self.page_size))
 
     def drain(self) -> list[KVEvent]:
         """Every event recorded since the last drain, oldest first."""

@@ -31,3 +31,11 @@ def test_block_hashes_are_the_chained_page_hashes() -> None:
     (event,) = cache.events.drain() if cache.events else []
     first = chain_hash(ROOT_HASH, None, np.array([1, 2]))
     assert event.block_hashes == [first, chain_hash(first, None, np.array([3, 4]))]
+
+
+def test_reset_records_a_clear_event() -> None:
+    cache = RadixCache(TokenAllocator(64), enable_kv_events=True)
+    serve(cache, [1, 2, 3])
+    cache.reset()
+    kinds = [e.kind for e in cache.events.drain()] if cache.events else []
+    assert kinds == ["store", "clear"]
