@@ -14,7 +14,7 @@ import random
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from typing import ClassVar, Sequence, cast
 
 from radixserve.cache.base import BasePrefixCache
 from radixserve.cache.chunk import ChunkCache
@@ -53,7 +53,7 @@ class BaseSchedulePolicy(ABC):
     """Sorts the waiting queue (``_sort``), then applies in-batch dedup if enabled."""
 
     name: ClassVar[str]
-    cache_aware: ClassVar[bool] = False  # _sort sets req.match_len of every waiting request
+    cache_aware: ClassVar[bool] = False  # order() matches every waiting request before _sort
 
     def __init__(self, params: SchedulePolicyParams) -> None:
         self.params = params
@@ -62,6 +62,9 @@ class BaseSchedulePolicy(ABC):
         self, waiting: Sequence[Request], cache: BasePrefixCache, running: Sequence[Request], now: float
     ) -> PolicyResult:
         """This round's admission order. Mutates the cache only as ``match_prefix`` does."""
+        if self.cache_aware:  # sets req.match_len and req.match_node, which _sort reads
+            for req in waiting:
+                match_request(req, cache)
         ordered = self._sort(waiting, cache, running, now)
         # A ChunkCache never stores a prompt: holding a sibling would only serialise the group.
         if not self.params.in_batch_dedup or isinstance(cache, ChunkCache):
@@ -93,8 +96,6 @@ class LPMPolicy(BaseSchedulePolicy):
 
     def _sort(self, waiting: Sequence[Request], cache: BasePrefixCache,
               running: Sequence[Request], now: float) -> list[Request]:  # fmt: skip
-        for req in waiting:
-            match_request(req, cache)
         return sorted(waiting, key=lambda r: -r.match_len)
 
 
@@ -135,7 +136,7 @@ def dfs_weight_order(waiting: Sequence[Request], cache: RadixCache) -> list[Requ
     kids: dict[TreeNode, list[TreeNode]] = {}
     attached: dict[TreeNode, list[Request]] = {}
     for index, req in enumerate(waiting):
-        last: TreeNode = match_request(req, cache).last_node
+        last = cast(TreeNode, req.match_node)  # set by this round's match (order())
         attached.setdefault(last, []).append(req)
         node: TreeNode | None = last
         while node is not None:
@@ -220,8 +221,6 @@ class HRRNPolicy(BaseSchedulePolicy):
 
     def _sort(self, waiting: Sequence[Request], cache: BasePrefixCache,
               running: Sequence[Request], now: float) -> list[Request]:  # fmt: skip
-        for req in waiting:
-            match_request(req, cache)
         return sorted(waiting, key=lambda r: -self.response_ratio(r, now))
 
     def service_s(self, req: Request) -> float:
