@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # 2 threads 3-50x slower than 1 on a busy 2-core machine.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install serve demo test bench clean
+.PHONY: install serve chat demo test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,9 +18,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The main job. Until the HTTP server lands, an offline chat on the embedded SmolLM2:
-# the second question reuses the cached system prompt (see "from the cache").
+# The main job: the HTTP server on the embedded SmolLM2, http://127.0.0.1:30000 (Ctrl-C stops it).
+# More flags: make serve SERVE_FLAGS="--enable-metrics --port 8000 --schedule-policy lpm"
+SERVE_FLAGS ?= --enable-metrics
 serve: $(STAMP)
+	$(PY) -m radixserve serve $(SERVE_FLAGS)
+
+# Offline chat, no server: the second question reuses the cached system prompt.
+chat: $(STAMP)
 	$(PY) -m radixserve chat "What is the capital of France?" "Name three colors of the rainbow."
 
 demo: $(STAMP)

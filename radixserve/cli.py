@@ -1,10 +1,9 @@
 """The ``radixserve`` command.
 
+    radixserve serve [flags]                      the HTTP server (OpenAI-compatible + native); --help lists flags
     radixserve chat "question" ["question" ...]   offline chat on the embedded model (or --model-path)
     radixserve demo                               the radix tree demo: inserts, splits, a match
     radixserve bench cache-ops|model-speed|schedule [...]  benchmarks (each prints its figures)
-
-(The HTTP server, ``radixserve serve``, arrives with the server.)
 """
 
 from __future__ import annotations
@@ -39,12 +38,17 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="radixserve", description="A RadixAttention LLM serving engine.")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("serve", help="the HTTP server (pass --help after it for its flags)", add_help=False)
     commands.add_parser("chat", help="offline chat on the embedded model", add_help=False)
     commands.add_parser("demo", help="build the chapter's example tree and print it after every insert")
     bench = commands.add_parser("bench", help="benchmarks (each prints its figures)")
     bench.add_argument("name", choices=["cache-ops", "model-speed", "schedule"], help="pass --help after it for its flags")
     args, rest = parser.parse_known_args(argv)
-    if args.command == "chat":
+    if args.command == "serve":
+        from radixserve.server.launch import main as serve
+
+        serve(rest)
+    elif args.command == "chat":
         chat(rest)
     elif args.command == "demo":
         from radixserve.cache.__main__ import main as demo

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+# Per generated token: the most likely (token id, logprob) pairs, best first.
+TopLogprobs = list[tuple[int, float]]
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # also return the N most likely tokens at each step (implies logprobs)
 
     def __post_init__(self) -> None:
         problems = []
@@ -51,12 +55,16 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
             problems.append("stop and stop_token_ids are sequences (use a tuple or list)")
         if problems:
             raise ValueError("; ".join(problems))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_logprobs:
+            object.__setattr__(self, "logprobs", True)
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +95,7 @@ class GenerateResult:
     finish_reason: FinishReason
     e2e_latency: float
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     matched_stop: int | str | None = None
     error: str | None = None
 
@@ -101,6 +110,8 @@ class GenerateResult:
         }
         if self.output_logprobs:
             meta["output_token_logprobs"] = self.output_logprobs
+        if self.output_top_logprobs:
+            meta["output_top_logprobs"] = [[list(pair) for pair in step] for step in self.output_top_logprobs]
         if self.error is not None:
             meta["error"] = self.error
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}

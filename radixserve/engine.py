@@ -105,7 +105,7 @@ class Engine:
         runner = ModelRunner(self.loaded.model, model_config, self.kv_pool, self.device)
         eos = tuple(model_config.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
         policy = create_schedule_policy(config.schedule_policy, in_batch_dedup=config.in_batch_dedup)
-        self.scheduler = Scheduler(runner, self.cache, self.tokenizer.decode, eos,
+        self.scheduler = Scheduler(runner, self.cache, self.tokenizer.decode_continuation, eos,
                                    config.max_running_requests, config.chunked_prefill_size, policy)  # fmt: skip
         self._rids = itertools.count()
         logger.info("engine ready: %s, %d KV slots, %s on %s", config, size, dtype, self.device)
@@ -164,27 +164,60 @@ class Engine:
         per_request = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_request) != len(prompts):
             raise ValueError(f"{len(per_request)} sampling_params for {len(prompts)} prompts")
-        requests = [self._make_request(p, sp, extra_key) for p, sp in zip(prompts, per_request)]  # validate all first
+        requests = [self.make_request(p, sp, extra_key) for p, sp in zip(prompts, per_request)]  # validate all first
         for req in requests:
             self.scheduler.add(req)
         while any(req.finish_reason is None for req in requests):
             self.scheduler.step()
         return [req.result().to_dict() for req in requests]
 
-    def _make_request(self, prompt: Sequence[int], params: Params, extra_key: str | None) -> Request:
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt + output) one request may hold: the model's context."""
+        return self.loaded.config.max_position_embeddings
+
+    def make_request(
+        self, prompt: Sequence[int], params: Params, extra_key: str | None = None, arrival_time: float | None = None
+    ) -> Request:
+        """A validated request (not yet queued); ValueError says what is wrong with the input.
+
+        ``max_new_tokens`` is clipped to what the context leaves after the prompt.
+        Thread-safe: the server calls it off the scheduler thread.
+        """
         sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
-        ids = np.asarray(prompt, dtype=np.int64)
-        vocab, max_pos = self.loaded.config.vocab_size, self.loaded.config.max_position_embeddings
+        try:
+            ids = np.asarray(prompt, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError("a prompt must be a sequence of integer token ids") from None
+        vocab, max_pos = self.loaded.config.vocab_size, self.context_length
         if ids.ndim != 1 or len(ids) == 0:
             raise ValueError("a prompt must be a non-empty sequence of token ids")
         if ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab}), got {ids.min()}..{ids.max()}")
         if len(ids) >= max_pos:
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds the model's context ({max_pos})")
+            raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is {max_pos} tokens")
         if len(ids) + 1 > self.allocator.size:
-            raise ValueError(f"prompt of {len(ids)} tokens cannot fit the KV pool ({self.allocator.size} tokens)")
+            raise ValueError(f"the prompt has {len(ids)} tokens but the KV pool holds {self.allocator.size}")
         sp = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, max_pos - len(ids)))
-        return Request(next(self._rids), ids, sp, extra_key)
+        req = Request(next(self._rids), ids, sp, extra_key)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        return req
+
+    def describe(self) -> dict[str, Any]:
+        """The resolved configuration: what was asked for, and what it became on this machine."""
+        model = self.loaded.config
+        return {
+            **dataclasses.asdict(self.config),
+            "resolved_model_path": str(self.loaded.path),
+            "resolved_device": str(self.device),
+            "resolved_dtype": str(self.kv_pool.dtype).removeprefix("torch."),
+            "kv_pool_tokens": self.allocator.size,
+            "context_length": self.context_length,
+            "vocab_size": model.vocab_size,
+            "num_layers": model.num_layers,
+            "kv_bytes_per_token": KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_pool.dtype),
+        }
 
 
 def default_pool_tokens(bytes_per_token: int, device: torch.device) -> int:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from radixserve.core import SamplingParams
+from radixserve.core import SamplingParams, TopLogprobs
 
 
 class SampleOutput(NamedTuple):
@@ -33,6 +33,9 @@ class SampleOutput(NamedTuple):
     # Per row: log_softmax(raw logits) at the chosen token, or None where that row did not
     # ask; the whole field is None when no row asked.
     logprobs: list[float | None] | None
+    # Per row: its params.top_logprobs most likely (token id, logprob) pairs, best first
+    # (empty where it asked for none); None when no row asked.
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 class SamplingState:
@@ -107,7 +110,8 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutpu
     are of the chosen token under the model's raw distribution, log_softmax of the
     unmodified logits (before penalties, temperature and filters): they describe the
     model, not the sampling settings (a greedy or top_k=1 row would otherwise always
-    get 0). Rows whose params do not ask get None.
+    get 0). Rows whose params do not ask get None. ``top_logprobs`` ranks the same
+    distribution.
     """
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"logits must be [batch, vocab] with vocab > 0, got {tuple(logits.shape)}")
@@ -121,11 +125,17 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutpu
     rows = [i for i, s in enumerate(states) if not s.params.greedy]
     if rows:
         token_ids[rows] = _sample_rows(penalized[rows], [states[i] for i in rows])
-    logprobs = None
+    logprobs, top = None, None
     if any(s.params.logprobs for s in states):
-        chosen = torch.log_softmax(raw, dim=-1).gather(1, token_ids[:, None]).squeeze(1).tolist()
+        log_probs = torch.log_softmax(raw, dim=-1)
+        chosen = log_probs.gather(1, token_ids[:, None]).squeeze(1).tolist()
         logprobs = [lp if s.params.logprobs else None for lp, s in zip(chosen, states)]
-    return SampleOutput(token_ids.tolist(), logprobs)
+        k = max(s.params.top_logprobs for s in states)
+        if k:
+            values, ids = log_probs.topk(min(k, log_probs.shape[1]), dim=-1)
+            pairs = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+            top = [row[: s.params.top_logprobs] for row, s in zip(pairs, states)]
+    return SampleOutput(token_ids.tolist(), logprobs, top)
 
 
 def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

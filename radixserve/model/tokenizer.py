@@ -69,6 +69,17 @@ class Tokenizer:
         text = self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
         return str(text)
 
+    def decode_continuation(self, output_ids: Sequence[int], prompt_ids: Sequence[int] = ()) -> str:
+        """Text of ``output_ids`` as it reads after the prompt: what ``IncrementalDecoder`` streams.
+
+        Decoded after the prompt's last few tokens, so a first token keeps the space a
+        SentencePiece or word-level decoder would drop at the start of a text.
+        """
+        context = list(prompt_ids[-_DECODE_CONTEXT_TOKENS:])
+        if not context:
+            return self.decode(output_ids)
+        return self.decode(context + list(output_ids))[len(self.decode(context)) :]
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The chat template applied to ``messages``, as text (special tokens written out)."""
         if not self.chat_template:

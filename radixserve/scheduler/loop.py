@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -31,7 +31,8 @@ from radixserve.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-Detokenize = Callable[[list[int]], str]
+# (output ids, prompt ids) -> the output's text as it reads after the prompt
+Detokenize = Callable[[Sequence[int], Sequence[int]], str]
 
 
 class Scheduler:
@@ -227,8 +228,13 @@ class Scheduler:
             req = batch[i]
             if mode == "extend":
                 req.prefill_done = True
-            logprob = out.logprobs[row] if out is not None and out.logprobs else None
-            if out is not None and self._append_token(req, out.token_ids[row], logprob):
+            if out is None:
+                continue
+            if out.logprobs is not None and out.logprobs[row] is not None:
+                req.output_logprobs.append(out.logprobs[row])  # type: ignore[arg-type]
+            if out.top_logprobs is not None and req.params.top_logprobs:
+                req.output_top_logprobs.append(out.top_logprobs[row])
+            if self._append_token(req, out.token_ids[row]):
                 finished.append(req)
         for req in batch:  # share every computed prompt chunk at once (dedup-held requests hit it)
             if mode == "extend" and req.status is Status.RUNNING and req.kv is not None:
@@ -244,10 +250,8 @@ class Scheduler:
 
     # ---- finishing --------------------------------------------------------------------------------
 
-    def _append_token(self, req: Request, token: int, logprob: float | None) -> bool:
+    def _append_token(self, req: Request, token: int) -> bool:
         req.output_ids.append(token)
-        if logprob is not None:
-            req.output_logprobs.append(logprob)
         if req.sampling is not None:
             req.sampling.append(token)
         if req.first_token_time is None:
@@ -263,7 +267,7 @@ class Scheduler:
         return req.status is not Status.RUNNING
 
     def _hit_stop_string(self, req: Request) -> bool:
-        text = self.detokenize(req.output_ids)
+        text = self.detokenize(req.output_ids, req.prompt_ids[-16:].tolist())
         hits = [(text.find(s), s) for s in req.params.stop if s in text]
         if not hits:
             return False
@@ -277,7 +281,7 @@ class Scheduler:
             self.cache.cache_finished_req(req.kv, is_insert=insert)
             req.kv = None
         if decode:
-            req.text = self.detokenize(req.output_ids)
+            req.text = self.detokenize(req.output_ids, req.prompt_ids[-16:].tolist())
         req.finish_reason, req.error = reason, error  # type: ignore[assignment]  # reason: a FinishReason
         req.status = Status.ABORTED if reason == "abort" else Status.FINISHED
         req.finish_time = time.perf_counter()

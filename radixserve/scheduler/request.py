@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixserve.cache.base import CacheReq
-from radixserve.core import FinishReason, GenerateResult, SamplingParams
+from radixserve.core import FinishReason, GenerateResult, SamplingParams, TopLogprobs
 from radixserve.model.sampling import SamplingState
 
 
@@ -41,6 +41,7 @@ class Request:
     match_node: object = None  # the cache node that match ended on (same round only)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     text: str = ""
     kv: CacheReq | None = None
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
@@ -76,6 +77,7 @@ class Request:
             finish_reason=self.finish_reason,
             e2e_latency=self.finish_time - self.arrival_time,
             output_logprobs=list(self.output_logprobs),
+            output_top_logprobs=list(self.output_top_logprobs),
             matched_stop=self.matched_stop,
             error=self.error,
         )

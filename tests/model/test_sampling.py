@@ -220,6 +220,22 @@ def test_logprobs_are_of_the_raw_logits_at_the_chosen_token() -> None:
     assert sample(logits, [state(seed=i) for i in range(4)]).logprobs is None
 
 
+def test_top_logprobs_rank_the_raw_distribution_per_row() -> None:
+    logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(4))
+    states = [state(top_logprobs=5, temperature=0), state(top_logprobs=2, seed=1), state(seed=2)]
+    out = sample(logits, states)
+    assert out.top_logprobs is not None and out.logprobs is not None
+    expected = torch.log_softmax(logits, dim=-1)
+    for row, k in enumerate([5, 2, 0]):
+        values, ids = expected[row].topk(k) if k else (torch.empty(0), torch.empty(0))
+        assert [t for t, _ in out.top_logprobs[row]] == ids.tolist()
+        assert [v for _, v in out.top_logprobs[row]] == pytest.approx(values.tolist(), abs=1e-6)
+    assert out.top_logprobs[0][0][0] == out.token_ids[0]  # greedy picks the top one
+    assert out.logprobs[2] is None and SamplingParams(top_logprobs=3).logprobs  # top_logprobs implies logprobs
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=21)
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 
 

@@ -135,3 +135,12 @@ def test_from_model_path_rejects_other_paths(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_model_path(tmp_path)
     assert Path(default_model_path()).is_file()
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_decode_continuation_is_what_the_incremental_decoder_streams(tok: Tokenizer, text: str) -> None:
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say something."}])
+    ids = tok.encode(text, add_special_tokens=False)
+    decoder = IncrementalDecoder(tok, prompt_ids=prompt)
+    streamed = "".join(decoder.push([i]) for i in ids) + decoder.flush()
+    assert tok.decode_continuation(ids, prompt) == streamed == text

@@ -1,0 +1,91 @@
+"""What is cached, as plain data: sizes, shape, and the prefixes most shared.
+
+``summarize(cache)`` serves the server's ``/cache`` endpoint and the benchmarks.
+Call it from the thread that owns the cache (it walks the tree). Token ids only:
+the caller decodes them if it wants text. A namespace (``extra_key``, a tenant's
+salt) is shown as a short hash, never as the value itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from radixserve.cache.base import BasePrefixCache
+from radixserve.cache.block import BlockHashCache
+from radixserve.cache.radix import RadixCache, TreeNode
+
+HEAD_TOKENS, TAIL_TOKENS = 48, 16  # how much of each shared prefix a summary shows
+
+
+def namespace_id(extra_key: str | None) -> str | None:
+    """A short, stable, non-reversible name for a cache namespace (None: the shared one)."""
+    if extra_key is None:
+        return None
+    return hashlib.blake2b(extra_key.encode(), digest_size=6, person=b"rs-ns-id").hexdigest()
+
+
+def summarize(cache: BasePrefixCache, top_k: int = 10) -> dict[str, Any]:
+    allocator = cache.allocator
+    out: dict[str, Any] = {
+        "kind": {RadixCache: "radix", BlockHashCache: "block"}.get(type(cache), "none"),
+        "page_size": cache.page_size,
+        "pool_tokens": allocator.size,
+        "free_tokens": allocator.free_size(),
+        "cached_tokens": cache.total_size(),
+        "evictable_tokens": cache.evictable_size(),
+        "protected_tokens": cache.protected_size(),
+        "evicted_tokens_total": cache.evicted_tokens,
+    }
+    if isinstance(cache, RadixCache):
+        out.update(_radix_shape(cache, top_k))
+    elif isinstance(cache, BlockHashCache):
+        out.update(
+            block_size=cache.block_size,
+            blocks=len(cache.blocks()),
+            unreachable_tokens=cache.unreachable_size(),
+        )
+    return out
+
+
+def _radix_shape(cache: RadixCache, top_k: int) -> dict[str, Any]:
+    """Node counts, depth, namespaces, and the top shared prefixes.
+
+    A shared prefix is a branch point (two or more children: sequences diverge
+    after it) or a node that finished requests reused (``hit_count > 0``). Ranked
+    by reuse, then by length: the system prompts and few-shot blocks come first.
+    """
+    depth: dict[int, int] = {cache.root.id: 0}
+    nodes = leaves = max_depth = 0
+    namespaces: set[str | None] = set()
+    shared: list[tuple[int, int, TreeNode]] = []
+    for node in cache.nodes():
+        assert node.parent is not None
+        depth[node.id] = depth[node.parent.id] + len(node.key)
+        nodes += 1
+        leaves += not node.children
+        max_depth = max(max_depth, depth[node.id])
+        namespaces.add(node.key.extra_key)
+        if len(node.children) >= 2 or node.hit_count > 0:
+            shared.append((node.hit_count, depth[node.id], node))
+    shared.sort(key=lambda item: (item[0], item[1]), reverse=True)
+    top = []
+    for hits, length, node in shared[:top_k]:
+        tokens = cache._path_tokens(node)
+        top.append({
+            "tokens": length,
+            "hit_count": hits,
+            "children": len(node.children),
+            "lock_ref": node.lock_ref,
+            "namespace": namespace_id(node.key.extra_key),
+            "head_token_ids": tokens[:HEAD_TOKENS].tolist(),
+            "tail_token_ids": tokens[max(HEAD_TOKENS, length - TAIL_TOKENS):].tolist(),
+        })  # fmt: skip
+    return {
+        "eviction_policy": cache.eviction_policy,
+        "nodes": nodes,
+        "leaves": leaves,
+        "max_depth_tokens": max_depth,
+        "namespaces": len(namespaces),
+        "top_shared_prefixes": top,
+    }

@@ -1,0 +1,144 @@
+"""``radixserve serve`` flags: named as SGLang users know them, resolved into one ServerArgs.
+
+The engine's own options keep the engine's defaults (``EngineConfig``); the rest
+shape the HTTP server. ``ServerArgs.resolved()`` is what the server logs at start
+and serves at ``/server_info``: the chapter's first debugging advice is "check
+the resolved server args" (a cache silently turned off shows there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from radixserve.cache import PREFIX_CACHES
+from radixserve.cache.policy import EVICTION_POLICIES
+from radixserve.engine import DTYPES, EngineConfig
+from radixserve.scheduler.policy import SCHEDULE_POLICIES
+
+DEFAULT_PORT = 30000
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    served_model_name: str | None = None  # None: the model file or folder name
+    api_key: str | None = None
+    enable_metrics: bool = False
+    hit_rate_window: int = 1000  # finished requests the cache_hit_rate gauge averages over
+    graceful_shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.engine.model_path is None:
+            return "SmolLM2-135M-Instruct"
+        return Path(self.engine.model_path).name.removesuffix(".gguf")
+
+    def resolved(self) -> dict[str, Any]:
+        """Every setting as it will be used; the API key only as whether one is set."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
+        values["api_key"] = "<set>" if self.api_key else None
+        values["served_model_name"] = self.model_name()
+        return {**values, **dataclasses.asdict(self.engine)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = EngineConfig()
+    parser = argparse.ArgumentParser(
+        prog="radixserve serve",
+        description="Serve a model over HTTP: OpenAI-compatible /v1 endpoints, the native /generate, "
+        "/health, /server_info, /cache, /flush_cache and (with --enable-metrics) Prometheus /metrics.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--model-path", default=None,
+                       help="HF folder (config.json + safetensors + tokenizer) or a .gguf file; "
+                            "default: the embedded SmolLM2-135M-Instruct GGUF")  # fmt: skip
+    model.add_argument("--served-model-name", default=None,
+                       help="the name clients pass as `model` (default: the file or folder name)")  # fmt: skip
+    model.add_argument("--dtype", default=d.dtype, choices=["auto", *DTYPES],
+                       help="weights and KV cache; auto = float32 on CPU, bfloat16 on CUDA")  # fmt: skip
+    model.add_argument("--device", default=d.device, help="auto (cuda when present), cpu, cuda or cuda:N")
+    model.add_argument("--num-threads", type=int, default=d.num_threads,
+                       help="torch CPU threads; 1 is safe on a busy machine (libgomp spins)")  # fmt: skip
+
+    cache = parser.add_argument_group("prefix cache")
+    cache.add_argument("--prefix-cache", default=d.prefix_cache, choices=PREFIX_CACHES,
+                       help="radix tree; block = 16-token hash blocks (vLLM-style); none = no reuse")  # fmt: skip
+    cache.add_argument("--disable-radix-cache", action="store_true", help="same as --prefix-cache none")
+    cache.add_argument("--page-size", type=int, default=d.page_size,
+                       help="tokens per KV page; matches round down to a whole page")  # fmt: skip
+    cache.add_argument("--radix-eviction-policy", default=d.radix_eviction_policy, choices=sorted(EVICTION_POLICIES),
+                       help="which unlocked leaf is evicted first")  # fmt: skip
+    cache.add_argument("--max-total-tokens", type=int, default=None,
+                       help="KV pool size in tokens (default: a quarter of free memory, at most 32k on CPU)")  # fmt: skip
+
+    sched = parser.add_argument_group("scheduler")
+    sched.add_argument("--schedule-policy", default=d.schedule_policy, choices=SCHEDULE_POLICIES,
+                       help="order of the waiting queue; lpm = longest cached prefix first")  # fmt: skip
+    sched.add_argument("--disable-in-batch-dedup", action="store_true",
+                       help="admit requests sharing an uncached prefix together instead of one first")  # fmt: skip
+    sched.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                       help="prefill tokens per step; longer prompts are prefilled in chunks")  # fmt: skip
+    sched.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
+                       help="requests decoded together")  # fmt: skip
+
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default=ServerArgs.host, help="address to listen on (0.0.0.0: every interface)")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port to listen on")
+    server.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` (all endpoints but /health and /metrics)")  # fmt: skip
+    server.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    server.add_argument("--hit-rate-window", type=int, default=ServerArgs.hit_rate_window,
+                        help="finished requests the cache_hit_rate gauge averages over")  # fmt: skip
+    server.add_argument("--graceful-shutdown-timeout", type=float, default=ServerArgs.graceful_shutdown_timeout,
+                        help="seconds in-flight requests get to finish after SIGINT/SIGTERM; then they are aborted")  # fmt: skip
+    server.add_argument("--log-level", default=ServerArgs.log_level, choices=LOG_LEVELS,
+                        help="debug also logs every HTTP request")  # fmt: skip
+    return parser
+
+
+def parse_args(argv: list[str]) -> ServerArgs:
+    """Flags -> ServerArgs; an invalid combination exits with argparse's usage error."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        engine = EngineConfig(
+            model_path=ns.model_path,
+            prefix_cache="none" if ns.disable_radix_cache else ns.prefix_cache,
+            page_size=ns.page_size,
+            radix_eviction_policy=ns.radix_eviction_policy,
+            schedule_policy=ns.schedule_policy,
+            in_batch_dedup=not ns.disable_in_batch_dedup,
+            max_total_tokens=ns.max_total_tokens,
+            max_running_requests=ns.max_running_requests,
+            chunked_prefill_size=ns.chunked_prefill_size,
+            dtype=ns.dtype,
+            device=ns.device,
+            num_threads=ns.num_threads,
+        )
+        if not 0 < ns.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {ns.port}")
+        if ns.hit_rate_window < 1 or ns.graceful_shutdown_timeout < 0:
+            raise ValueError("--hit-rate-window must be >= 1 and --graceful-shutdown-timeout >= 0")
+    except ValueError as exc:
+        parser.error(str(exc))
+    return ServerArgs(
+        engine=engine,
+        host=ns.host,
+        port=ns.port,
+        served_model_name=ns.served_model_name,
+        api_key=ns.api_key,
+        enable_metrics=ns.enable_metrics,
+        hit_rate_window=ns.hit_rate_window,
+        graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
+        log_level=ns.log_level,
+    )

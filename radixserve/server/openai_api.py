@@ -1,0 +1,297 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: OpenAI request in, OpenAI response or SSE stream out.
+
+One HTTP call becomes ``len(prompts) x n`` engine requests; choice ``index`` is
+``prompt_i * n + j``. Choice ``j`` of a seeded call uses ``seed + j``, so the
+choices differ and each is reproducible. Siblings share the prompt, so all but
+the first hit the cache (in-batch dedup holds them until the first has
+prefilled it).
+
+Usage: ``prompt_tokens`` counts each prompt once, ``completion_tokens`` every
+choice; ``prompt_tokens_details.cached_tokens`` is always filled: per prompt,
+the fewest any of its choices read from the cache (what was cached before this
+call; siblings' reuse of each other is not counted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Callable
+
+from radixserve.core import GenerateResult
+from radixserve.server.errors import APIError
+from radixserve.server.generation import Generation, ServerState, TextStream, finish_unless_disconnected
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+logger = logging.getLogger(__name__)
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class OpenAICall:
+    """What both endpoints share: validation, requests, usage, logprobs, stream framing."""
+
+    kind: str  # "text_completion" | "chat.completion"
+
+    def __init__(self, state: ServerState, body: _SamplingFields) -> None:
+        self.state, self.body = state, body
+        self.id = f"{'cmpl' if self.kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.arrival = time.perf_counter()
+        names = {state.args.model_name(), state.engine.config.model_path}
+        if body.model not in names:
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
+                                f"`{state.args.model_name()}`.", "model_not_found", "model")  # fmt: skip
+        problem = body.unsupported()
+        if problem:
+            raise APIError(400, problem, "unsupported_parameter")
+        ignored = sorted(set(body.model_extra or {}) - {"best_of"})
+        if ignored:
+            logger.info("ignoring unknown request fields %s", ignored)
+        self.prompts: list[list[int]] = []
+        self.streams: list[TextStream] = []
+
+    # ---- building ------------------------------------------------------------------------------
+
+    def sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> dict[str, Any]:
+        body = self.body
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        params: dict[str, Any] = dict(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, stop=tuple(stop),
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+            logprobs=logprobs, top_logprobs=top_logprobs,
+        )  # fmt: skip
+        if max_tokens is not None:
+            params["max_new_tokens"] = max_tokens
+        else:  # as much as the context leaves (the engine clips)
+            params["max_new_tokens"] = self.state.engine.context_length
+        return params
+
+    def start(self, prompts: list[list[int]], params: dict[str, Any], explicit_max: bool) -> Generation:
+        self.prompts = prompts
+        n, seed = self.body.n, self.body.seed
+        requests = []
+        for ids in prompts:
+            for j in range(n):
+                choice = dict(params, seed=None if seed is None else seed + j)
+                requests.append(self.state.make_request(ids, choice, explicit_max, self.body.cache_salt, self.arrival))
+        stops = params["stop"]
+        self.streams = [TextStream(self.state.tokenizer, req.prompt_ids.tolist(), stops) for req in requests]
+        return Generation(self.state, requests)
+
+    # ---- shared response parts -------------------------------------------------------------------
+
+    def usage(self, results: list[GenerateResult]) -> dict[str, Any]:
+        n = self.body.n
+        groups = [results[i : i + n] for i in range(0, len(results), n)]
+        prompt = sum(group[0].prompt_tokens for group in groups)
+        cached = sum(min(r.cached_tokens for r in group) for group in groups)
+        completion = sum(len(r.output_ids) for r in results)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def token_text(self, token_id: int) -> str:
+        return self.state.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    @staticmethod
+    def check_errors(results: list[GenerateResult]) -> None:
+        for result in results:
+            if result.error is not None:
+                shutting = "shutting down" in result.error
+                raise APIError(503 if shutting else 500, result.error, "shutting_down" if shutting else "engine_error")
+
+    async def run(self, generation: Generation, is_disconnected: Callable[[], Any]) -> dict[str, Any]:
+        results = await finish_unless_disconnected(generation, is_disconnected)
+        self.check_errors(results)
+        return self.response(results)
+
+    def response(self, results: list[GenerateResult]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunk(self, index: int, delta_text: str, token_ids: list[int], logprobs: list[float],
+              top: list[Any], finish_reason: str | None) -> dict[str, Any]:  # fmt: skip
+        raise NotImplementedError
+
+    def chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        obj = "text_completion" if self.kind == "text_completion" else "chat.completion.chunk"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.args.model_name(),
+                "choices": choices}  # fmt: skip
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    async def stream(self, generation: Generation) -> AsyncIterator[str]:
+        """SSE: one chunk per choice per step, a last chunk with finish_reason, optional usage, [DONE].
+
+        Cancelled (client gone, server shutting down): the finally aborts what still runs.
+        """
+        try:
+            for chunk in self.first_chunks():
+                yield sse(chunk)
+            async for delta in generation.deltas():
+                stream = self.streams[delta.index]
+                text = stream.push(delta.token_ids)
+                result = delta.result
+                if result is not None:
+                    if result.error is not None:
+                        yield sse({"error": {"message": result.error, "type": "internal_error", "code": 500}})
+                        continue
+                    text += stream.finish(result.text)
+                if text or delta.token_ids or result is not None:
+                    finish = result.finish_reason if result is not None else None
+                    yield sse(self.chunk_envelope([self.chunk(delta.index, text, delta.token_ids, delta.logprobs,
+                                                              delta.top_logprobs, finish)]))  # fmt: skip
+            options = self.body.stream_options
+            results = [r for r in generation.results if r is not None]
+            if options is not None and options.include_usage and len(results) == len(generation.results):
+                yield sse({**self.chunk_envelope([]), "usage": self.usage(results)})
+            yield SSE_DONE
+        finally:
+            generation.abort()
+
+
+class CompletionCall(OpenAICall):
+    kind = "text_completion"
+    body: CompletionRequest
+
+    async def begin(self) -> Generation:
+        body, tokenizer = self.body, self.state.tokenizer
+        raw = body.prompt
+        if isinstance(raw, str):
+            texts: list[str] | None = [raw]
+        elif raw and all(isinstance(p, str) for p in raw):
+            texts = list(raw)  # type: ignore[arg-type]
+        else:
+            texts = None
+        if texts is not None:
+            if any(not t for t in texts):
+                raise APIError(400, "the prompt is empty", "empty_prompt", "prompt")
+            prompts = await self.state.tokenize(lambda: [tokenizer.encode(t) for t in texts])
+        elif raw and isinstance(raw[0], list):
+            prompts = [list(p) for p in raw]  # type: ignore[arg-type]
+        else:
+            prompts = [list(raw)]  # type: ignore[arg-type]
+        if not prompts:
+            raise APIError(400, "the prompt is empty", "empty_prompt", "prompt")
+        if body.echo and body.logprobs:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "unsupported_parameter")
+        logprobs = body.logprobs is not None
+        params = self.sampling(body.max_tokens, logprobs, body.logprobs or 0)
+        return self.start(prompts, params, explicit_max=body.max_tokens is not None)
+
+    def echo_text(self, index: int) -> str:
+        if not self.body.echo:
+            return ""
+        return self.state.tokenizer.decode(self.prompts[index // self.body.n])
+
+    def logprobs_block(self, token_ids: list[int], logprobs: list[float], top: list[Any], offset: int) -> dict[str, Any]:
+        tokens = [self.token_text(t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": logprobs,
+            "top_logprobs": [{self.token_text(t): lp for t, lp in step} for step in top] if top else None,
+            "text_offset": offsets,
+        }
+
+    def response(self, results: list[GenerateResult]) -> dict[str, Any]:
+        choices = []
+        for index, result in enumerate(results):
+            echo = self.echo_text(index)
+            logprobs = None
+            if self.body.logprobs is not None:
+                logprobs = self.logprobs_block(result.output_ids, result.output_logprobs,
+                                               result.output_top_logprobs, len(echo))  # fmt: skip
+            choices.append({"index": index, "text": echo + result.text, "logprobs": logprobs,
+                            "finish_reason": result.finish_reason, "matched_stop": result.matched_stop})  # fmt: skip
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.state.args.model_name(), "choices": choices, "usage": self.usage(results)}  # fmt: skip
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        if not self.body.echo:
+            return []
+        return [self.chunk_envelope([{"index": i, "text": self.echo_text(i), "logprobs": None, "finish_reason": None}])
+                for i in range(len(self.streams))]  # fmt: skip
+
+    def chunk(self, index: int, delta_text: str, token_ids: list[int], logprobs: list[float],
+              top: list[Any], finish_reason: str | None) -> dict[str, Any]:  # fmt: skip
+        block = None
+        if self.body.logprobs is not None:
+            sent_before = len(self.streams[index].sent) - len(delta_text)
+            block = self.logprobs_block(token_ids, logprobs, top, sent_before)
+        return {"index": index, "text": delta_text, "logprobs": block, "finish_reason": finish_reason}
+
+
+class ChatCall(OpenAICall):
+    kind = "chat.completion"
+    body: ChatCompletionRequest
+
+    async def begin(self) -> Generation:
+        body, tokenizer = self.body, self.state.tokenizer
+        messages = []
+        for message in body.messages:
+            content = message.content
+            if isinstance(content, list):
+                content = "\n".join(part.text or "" for part in content)
+            messages.append({"role": "system" if message.role == "developer" else message.role,
+                             "content": content or ""})  # fmt: skip
+        try:
+            ids = await self.state.tokenize(lambda: tokenizer.apply_chat_template(messages))
+        except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
+            raise APIError(400, f"the chat template failed on these messages: {exc}", "invalid_messages") from None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = self.sampling(max_tokens, body.logprobs, (body.top_logprobs or 0) if body.logprobs else 0)
+        return self.start([ids], params, explicit_max=max_tokens is not None)
+
+    def logprobs_content(self, token_ids: list[int], logprobs: list[float], top: list[Any]) -> list[dict[str, Any]]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = []
+        for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+            alternatives = [entry(t, lp) for t, lp in top[i]] if i < len(top) else []
+            content.append({**entry(token_id, logprob), "top_logprobs": alternatives})
+        return content
+
+    def response(self, results: list[GenerateResult]) -> dict[str, Any]:
+        choices = []
+        for index, result in enumerate(results):
+            logprobs = None
+            if self.body.logprobs:
+                logprobs = {"content": self.logprobs_content(result.output_ids, result.output_logprobs,
+                                                             result.output_top_logprobs)}  # fmt: skip
+            choices.append({"index": index, "message": {"role": "assistant", "content": result.text},
+                            "logprobs": logprobs, "finish_reason": result.finish_reason,
+                            "matched_stop": result.matched_stop})  # fmt: skip
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.state.args.model_name(), "choices": choices, "usage": self.usage(results)}  # fmt: skip
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return [self.chunk_envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}]) for i in range(len(self.streams))]  # fmt: skip
+
+    def chunk(self, index: int, delta_text: str, token_ids: list[int], logprobs: list[float],
+              top: list[Any], finish_reason: str | None) -> dict[str, Any]:  # fmt: skip
+        block = None
+        if self.body.logprobs:
+            block = {"content": self.logprobs_content(token_ids, logprobs, top)}
+        delta = {"content": delta_text} if delta_text or finish_reason is None else {}
+        return {"index": index, "delta": delta, "logprobs": block, "finish_reason": finish_reason}

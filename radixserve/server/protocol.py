@@ -1,0 +1,132 @@
+"""Request schemas: OpenAI-compatible (``/v1/completions``, ``/v1/chat/completions``) and native (``/generate``).
+
+Validation is strict: a field of the wrong type (``"max_tokens": "5"``, ``"n": true``)
+is a 400, never coerced. Unknown fields in the OpenAI schemas are ignored (clients
+send vendor fields; the server logs them), except the ones whose meaning we would
+silently drop (``UNSUPPORTED``), which are a 400. The native schema rejects every
+unknown field. Responses are built as plain dicts in ``openai_api``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from radixserve.core import MAX_TOP_LOGPROBS
+
+MAX_N = 64  # choices per request
+MAX_STOP = 16  # stop strings per request
+MAX_SALT = 512  # characters of a cache_salt / extra_key
+
+# Fields a client may send that we do not implement; accepting them silently would
+# return something other than what was asked for.
+UNSUPPORTED = {
+    "logit_bias": "logit_bias is not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields both OpenAI endpoints share; ``top_k`` and below are extensions (SGLang / vLLM names)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
+    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT,
+                                   description="put this request in its own cache namespace")  # fmt: skip
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
+
+    def unsupported(self) -> str | None:
+        """Why this request asks for something we cannot do, or None."""
+        extra = self.model_extra or {}
+        for name, message in UNSUPPORTED.items():
+            if extra.get(name) not in (None, {}, [], ""):
+                return message
+        best_of = extra.get("best_of")
+        if best_of is not None and best_of != self.n:
+            return "best_of is not supported (use n)"
+        return None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+
+    def unsupported(self) -> str | None:
+        if self.response_format is not None and self.response_format.type != "text":
+            return f"response_format {self.response_format.type!r} is not supported (only 'text')"
+        for message in self.messages:
+            for part in message.content if isinstance(message.content, list) else []:
+                if part.type != "text" or part.text is None:
+                    return f"message content of type {part.type!r} is not supported (only 'text')"
+        return super().unsupported()
+
+
+class GenerateRequest(BaseModel):
+    """The native API: SGLang's ``/generate`` shape. ``text`` or ``input_ids``, one or a batch."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    extra_key: str | None = Field(None, min_length=1, max_length=MAX_SALT,
+                                  description="cache namespace: requests with different keys never share a prefix")  # fmt: skip

@@ -1,0 +1,217 @@
+"""The scheduler thread: owns the engine's scheduler and cache; the HTTP loop never steps the model.
+
+The HTTP side talks to it through one inbox (a thread-safe queue of commands):
+``submit`` a request with a sink, ``abort`` one, or ``call`` a function between
+two steps (flush the cache, summarise it). The thread drains the inbox, runs one
+scheduler step, then hands every request's new tokens to its sink as a
+``Delta`` (the last one carries the result). Sinks are called on this thread;
+the server's sinks hop onto the event loop with ``call_soon_threadsafe``.
+
+Only this thread touches the scheduler, the cache and the allocator, so none of
+them needs a lock. torch releases the GIL inside its kernels and Python switches
+threads every few milliseconds, so ``/health`` and ``/metrics`` answer while a
+long prefill runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, TypeVar
+
+from radixserve.core import GenerateResult, TopLogprobs
+from radixserve.engine import Engine
+from radixserve.scheduler.request import Request, Status
+from radixserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Delta:
+    """What one request produced since its last delta; ``result`` is set on its last one."""
+
+    rid: int
+    index: int  # the request's place in its HTTP call (prompt x choice)
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    result: GenerateResult | None = None
+
+
+Sink = Callable[[Delta], None]
+
+
+@dataclass(eq=False)
+class _Live:
+    req: Request
+    sink: Sink
+    index: int
+    sent: int = 0  # output tokens already delivered
+    last_token_time: float = 0.0
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._live: dict[int, _Live] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="radixserve-scheduler", daemon=True)
+        self.failure: BaseException | None = None  # set if the loop itself died: /health reports it
+
+    # ---- the HTTP side's commands (any thread) ----------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    def submit(self, req: Request, sink: Sink, index: int = 0) -> None:
+        if self._stopping.is_set():
+            raise RuntimeError("the server is shutting down")
+        self._inbox.put(lambda: self._add(req, sink, index))
+
+    def abort(self, rid: int) -> None:
+        """Abort a request wherever it is (queued, running, or still in the inbox). Idempotent."""
+        self._inbox.put(lambda: self._abort(rid))
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the scheduler thread between two steps; wrap with ``asyncio.wrap_future``."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to the caller
+                    future.set_exception(exc)
+
+        self._inbox.put(run)
+        return future
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever is still in flight (sinks get their final delta), then end the thread."""
+        self._stopping.set()
+        self._inbox.put(lambda: None)  # wake it
+        self._thread.join(timeout)
+
+    # ---- the scheduler thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain(block=not self.scheduler.has_work())
+                if self._stopping.is_set():
+                    self._drain(block=False)
+                    for rid in list(self._live):
+                        self._abort(rid, error="the server is shutting down")
+                    break
+                if self.scheduler.has_work():
+                    self.scheduler.step()
+                    self._publish()
+        except BaseException as exc:  # a bug in the loop: fail everyone loudly rather than hang
+            logger.exception("the scheduler loop died")
+            self.failure = exc
+            for live in self._live.values():
+                live.req.finish_reason, live.req.error = "abort", f"internal error: {exc}"
+                live.req.finish_time = time.perf_counter()
+                self._deliver(live, final=True)
+            self._live.clear()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command()
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, req: Request, sink: Sink, index: int) -> None:
+        if self._stopping.is_set():
+            req.status = Status.ABORTED
+            req.finish_reason, req.error, req.finish_time = "abort", "the server is shutting down", time.perf_counter()
+            self._deliver(_Live(req, sink, index), final=True)
+            return
+        live = _Live(req, sink, index)
+        self._live[req.rid] = live
+        self.scheduler.add(req)
+        if req.finish_reason is not None:  # finished on arrival (max_new_tokens = 0)
+            self._publish()
+
+    def _abort(self, rid: int, error: str | None = None) -> None:
+        live = self._live.get(rid)
+        if live is None:
+            return  # already finished, or never submitted
+        if not self.scheduler.abort(rid):  # not queued yet: finish it by hand
+            live.req.status = Status.ABORTED
+            live.req.finish_reason, live.req.finish_time = "abort", time.perf_counter()
+        if error is not None:
+            live.req.error = error
+        self._publish()
+
+    def _publish(self) -> None:
+        """Deliver every live request's new tokens; finished ones get their result and leave."""
+        now = time.perf_counter()
+        done = []
+        for rid, live in self._live.items():
+            req = live.req
+            finished = req.finish_reason is not None
+            if len(req.output_ids) > live.sent or finished:
+                self._observe_tokens(live, now)
+                self._deliver(live, final=finished)
+            if finished:
+                done.append(rid)
+        for rid in done:
+            del self._live[rid]
+        if self.metrics is not None:
+            scheduler = self.scheduler
+            snap = scheduler.snapshot()
+            self.metrics.on_step(len(scheduler.running), len(scheduler.waiting), float(snap["token_usage"]),  # type: ignore[arg-type]
+                                 scheduler.cache.evicted_tokens, scheduler.stats.retractions)  # fmt: skip
+
+    def _observe_tokens(self, live: _Live, now: float) -> None:
+        if self.metrics is None or len(live.req.output_ids) == live.sent:
+            return
+        if live.sent == 0:
+            self.metrics.ttft.observe(now - live.req.arrival_time)
+        else:
+            self.metrics.itl.observe(now - live.last_token_time)
+        live.last_token_time = now
+
+    def _deliver(self, live: _Live, final: bool) -> None:
+        req = live.req
+        delta = Delta(
+            req.rid,
+            live.index,
+            req.output_ids[live.sent :],
+            req.output_logprobs[live.sent :],
+            req.output_top_logprobs[live.sent :],
+        )
+        live.sent = len(req.output_ids)
+        if final:
+            if req.finish_time is None:
+                req.finish_time = time.perf_counter()
+            if req.finish_reason is None:
+                req.finish_reason = "abort"
+            delta.result = result = req.result()
+            if self.metrics is not None:
+                self.metrics.on_finish(result.prompt_tokens, result.cached_tokens, len(result.output_ids),
+                                       result.finish_reason, result.e2e_latency)  # fmt: skip
+        try:
+            live.sink(delta)
+        except Exception:  # the listener is gone (event loop closed): nothing to tell
+            logger.debug("dropped a delta for request %d", req.rid, exc_info=True)
+

@@ -1,0 +1,86 @@
+"""The server's parts without a server: flags, the hit-rate window, streamed text and stop strings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from radixserve.model.tokenizer import Tokenizer
+from radixserve.server.args import build_parser, parse_args
+from radixserve.server.generation import TextStream
+from radixserve.server.metrics import ServerMetrics
+
+FLAGS = ["--model-path", "--host", "--port", "--prefix-cache", "--disable-radix-cache", "--page-size",
+         "--radix-eviction-policy", "--schedule-policy", "--max-total-tokens", "--chunked-prefill-size",
+         "--max-running-requests", "--dtype", "--device", "--enable-metrics", "--api-key", "--log-level"]  # fmt: skip
+
+
+def test_help_documents_every_flag_the_issue_names() -> None:
+    out = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--help"], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    for flag in FLAGS:
+        assert flag in out, flag
+    actions = {opt: a for a in build_parser()._actions for opt in a.option_strings}
+    assert all(actions[flag].help for flag in FLAGS)
+
+
+def test_flags_resolve_into_engine_and_server_args() -> None:
+    args = parse_args(["--disable-radix-cache", "--page-size", "16", "--schedule-policy", "lpm",
+                       "--radix-eviction-policy", "slru", "--api-key", "k", "--port", "8000"])  # fmt: skip
+    assert args.engine.prefix_cache == "none" and args.engine.page_size == 16
+    assert args.engine.schedule_policy == "lpm" and args.engine.radix_eviction_policy == "slru"
+    resolved = args.resolved()
+    assert resolved["api_key"] == "<set>" and resolved["port"] == 8000 and resolved["prefix_cache"] == "none"
+    assert resolved["served_model_name"] == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("argv", [["--page-size", "0"], ["--port", "70000"], ["--schedule-policy", "nope"],
+                                  ["--max-total-tokens", "3"], ["--hit-rate-window", "0"]])  # fmt: skip
+def test_bad_flags_exit_with_a_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and "error" in capsys.readouterr().err
+
+
+def test_hit_rate_gauge_averages_the_window_and_keeps_its_value() -> None:
+    metrics = ServerMetrics(hit_rate_window=3)
+    for prompt, cached in [(100, 0), (100, 50), (100, 100), (200, 200)]:
+        metrics.on_finish(prompt, cached, 5, "stop", 0.1)
+    assert metrics.cache_hit_rate._value.get() == pytest.approx(350 / 400)  # the first fell out of the window
+    metrics.on_step(0, 0, 0.0, 10, 1)
+    metrics.on_step(0, 0, 0.0, 25, 1)
+    assert metrics.cache_hit_rate._value.get() == pytest.approx(350 / 400)  # steps do not overwrite it
+    text = metrics.render().decode()
+    assert "radixserve:evicted_tokens_total 25.0" in text and "radixserve:retractions_total 1.0" in text
+    assert 'radixserve:requests_total{finish_reason="stop"} 4.0' in text
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    from radixserve.bench.tiny_model import save_word_tokenizer
+
+    folder: Path = tmp_path_factory.mktemp("tok")
+    save_word_tokenizer(folder)
+    return Tokenizer.from_hf_folder(folder)
+
+
+def test_text_stream_holds_back_a_forming_stop_and_matches_the_engine_text(word_tokenizer: Tokenizer) -> None:
+    prompt, output = [3, 4], [10, 11, 12, 13, 14]
+    stream = TextStream(word_tokenizer, prompt, stops=["w12 w13"])
+    deltas = [stream.push([t]) for t in output]
+    # "w12" may start the stop: held back (the space before it goes); " w13" completes it: cut there
+    assert deltas == [" w10", " w11", " ", "", ""]
+    full = word_tokenizer.decode_continuation(output, prompt)
+    final = full[: full.index("w12 w13")]
+    assert stream.finish(final) == "" and stream.sent == final == " w10 w11 "
+
+
+def test_text_stream_without_stops_equals_decode_continuation(word_tokenizer: Tokenizer) -> None:
+    prompt, output = [5, 6, 7], [20, 2, 21, 1, 22]  # specials (eos, bos) are skipped
+    stream = TextStream(word_tokenizer, prompt, stops=[])
+    text = "".join(stream.push([t]) for t in output)
+    assert text == word_tokenizer.decode_continuation(output, prompt) == " w20 w21 w22"
+    assert stream.finish(text) == ""
