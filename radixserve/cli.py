@@ -3,7 +3,7 @@
     radixserve serve [flags]                      the HTTP server (OpenAI-compatible + native); --help lists flags
     radixserve chat "question" ["question" ...]   offline chat on the embedded model (or --model-path)
     radixserve demo                               the radix tree demo: inserts, splits, a match
-    radixserve bench cache-ops|model-speed|schedule [...]  benchmarks (each prints its figures)
+    radixserve bench cache-ops|model-speed|schedule|responsiveness [...]  benchmarks (each prints its figures)
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("chat", help="offline chat on the embedded model", add_help=False)
     commands.add_parser("demo", help="build the chapter's example tree and print it after every insert")
     bench = commands.add_parser("bench", help="benchmarks (each prints its figures)")
-    bench.add_argument("name", choices=["cache-ops", "model-speed", "schedule"], help="pass --help after it for its flags")
+    bench.add_argument("name", choices=["cache-ops", "model-speed", "schedule", "responsiveness"],
+                       help="pass --help after it for its flags")
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
         from radixserve.server.launch import main as serve
@@ -62,6 +63,10 @@ def main(argv: list[str] | None = None) -> None:
         from radixserve.bench.model_speed import main as model_speed
 
         model_speed(rest)
+    elif args.name == "responsiveness":
+        from radixserve.bench.responsiveness import main as responsiveness
+
+        responsiveness(rest)
     else:
         from radixserve.bench.schedule import main as schedule
 

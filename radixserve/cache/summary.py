@@ -52,8 +52,10 @@ def _radix_shape(cache: RadixCache, top_k: int) -> dict[str, Any]:
     """Node counts, depth, namespaces, and the top shared prefixes.
 
     A shared prefix is a branch point (two or more children: sequences diverge
-    after it) or a node that finished requests reused (``hit_count > 0``). Ranked
-    by reuse, then by length: the system prompts and few-shot blocks come first.
+    after it) or a node at least two finished requests went through
+    (``hit_count >= 2``; a request's own prompt counts once, as it is cached
+    while it runs). Ranked by reuse, then by length: the system prompts and
+    few-shot blocks come first.
     """
     depth: dict[int, int] = {cache.root.id: 0}
     nodes = leaves = max_depth = 0
@@ -66,7 +68,7 @@ def _radix_shape(cache: RadixCache, top_k: int) -> dict[str, Any]:
         leaves += not node.children
         max_depth = max(max_depth, depth[node.id])
         namespaces.add(node.key.extra_key)
-        if len(node.children) >= 2 or node.hit_count > 0:
+        if len(node.children) >= 2 or node.hit_count >= 2:
             shared.append((node.hit_count, depth[node.id], node))
     shared.sort(key=lambda item: (item[0], item[1]), reverse=True)
     top = []

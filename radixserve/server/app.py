@@ -24,6 +24,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.cache.summary import summarize
 from radixserve.engine import Engine
@@ -57,6 +58,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
                   description="RadixAttention LLM server: OpenAI-compatible and native APIs.")  # fmt: skip
     app.state.radixserve = state
     install_error_handlers(app)
+    app.add_middleware(JSONBodyMiddleware)
 
     async def check_api_key(request: Request) -> None:
         if args.api_key is None:
@@ -159,6 +161,23 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class JSONBodyMiddleware:
+    """Read every POST body as JSON, whatever its Content-Type says.
+
+    ``curl -d '{...}'`` sends ``application/x-www-form-urlencoded``; FastAPI would
+    then parse a form and reject the body. Every POST endpoint here takes JSON.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:

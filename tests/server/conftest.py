@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from radixserve.bench.tiny_model import build_engine_folder
-from tests.server.launcher import ServerProcess
+from radixserve.bench.server_process import ServerProcess
 
 MODEL = "tiny-llama"
 

@@ -19,7 +19,7 @@ import pytest
 
 from radixserve.bench.tiny_model import build_engine_folder
 from tests.server.conftest import assert_idle_and_conserved
-from tests.server.launcher import ServerProcess
+from radixserve.bench.server_process import ServerProcess
 
 MEDIUM = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)  # fmt: skip

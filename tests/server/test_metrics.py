@@ -6,7 +6,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import MODEL
-from tests.server.launcher import ServerProcess
+from radixserve.bench.server_process import ServerProcess
 
 
 def scrape(url: str) -> dict[str, float]:

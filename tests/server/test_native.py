@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 
 from tests.server.conftest import MODEL, assert_idle_and_conserved, cache_state
-from tests.server.launcher import ServerProcess
+from radixserve.bench.server_process import ServerProcess
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
@@ -27,6 +27,14 @@ def test_generate_text_and_input_ids_agree(server: ServerProcess) -> None:
     assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == 6 and meta["finish_reason"] == "length"
     assert meta["cached_tokens"] == 3 and meta["e2e_latency"] > 0  # the first call cached the prompt
     assert by_ids["text"] == by_text["text"]
+
+
+def test_a_json_body_is_read_whatever_its_content_type(server: ServerProcess) -> None:
+    """``curl -d '{...}'`` sends application/x-www-form-urlencoded."""
+    body = json.dumps({"input_ids": [30, 31], "sampling_params": GREEDY}).encode()
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):
+        response = httpx.post(server.url + "/generate", content=body, headers={"content-type": content_type}, timeout=60)
+        assert response.status_code == 200 and len(response.json()["output_ids"]) == 6
 
 
 def test_generate_batch_and_per_prompt_params(server: ServerProcess) -> None:

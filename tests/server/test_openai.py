@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.server.conftest import MODEL, assert_idle_and_conserved
-from tests.server.launcher import ServerProcess
+from radixserve.bench.server_process import ServerProcess
 
 
 def words(ids: range | list[int]) -> str:

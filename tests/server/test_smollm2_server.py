@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.server.launcher import ServerProcess
+from radixserve.bench.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,7 @@
-"""Start ``radixserve serve`` as a child process on a free loopback port, wait for /health, stop it."""
+"""``radixserve serve`` as a child process on a free loopback port: start, wait for /health, stop.
+
+The benchmarks drive servers this way (as users run them), and so do the server tests.
+"""
 
 from __future__ import annotations
 
