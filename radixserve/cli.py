@@ -3,13 +3,25 @@
     radixserve serve [flags]                      the HTTP server (OpenAI-compatible + native); --help lists flags
     radixserve chat "question" ["question" ...]   offline chat on the embedded model (or --model-path)
     radixserve demo                               the radix tree demo: inserts, splits, a match
-    radixserve bench cache-ops|model-speed|schedule|responsiveness [...]  benchmarks (each prints its figures)
+    radixserve bench NAME [...]                   benchmarks (each prints its figures; see BENCHMARKS)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# radixserve bench NAME -> the radixserve.bench module whose main(argv) runs it
+BENCHMARKS = {
+    "cache-ops": "cache_ops",
+    "model-speed": "model_speed",
+    "schedule": "schedule",
+    "responsiveness": "responsiveness",
+    "simulate": "simulate",
+    "serve": "serve",
+    "four-way": "four_way",
+}
 
 
 def chat(argv: list[str]) -> None:
@@ -42,8 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("chat", help="offline chat on the embedded model", add_help=False)
     commands.add_parser("demo", help="build the chapter's example tree and print it after every insert")
     bench = commands.add_parser("bench", help="benchmarks (each prints its figures)")
-    bench.add_argument("name", choices=["cache-ops", "model-speed", "schedule", "responsiveness"],
-                       help="pass --help after it for its flags")
+    bench.add_argument("name", choices=sorted(BENCHMARKS), help="pass --help after it for its flags")
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
         from radixserve.server.launch import main as serve
@@ -55,22 +66,9 @@ def main(argv: list[str] | None = None) -> None:
         from radixserve.cache.__main__ import main as demo
 
         demo()
-    elif args.name == "cache-ops":
-        from radixserve.bench.cache_ops import main as cache_ops
-
-        cache_ops(rest)
-    elif args.name == "model-speed":
-        from radixserve.bench.model_speed import main as model_speed
-
-        model_speed(rest)
-    elif args.name == "responsiveness":
-        from radixserve.bench.responsiveness import main as responsiveness
-
-        responsiveness(rest)
     else:
-        from radixserve.bench.schedule import main as schedule
-
-        schedule(rest)
+        module = importlib.import_module(f"radixserve.bench.{BENCHMARKS[args.name]}")
+        module.main(rest)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from radixserve.cache.base import EMPTY_INDICES, BasePrefixCache, MatchResult
 from radixserve.cache.candidates import CandidateHeap
 from radixserve.cache.events import KVEventLog
 from radixserve.cache.key import RadixKey, TokenArray
-from radixserve.cache.policy import create_eviction_strategy
+from radixserve.cache.policy import EvictionStrategy, create_eviction_strategy
 from radixserve.memory.allocator import IndexArray, TokenAllocator
 
 Clock = Callable[[], float]
@@ -57,13 +57,16 @@ class RadixCache(BasePrefixCache):
         self,
         allocator: TokenAllocator,
         page_size: int = 1,
-        eviction_policy: str = "lru",
+        eviction_policy: str | EvictionStrategy = "lru",
         clock: Clock | None = None,
         enable_kv_events: bool = False,
     ) -> None:
         super().__init__(allocator, page_size, KVEventLog(page_size) if enable_kv_events else None)
-        self.eviction_policy = eviction_policy
-        self.strategy = create_eviction_strategy(eviction_policy)
+        # A name from EVICTION_POLICIES, or a strategy object (the benchmarks' offline bound).
+        if isinstance(eviction_policy, EvictionStrategy):
+            self.strategy, self.eviction_policy = eviction_policy, type(eviction_policy).__name__
+        else:
+            self.strategy, self.eviction_policy = create_eviction_strategy(eviction_policy), eviction_policy
         self.clock: Clock = clock or time.monotonic
         self._clear()
 

@@ -1,0 +1,230 @@
+"""``radixserve bench simulate``: replay a workload through the prefix caches alone, against the optimum.
+
+No model runs: each request opens (match + lock its cached prefix), gets slots
+for the rest of its prompt and its output, and after ``--concurrency`` later
+requests have started it finishes (its whole sequence is inserted, its lock
+released). When the pool is short even after eviction, the request waits for
+the oldest in-flight one to finish, then matches again (that one may have just
+cached its prefix), as a server's waiting queue would; a request larger than
+the whole pool is rejected (counted, never cached).
+
+Caches compared at each capacity (tokens, or a fraction of the working set:
+every distinct token position of every prompt + output): RadixCache under each
+eviction policy at page size 1 and 16 (``radix-<policy>-p<page>``), the
+vLLM-style BlockHashCache (``block-16``), no cache (``none``), and Belady's
+offline optimum (``belady``, see ``belady.py``): an upper bound on the token hit
+rate any online policy can reach at that capacity. Printed per capacity: token
+hit rate, prompt tokens computed (prefill), tokens evicted, µs of cache work per
+request, and the gap to the bound; a PNG plots hit rate against capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from radixserve.bench.belady import BeladyCache, FutureIndex
+from radixserve.bench.workloads import TraceRequest, load_trace, make_workload, working_set_tokens
+from radixserve.cache import EVICTION_POLICIES, BasePrefixCache, CacheReq, create_prefix_cache
+from radixserve.memory import TokenAllocator
+
+DEFAULT_CACHES = tuple(
+    [f"radix-{policy}-p1" for policy in EVICTION_POLICIES]
+    + [f"radix-{policy}-p16" for policy in ("lru", "slru", "lfu")]
+    + ["block-16", "none", "belady"]
+)
+DEFAULT_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass
+class SimResult:
+    cache: str
+    capacity: int  # KV slots (tokens)
+    capacity_fraction: float  # of the working set
+    requests: int
+    rejected: int
+    prompt_tokens: int
+    cached_tokens: int
+    evicted_tokens: int
+    cache_seconds: float  # time inside cache operations
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def us_per_request(self) -> float:
+        return self.cache_seconds / max(self.requests, 1) * 1e6
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "hit_rate": self.hit_rate, "prefill_tokens": self.prefill_tokens,
+                "us_per_request": self.us_per_request}  # fmt: skip
+
+
+def make_cache(name: str, capacity: int, clock: list[int], index: FutureIndex | None) -> BasePrefixCache:
+    """A cache by its table name, over a pool of ``capacity`` slots; ``clock[0]`` is the request index."""
+
+    def now() -> float:
+        return float(clock[0])
+
+    if name == "belady":
+        assert index is not None, "belady needs the future"
+        return BeladyCache(TokenAllocator(capacity), index, now)
+    if name == "none":
+        return create_prefix_cache("none", TokenAllocator(capacity))
+    kind, _, rest = name.partition("-")
+    if kind == "block" and rest.isdigit():
+        return create_prefix_cache("block", TokenAllocator(capacity), int(rest), clock=now)
+    policy, _, page = rest.rpartition("-p")
+    if kind == "radix" and policy in EVICTION_POLICIES and page.isdigit():
+        size = capacity - capacity % int(page)
+        return create_prefix_cache("radix", TokenAllocator(size, int(page)), int(page), policy, clock=now)
+    raise ValueError(f"unknown cache {name!r}: radix-<policy>-p<page>, block-<size>, none or belady")
+
+
+def replay(requests: Sequence[TraceRequest], cache_name: str, capacity: int, concurrency: int = 16,
+           index: FutureIndex | None = None, working_set: int | None = None) -> SimResult:  # fmt: skip
+    clock = [0]
+    cache = make_cache(cache_name, capacity, clock, index)
+    window: deque[CacheReq] = deque()
+    prompt_tokens = cached_tokens = rejected = 0
+    elapsed = 0.0
+    for i, request in enumerate(requests):
+        clock[0] = i
+        prompt_tokens += len(request.prompt)
+        start = time.perf_counter()
+        if len(window) >= concurrency:
+            cache.cache_finished_req(window.popleft())
+        while True:
+            kv = cache.open_request(request.prompt, request.extra_key)
+            matched = len(kv.token_ids)
+            if cache.extend_request(kv, np.concatenate([request.prompt[matched:], request.output])):
+                window.append(kv)
+                cached_tokens += matched
+                break
+            # No room: wait for the oldest in-flight request, then match again (it may have
+            # just cached this prompt's prefix), as a server's waiting queue would.
+            cache.cache_finished_req(kv, is_insert=False)
+            if not window:  # alone and still too big: the pool can never hold it
+                rejected += 1
+                break
+            cache.cache_finished_req(window.popleft())
+        elapsed += time.perf_counter() - start
+    start = time.perf_counter()
+    while window:
+        cache.cache_finished_req(window.popleft())
+    elapsed += time.perf_counter() - start
+    assert cache.protected_size() == 0
+    assert cache.allocator.free_size() + cache.total_size() == cache.allocator.size, f"{cache_name} leaked slots"
+    fraction = capacity / working_set if working_set else float("nan")
+    return SimResult(cache_name, capacity, fraction, len(requests), rejected, prompt_tokens, cached_tokens,
+                     cache.evicted_tokens, elapsed)  # fmt: skip
+
+
+def future_index(requests: Sequence[TraceRequest]) -> FutureIndex:
+    return FutureIndex([(r.extra_key, r.prompt) for r in requests])
+
+
+def simulate(requests: Sequence[TraceRequest], caches: Sequence[str], capacities: Sequence[int],
+             concurrency: int = 16) -> list[SimResult]:  # fmt: skip
+    """Every cache at every capacity; the future index is built once, only if belady is asked."""
+    working_set = working_set_tokens(list(requests))
+    index = future_index(requests) if "belady" in caches else None
+    return [replay(requests, name, capacity, concurrency, index, working_set) for capacity in capacities for name in caches]
+
+
+def format_table(results: Sequence[SimResult]) -> str:
+    lines = []
+    for capacity in sorted({r.capacity for r in results}):
+        rows = [r for r in results if r.capacity == capacity]
+        bound = next((r.hit_rate for r in rows if r.cache == "belady"), None)
+        lines.append(f"\ncapacity {capacity:,} tokens ({rows[0].capacity_fraction:.0%} of the working set), "
+                     f"{rows[0].requests:,} requests")  # fmt: skip
+        lines.append(f"{'cache':<18} {'hit rate':>8} {'prefill tokens':>15} {'evicted':>12} {'µs/req':>8} "
+                     f"{'gap to bound':>12} {'rejected':>8}")  # fmt: skip
+        for r in sorted(rows, key=lambda r: -r.hit_rate):
+            gap = "" if bound is None or r.cache == "belady" else f"{(bound - r.hit_rate) * 100:+.1f} pt"
+            name = "belady (bound)" if r.cache == "belady" else r.cache
+            lines.append(f"{name:<18} {r.hit_rate:>8.1%} {r.prefill_tokens:>15,} {r.evicted_tokens:>12,} "
+                         f"{r.us_per_request:>8.0f} {gap:>12} {r.rejected:>8}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[SimResult], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in dict.fromkeys(r.cache for r in results):
+        rows = sorted((r for r in results if r.cache == name), key=lambda r: r.capacity)
+        xs, ys = [r.capacity_fraction * 100 for r in rows], [r.hit_rate * 100 for r in rows]
+        if name == "belady":
+            ax.plot(xs, ys, "k--", linewidth=2.5, label="Belady (offline bound)")
+        else:
+            ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=name)
+    ax.set_xlabel("KV capacity (% of the working set)")
+    ax.set_ylabel("token hit rate (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="radixserve bench simulate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--workload", default="support-agent", help="a workload name (see bench/workloads.py)")
+    parser.add_argument("--trace", default=None, help="a JSONL trace file instead (Mooncake-style hash_ids or input_ids)")
+    parser.add_argument("--block-size", type=int, default=512, help="tokens per hash id in a trace file")
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--caches", default=",".join(DEFAULT_CACHES), help="comma-separated cache names")
+    parser.add_argument("--capacity-fraction", default=",".join(map(str, DEFAULT_FRACTIONS)),
+                        help="capacities as fractions of the working set")  # fmt: skip
+    parser.add_argument("--capacity-tokens", default=None, help="capacities in tokens (overrides the fractions)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (their tokens are locked)")
+    parser.add_argument("--output-dir", default="bench-results", help="where the PNG and JSON go")
+    args = parser.parse_args(argv)
+
+    if args.trace:
+        requests = load_trace(args.trace, block_size=args.block_size, limit=args.num_requests)
+        label = Path(args.trace).name
+    else:
+        requests = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed)
+        label = args.workload
+    caches = [c for c in args.caches.split(",") if c]
+    working_set = working_set_tokens(requests)
+    if args.capacity_tokens:
+        capacities = [int(c) for c in _floats(args.capacity_tokens)]
+    else:
+        capacities = [max(int(f * working_set), 16) for f in _floats(args.capacity_fraction)]
+    print(f"{label}: {len(requests):,} requests, {sum(len(r.prompt) for r in requests):,} prompt tokens, "
+          f"working set {working_set:,} tokens, concurrency {args.concurrency}")  # fmt: skip
+    start = time.perf_counter()
+    results = simulate(requests, caches, capacities, args.concurrency)
+    print(format_table(results))
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"simulate-{label}"
+    plot(results, out / f"{stem}.png", f"{label}: {len(requests):,} requests, concurrency {args.concurrency}")
+    (out / f"{stem}.json").write_text(json.dumps([r.to_dict() for r in results], indent=1))
+    print(f"\n{len(results)} replays in {time.perf_counter() - start:.1f} s; wrote {out / stem}.png and .json")
