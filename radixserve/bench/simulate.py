@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from radixserve.bench.belady import BeladyCache, FutureIndex
-from radixserve.bench.workloads import TraceRequest, load_trace, make_workload, working_set_tokens
+from radixserve.bench.traces import load_trace, working_set_tokens
+from radixserve.bench.workloads import TraceRequest, make_workload
 from radixserve.cache import EVICTION_POLICIES, BasePrefixCache, CacheReq, create_prefix_cache
 from radixserve.memory import TokenAllocator
 
@@ -168,13 +169,21 @@ def plot(results: Sequence[SimResult], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]
+    policies = sorted({name.split("-")[1] for name in (r.cache for r in results) if name.startswith("radix-")})
     for name in dict.fromkeys(r.cache for r in results):
+        if name == "none":
+            continue  # 0% everywhere: said in the title
         rows = sorted((r for r in results if r.cache == name), key=lambda r: r.capacity)
         xs, ys = [r.capacity_fraction * 100 for r in rows], [r.hit_rate * 100 for r in rows]
         if name == "belady":
             ax.plot(xs, ys, "k--", linewidth=2.5, label="Belady (offline bound)")
+        elif name.startswith("radix-"):
+            color = colors[policies.index(name.split("-")[1]) % len(colors)]
+            style = "-" if name.endswith("-p1") else ":"
+            ax.plot(xs, ys, style, color=color, marker="o", markersize=3, linewidth=1.4, label=name)
         else:
-            ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=name)
+            ax.plot(xs, ys, "-", color="0.5", marker="s", markersize=3, linewidth=2.5, alpha=0.6, label=name)
     ax.set_xlabel("KV capacity (% of the working set)")
     ax.set_ylabel("token hit rate (%)")
     ax.set_title(title)
@@ -225,6 +234,7 @@ def main(argv: list[str]) -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"simulate-{label}"
-    plot(results, out / f"{stem}.png", f"{label}: {len(requests):,} requests, concurrency {args.concurrency}")
+    plot(results, out / f"{stem}.png", f"{label}: {len(requests):,} requests, concurrency {args.concurrency} "
+         "(no cache: 0% everywhere)")
     (out / f"{stem}.json").write_text(json.dumps([r.to_dict() for r in results], indent=1))
     print(f"\n{len(results)} replays in {time.perf_counter() - start:.1f} s; wrote {out / stem}.png and .json")

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from radixserve.bench.belady import FutureIndex
 from radixserve.bench.simulate import DEFAULT_CACHES, future_index, main, replay
-from radixserve.bench.workloads import TraceRequest, working_set_tokens
+from radixserve.bench.traces import working_set_tokens
+from radixserve.bench.workloads import TraceRequest
 
 EMPTY = np.zeros(0, dtype=np.int64)
 

@@ -9,22 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from radixserve.bench.workloads import (
-    WORKLOADS,
-    TraceRequest,
-    branching,
-    fewshot_burst,
-    generated_shared_prefix,
-    load_trace,
-    make_workload,
-    no_sharing,
-    rag,
-    save_trace,
-    support_agent,
-    text_of,
-    with_poisson_arrivals,
-    working_set_tokens,
-)
+from radixserve.bench.traces import load_trace, save_trace, text_of, with_poisson_arrivals, working_set_tokens
+from radixserve.bench.workloads import WORKLOADS, TraceRequest, branching, fewshot_burst, generated_shared_prefix, make_workload, no_sharing, rag, support_agent
 from radixserve.cache.key import common_prefix_len
 
 
