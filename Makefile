@@ -36,6 +36,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
+	$(PY) -m radixserve bench simulate --workload support-agent
+	$(PY) -m radixserve bench simulate --workload rag
+	$(PY) -m radixserve bench four-way
 	$(PY) -m radixserve bench cache-ops
 	$(PY) -m radixserve bench model-speed
 	$(PY) -m radixserve bench schedule

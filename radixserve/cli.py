@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("serve", help="the HTTP server (pass --help after it for its flags)", add_help=False)
     commands.add_parser("chat", help="offline chat on the embedded model", add_help=False)
     commands.add_parser("demo", help="build the chapter's example tree and print it after every insert")
-    bench = commands.add_parser("bench", help="benchmarks (each prints its figures)")
-    bench.add_argument("name", choices=sorted(BENCHMARKS), help="pass --help after it for its flags")
+    # add_help=False: `radixserve bench NAME --help` is NAME's own help
+    bench = commands.add_parser("bench", help="benchmarks (each prints its figures)", add_help=False)
+    bench.add_argument("name", nargs="?", choices=sorted(BENCHMARKS), help="pass --help after it for its flags")
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
         from radixserve.server.launch import main as serve
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         from radixserve.cache.__main__ import main as demo
 
         demo()
+    elif args.name is None:
+        bench.print_help()
     else:
         module = importlib.import_module(f"radixserve.bench.{BENCHMARKS[args.name]}")
         module.main(rest)

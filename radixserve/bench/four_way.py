@@ -57,13 +57,15 @@ class WorkloadSizes:
     system_prompt_len: int  # the preamble a group shares (system prompt + few-shot examples)
     question_len: int
     output_len: int
+    grouped: bool = False  # each group's requests queued together instead of interleaved with the others
 
     def describe(self) -> str:
-        return (f"{self.num_groups} groups x {self.prompts_per_group} prompts, {self.system_prompt_len}-token "
+        order = "grouped" if self.grouped else "interleaved"
+        return (f"{self.num_groups} groups x {self.prompts_per_group} prompts ({order}), {self.system_prompt_len}-token "
                 f"preamble + {self.question_len}-token question, {self.output_len} output tokens")  # fmt: skip
 
     def trace(self, vocab_size: int, seed: int = 0) -> list[TraceRequest]:
-        return generated_shared_prefix(**asdict(self), grouped=False, seed=seed, vocab_size=vocab_size)
+        return generated_shared_prefix(**asdict(self), seed=seed, vocab_size=vocab_size)
 
 
 SMOLLM2_SIZES = WorkloadSizes(4, 6, 1000, 48, 16)
@@ -156,11 +158,13 @@ def main(argv: list[str]) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--model-path", default=None, help="HF folder or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--tiny", action="store_true", help="a random tiny Llama (4k context) and sizes for it")
-    names = [f.name for f in fields(WorkloadSizes)]
+    names = [f.name for f in fields(WorkloadSizes) if f.type == "int"]
     for name in names:
         smol, tiny = getattr(SMOLLM2_SIZES, name), getattr(TINY_SIZES, name)
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"default {smol} ({tiny} with --tiny)")  # fmt: skip
+    parser.add_argument("--grouped", action="store_true",
+                        help="send each group's requests together (default: groups interleaved, LPM's best case)")  # fmt: skip
     parser.add_argument("--max-concurrency", type=int, default=None, help="default: no cap")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals (default: all at once)")
     parser.add_argument("--max-total-tokens", type=int, default=None,
@@ -175,7 +179,8 @@ def main(argv: list[str]) -> None:
     if unknown or not selected:
         parser.error(f"--runs: unknown {unknown}; choose from {', '.join(RUNS)}")
     sizes = replace(TINY_SIZES if args.tiny else SMOLLM2_SIZES,
-                    **{n: getattr(args, n) for n in names if getattr(args, n) is not None})  # fmt: skip
+                    **{n: getattr(args, n) for n in names if getattr(args, n) is not None},
+                    grouped=args.grouped)  # fmt: skip
 
     pool = args.max_total_tokens if args.max_total_tokens is not None else (TINY_POOL if args.tiny else SMOLLM2_POOL)
     started = time.perf_counter()
