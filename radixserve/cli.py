@@ -21,6 +21,7 @@ BENCHMARKS = {
     "simulate": "simulate",
     "serve": "serve",
     "four-way": "four_way",
+    "soak": "soak",
 }
 
 

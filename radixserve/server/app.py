@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -80,7 +81,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     async def server_info() -> dict[str, Any]:
         scheduler = await asyncio.wrap_future(state.worker.call(engine.scheduler.snapshot))
         return {"version": app.version, "server_args": args.resolved(), "engine": engine.describe(),
-                "scheduler": scheduler}  # fmt: skip
+                "scheduler": scheduler, "process": {"pid": os.getpid(), "rss_bytes": rss_bytes()}}  # fmt: skip
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
@@ -178,6 +179,15 @@ class JSONBodyMiddleware:
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 where that is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,0 +1,490 @@
+"""``radixserve bench soak``: sustained mixed load on a loopback server, then a check that nothing leaked.
+
+Sends ``--requests`` requests, ``--concurrency`` in flight, none new after
+``--duration`` s: normal completions, chats and native generations (streamed or
+not, most sharing a prefix so the cache is used, some distinct), streams the
+client drops after a few chunks (``--disconnect-fraction``), requests it cancels
+as they start (``--abort-fraction``) and malformed ones that must get a 4xx
+(``--bad-fraction``). Then it waits for the server to go idle and checks:
+
+- every request sent has one outcome and none is unexpected (a 5xx, a broken
+  connection, a 4xx to a well-formed request, a 2xx to a malformed one);
+- ``radixserve:requests_total`` grew by the number of requests the server accepted;
+- /cache: no lock held, no slot held by a request, free + cached == pool, invariants ok;
+- the server's RSS at the end is within max(+25 %, +64 MiB) of its RSS after warm-up
+  (the first 10 % of requests).
+
+Any failed check: exit status 1. Without ``--base-url`` it starts a server (a tiny
+random model with a 4k context unless ``--model-path``) with ``--max-total-tokens
+8192``, so the pool is under pressure: eviction and retraction happen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from radixserve.bench.server_process import ServerProcess
+from radixserve.bench.tiny_model import build_engine_folder
+
+MiB = 1 << 20
+RSS_GROWTH_FRACTION, RSS_GROWTH_BYTES = 0.25, 64 * MiB
+NUM_PREFIX_GROUPS = 8
+OUTCOMES = ("completed", "disconnected", "aborted", "bad_rejected", "overloaded", "unexpected")
+Outcome = Literal["completed", "disconnected", "aborted", "bad_rejected", "overloaded", "unexpected"]
+# Did the server take the request in (so that it counts in requests_total when it finishes)?
+# "maybe": a client timeout can fire before or after the server read the request.
+Accepted = Literal["yes", "no", "maybe"]
+Kind = Literal["normal", "disconnect", "abort", "bad"]
+
+
+@dataclass(frozen=True)
+class SoakCall:
+    kind: Kind
+    label: str  # what the call tests: "completions", "bad:unknown-model", ...
+    path: str
+    body: dict[str, Any] | bytes  # bytes: sent as they are (malformed JSON, bad UTF-8)
+    stream: bool = False
+    close_after_events: int | None = None  # disconnect (N events read) / abort as it starts (0)
+    client_timeout_s: float | None = None  # abort before or right after the server reads it
+
+
+@dataclass(frozen=True)
+class CallResult:
+    outcome: Outcome
+    accepted: Accepted
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class OutcomeCounts:
+    sent: int
+    completed: int = 0
+    disconnected: int = 0
+    aborted: int = 0
+    bad_rejected: int = 0
+    overloaded: int = 0  # 503: a legitimate refusal under load
+    unexpected: int = 0
+    accepted_min: int = 0  # requests the server surely accepted
+    accepted_max: int = 0  # ... and those it may have (a timeout or a 503 raced with it)
+    unexpected_details: tuple[str, ...] = ()  # distinct ones, "N x detail"
+
+    @staticmethod
+    def of(sent: int, results: list[CallResult]) -> OutcomeCounts:
+        outcomes = Counter(r.outcome for r in results)
+        accepted = Counter(r.accepted for r in results)
+        details = Counter(r.detail for r in results if r.outcome == "unexpected")
+        return OutcomeCounts(sent, **{name: outcomes[name] for name in OUTCOMES},
+                             accepted_min=accepted["yes"], accepted_max=accepted["yes"] + accepted["maybe"],
+                             unexpected_details=tuple(f"{n} x {d}" for d, n in details.most_common()))  # fmt: skip
+
+
+# ---- the checks: pure functions of what was measured ----------------------------------------------
+
+
+def check_outcomes(counts: OutcomeCounts, server_finished: int | None) -> list[str]:
+    """Every request sent has an outcome, none unexpected; the server finished what it accepted."""
+    problems = []
+    total = sum(getattr(counts, name) for name in OUTCOMES)
+    if total != counts.sent:
+        problems.append(f"{counts.sent} requests sent but {total} outcomes recorded")
+    if counts.unexpected:
+        problems.append(f"{counts.unexpected} unexpected results: " + "; ".join(counts.unexpected_details[:5]))
+    if server_finished is None:
+        problems.append("no radixserve:requests_total from /metrics (start the server with --enable-metrics)")
+    elif not counts.accepted_min <= server_finished <= counts.accepted_max:
+        expected = (f"{counts.accepted_min}" if counts.accepted_min == counts.accepted_max
+                    else f"{counts.accepted_min}..{counts.accepted_max}")  # fmt: skip
+        problems.append(f"requests_total grew by {server_finished}, but the server accepted {expected} requests")
+    return problems
+
+
+def check_leaks(cache: Mapping[str, Any] | None, rss_warm_bytes: int | None, rss_end_bytes: int | None) -> list[str]:
+    """On an idle server: no request, no lock, no held slot, a sound tree, and no RSS growth."""
+    if cache is None:
+        return ["/cache did not answer"]
+    problems = []
+    if cache.get("running_requests") or cache.get("waiting_requests"):
+        problems.append(f"server not idle: {cache.get('running_requests')} running, "
+                        f"{cache.get('waiting_requests')} waiting")  # fmt: skip
+    if cache.get("protected_tokens") != 0:
+        problems.append(f"protected_tokens = {cache.get('protected_tokens')}: a lock is still held")
+    if cache.get("live_request_tokens") != 0:
+        problems.append(f"live_request_tokens = {cache.get('live_request_tokens')}: slots held with no request")
+    pool, free, cached = (cache.get(k) for k in ("pool_tokens", "free_tokens", "cached_tokens"))
+    if not (isinstance(pool, int) and isinstance(free, int) and isinstance(cached, int)) or free + cached != pool:
+        problems.append(f"slots not conserved: free {free} + cached {cached} != pool {pool}")
+    if cache.get("invariants") != "ok":
+        problems.append(f"cache invariants: {cache.get('invariants')}")
+    if rss_warm_bytes and rss_end_bytes:
+        limit = rss_warm_bytes + max(RSS_GROWTH_FRACTION * rss_warm_bytes, RSS_GROWTH_BYTES)
+        if rss_end_bytes > limit:
+            problems.append(f"RSS grew from {rss_warm_bytes / MiB:.0f} MiB after warm-up to "
+                            f"{rss_end_bytes / MiB:.0f} MiB at the end (limit {limit / MiB:.0f} MiB)")  # fmt: skip
+    return problems
+
+
+# ---- the requests ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    model: str
+    vocab_size: int
+    context_len: int
+
+
+def plan_calls(n: int, facts: ServerFacts, *, disconnect_fraction: float, bad_fraction: float,
+               abort_fraction: float, seed: int) -> list[SoakCall]:  # fmt: skip
+    """``n`` calls, the kinds in the given shares (rounded), shuffled; the same for the same seed."""
+    rng = random.Random(seed)
+    groups = [token_ids(rng, facts, facts.context_len // 8) for _ in range(NUM_PREFIX_GROUPS)]
+    shares = {"disconnect": disconnect_fraction, "bad": bad_fraction, "abort": abort_fraction}
+    kinds: list[Kind] = [kind for kind, share in shares.items() for _ in range(round(n * share))]  # type: ignore[misc]
+    kinds = kinds[:n] + ["normal"] * (n - len(kinds))
+    rng.shuffle(kinds)
+    calls = []
+    for kind in kinds:
+        if kind == "bad":
+            calls.append(bad_call(rng, facts))
+            continue
+        stream = kind in ("disconnect", "abort") or rng.random() < 0.5
+        if kind == "abort" and rng.random() < 0.5:  # the other half: cancel by a tiny timeout, not streamed
+            stream = False
+        call = normal_call(rng, facts, groups, stream, long=kind != "normal")
+        if kind == "disconnect":
+            call = SoakCall("disconnect", call.label, call.path, call.body, True, rng.randint(1, 4))
+        elif kind == "abort":
+            timeout = None if stream else rng.uniform(0.001, 0.05)
+            call = SoakCall("abort", call.label, call.path, call.body, stream, 0 if stream else None, timeout)
+        calls.append(call)
+    return calls
+
+
+def token_ids(rng: random.Random, facts: ServerFacts, length: int) -> list[int]:
+    return [rng.randrange(3, facts.vocab_size) for _ in range(length)]  # 0-2: unk, bos, eos in the tiny model
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)  # the tiny model's tokenizer: one token a word
+
+
+def normal_call(rng: random.Random, facts: ServerFacts, groups: list[list[int]], stream: bool,
+                long: bool) -> SoakCall:  # fmt: skip
+    """A well-formed request; ``long``: one that runs long enough to be dropped mid-way (ignores EOS)."""
+    ctx = facts.context_len
+    if rng.random() < 0.8:
+        prefix, question = rng.choice(groups), token_ids(rng, facts, rng.randint(4, max(4, ctx // 32)))
+    else:
+        prefix, question = [], token_ids(rng, facts, rng.randint(16, ctx // 8))
+    max_tokens = ctx // 16 if long else rng.choice([1, 4, 16, 32, ctx // 16])
+    sampling = {"temperature": rng.choice([0.0, 0.8]), "ignore_eos": long or rng.random() < 0.5}
+    endpoint = rng.choices(["completions", "chat", "generate"], weights=[45, 45, 10])[0]
+    if endpoint == "completions":
+        body = {"model": facts.model, "prompt": prefix + question, "max_tokens": max_tokens, **sampling}
+        return SoakCall("normal", endpoint, "/v1/completions", {**body, "stream": stream}, stream)
+    if endpoint == "chat":
+        messages = [{"role": "user", "content": words(question)}]
+        if prefix:  # half the prefix as words: a real tokenizer may make several tokens of one
+            messages.insert(0, {"role": "system", "content": words(prefix[: len(prefix) // 2])})
+        body = {"model": facts.model, "messages": messages, "max_tokens": max_tokens, **sampling}
+        return SoakCall("normal", endpoint, "/v1/chat/completions", {**body, "stream": stream}, stream)
+    params = {"max_new_tokens": max_tokens, **sampling}
+    body = {"input_ids": prefix + question, "sampling_params": params, "stream": stream}
+    return SoakCall("normal", endpoint, "/generate", body, stream)
+
+
+def bad_call(rng: random.Random, facts: ServerFacts) -> SoakCall:
+    """A request the server must refuse with a 4xx, whether or not it asks for a stream."""
+    ok = {"model": facts.model, "prompt": token_ids(rng, facts, 8), "max_tokens": 4, "stream": rng.random() < 0.5}
+    chat = {**ok, "messages": [{"role": "user", "content": "w5 w6"}]}
+    del chat["prompt"]
+    cases: dict[str, tuple[str, dict[str, Any] | bytes]] = {
+        "malformed-json": ("/v1/completions", b'{"model": "m", "prompt": [5, 6'),
+        "bad-utf8": ("/v1/completions", b'{"prompt": "w5 \xff\xfe w6", "max_tokens": 4}'),
+        "prompt-wrong-type": ("/v1/completions", {**ok, "prompt": {"w5": 1}}),
+        "max-tokens-wrong-type": ("/v1/completions", {**ok, "max_tokens": "ten"}),
+        "max-tokens-negative": ("/v1/completions", {**ok, "max_tokens": -3}),
+        "prompt-too-long": ("/v1/completions", {**ok, "prompt": token_ids(rng, facts, facts.context_len + 16)}),
+        "max-tokens-beyond-context": ("/v1/completions", {**ok, "max_tokens": 2 * facts.context_len}),
+        "unknown-model": ("/v1/completions", {**ok, "model": "no-such-model"}),
+        "empty-prompt": ("/v1/completions", {**ok, "prompt": ""}),
+        "unsupported-field": ("/v1/completions", {**ok, "logit_bias": {"5": 10}}),
+        "messages-wrong-type": ("/v1/chat/completions", {**chat, "messages": "w5 w6"}),
+        "chat-unknown-model": ("/v1/chat/completions", {**chat, "model": "no-such-model"}),
+        "generate-both-inputs": ("/generate", {"text": "w5", "input_ids": [5], "stream": ok["stream"]}),
+        "generate-bad-params": ("/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": "x"}}),
+    }
+    label = rng.choice(sorted(cases))
+    path, body = cases[label]
+    return SoakCall("bad", "bad:" + label, path, body, isinstance(body, dict) and bool(body.get("stream")))
+
+
+# ---- sending one request --------------------------------------------------------------------------
+
+
+def refused(call: SoakCall, status: int, body: bytes) -> CallResult:
+    """The outcome of a non-200 answer."""
+    if status == 503:
+        return CallResult("overloaded", "maybe")  # it may have been counted if refused after submission
+    if call.kind == "bad" and 400 <= status < 500:
+        return CallResult("bad_rejected", "no")
+    try:
+        message = str(json.loads(body)["error"]["message"])[:160]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode(errors="replace")[:160]
+    return CallResult("unexpected", "maybe", f"{call.label}: HTTP {status}: {message}")
+
+
+async def send_call(client: httpx.AsyncClient, base_url: str, call: SoakCall) -> CallResult:
+    """Send ``call`` and classify what happened; never raises."""
+    content = call.body if isinstance(call.body, bytes) else json.dumps(call.body).encode()
+    request = client.build_request("POST", base_url + call.path, content=content,
+                                   headers={"content-type": "application/json"})  # fmt: skip
+    if call.client_timeout_s is not None:
+        request.extensions["timeout"] = httpx.Timeout(call.client_timeout_s).as_dict()
+    try:
+        response = await client.send(request, stream=True)
+    except (httpx.PoolTimeout, httpx.ConnectTimeout):
+        return CallResult("aborted" if call.kind == "abort" else "unexpected", "no", f"{call.label}: not sent")
+    except httpx.TimeoutException:
+        if call.kind == "abort":
+            return CallResult("aborted", "maybe")
+        return CallResult("unexpected", "maybe", f"{call.label}: client timeout")
+    except Exception as exc:  # a broken connection: this request failed, the soak goes on
+        return CallResult("unexpected", "maybe", f"{call.label}: {type(exc).__name__}: {exc}")
+    try:
+        if response.status_code != 200:
+            return refused(call, response.status_code, await response.aread())
+        if call.kind == "bad":
+            await response.aread()
+            return CallResult("unexpected", "yes", f"{call.label}: HTTP 200 to a malformed request")
+        if call.close_after_events == 0:
+            return CallResult("aborted", "yes")  # the server began it: closing now aborts it
+        return await read_answer(response, call)
+    except httpx.TimeoutException:
+        return CallResult("aborted" if call.kind == "abort" else "unexpected", "yes", f"{call.label}: timeout")
+    except Exception as exc:
+        return CallResult("unexpected", "yes", f"{call.label}: {type(exc).__name__}: {exc}")
+    finally:
+        await response.aclose()  # unread: httpx drops the connection, the server sees a disconnect
+
+
+async def read_answer(response: httpx.Response, call: SoakCall) -> CallResult:
+    """A 200: the whole JSON answer, or the stream up to [DONE] (or ``close_after_events`` events)."""
+    if not call.stream:
+        answer = json.loads(await response.aread())
+        if "choices" in answer or "meta_info" in answer:
+            return CallResult("completed", "yes")
+        return CallResult("unexpected", "yes", f"{call.label}: an answer with no choices")
+    events = 0
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return CallResult("completed", "yes")
+        if "error" in json.loads(data):
+            return CallResult("unexpected", "yes", f"{call.label}: error event: {data[:160]}")
+        events += 1
+        if call.close_after_events is not None and events >= call.close_after_events:
+            return CallResult("disconnected", "yes")
+    return CallResult("unexpected", "yes", f"{call.label}: the stream ended without [DONE]")
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+
+@dataclass
+class SoakReport:
+    ok: bool
+    problems: list[str]
+    counts: OutcomeCounts
+    leaks: int  # leak problems found (in the cache, the slots, the RSS)
+    server_finished: int | None  # requests_total delta
+    finish_reasons: dict[str, int]
+    rss_warm_bytes: int | None
+    rss_end_bytes: int | None
+    duration_s: float  # sending and answering, without the final wait and checks
+    cache: dict[str, Any] = field(default_factory=dict)  # the final /cache?check=true
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        c = self.counts
+
+        def mib(value: int | None) -> str:
+            return "n/a" if not value else f"{value / MiB:.0f} MiB"
+
+        accepted = str(c.accepted_min) if c.accepted_min == c.accepted_max else f"{c.accepted_min}..{c.accepted_max}"
+        rows = [("Requests sent", c.sent), ("Completed", c.completed), ("Disconnects", c.disconnected),
+                ("Aborts", c.aborted), ("Bad (4xx as expected)", c.bad_rejected), ("503 (overloaded)", c.overloaded),
+                ("Unexpected errors", c.unexpected),
+                ("Server requests_total delta", f"{self.server_finished} (accepted {accepted}; "
+                 + ", ".join(f"{k} {v}" for k, v in sorted(self.finish_reasons.items())) + ")"),
+                ("Leaks found", self.leaks), ("RSS after warm-up", mib(self.rss_warm_bytes)),
+                ("RSS at end (idle)", mib(self.rss_end_bytes)), ("Duration", f"{self.duration_s:.1f} s"),
+                ("Requests/s", f"{c.sent / self.duration_s:.1f}" if self.duration_s else "n/a")]  # fmt: skip
+        lines = ["=" * 20 + " Soak " + "=" * 20, *(f"{name:<32}{value}" for name, value in rows)]
+        lines.append("Result: " + ("OK" if self.ok else "FAILED"))
+        lines += [f"  problem: {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+async def finished_by_reason(control: httpx.AsyncClient, base_url: str) -> dict[str, int] | None:
+    """``radixserve:requests_total`` by finish reason; None if /metrics is off."""
+    response = await control.get(base_url + "/metrics")
+    if response.status_code != 200:
+        return None
+    return {sample.labels["finish_reason"]: int(sample.value)
+            for family in text_string_to_metric_families(response.text)
+            for sample in family.samples if sample.name == "radixserve:requests_total"}  # fmt: skip
+
+
+async def server_rss(control: httpx.AsyncClient, base_url: str, pid: int | None) -> int | None:
+    """Resident memory of the server: /proc/<pid>/status where we know the pid, else /server_info."""
+    if pid is not None:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+    response = await control.get(base_url + "/server_info")
+    return int(response.json()["process"]["rss_bytes"]) or None if response.status_code == 200 else None
+
+
+async def wait_idle(control: httpx.AsyncClient, base_url: str, timeout: float) -> None:
+    """Until nothing runs or waits and requests_total stays put for a second (or ``timeout``)."""
+    deadline, quiet_since, last = time.monotonic() + timeout, None, None
+    while time.monotonic() < deadline:
+        cache = (await control.get(base_url + "/cache", params={"top": 0})).json()
+        finished = await finished_by_reason(control, base_url)
+        idle = not cache["running_requests"] and not cache["waiting_requests"]
+        if not idle or finished != last:
+            quiet_since, last = (time.monotonic() if idle else None), finished
+        elif quiet_since is not None and time.monotonic() - quiet_since >= 1.0:
+            return
+        await asyncio.sleep(0.25)
+
+
+async def server_facts(control: httpx.AsyncClient, base_url: str) -> ServerFacts:
+    info = (await control.get(base_url + "/server_info")).raise_for_status().json()
+    model = (await control.get(base_url + "/v1/models")).raise_for_status().json()["data"][0]["id"]
+    return ServerFacts(str(model), int(info["engine"]["vocab_size"]), int(info["engine"]["context_length"]))
+
+
+async def drive(base_url: str, calls: list[SoakCall], concurrency: int, duration: float,
+                on_done: list[CallResult]) -> int:  # fmt: skip
+    """Send ``calls`` from ``concurrency`` tasks, none new after ``duration`` s; results into ``on_done``."""
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
+    deadline, pending, sent = time.monotonic() + duration, iter(calls), 0
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as client:
+
+        async def worker() -> None:
+            nonlocal sent
+            for call in pending:  # one shared iterator: each call goes to one task
+                if time.monotonic() > deadline:
+                    return
+                sent += 1
+                on_done.append(await send_call(client, base_url, call))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return sent
+
+
+async def run_soak(base_url: str, *, requests: int, concurrency: int, duration: float, disconnect_fraction: float,
+                   bad_fraction: float, abort_fraction: float, seed: int = 0, server_pid: int | None = None,
+                   idle_timeout: float = 60.0) -> SoakReport:  # fmt: skip
+    """Load ``base_url`` (a radixserve with --enable-metrics), wait for it to go idle, check for leaks."""
+    base_url = base_url.rstrip("/")
+    async with httpx.AsyncClient(timeout=60.0) as control:
+        facts = await server_facts(control, base_url)
+        calls = plan_calls(requests, facts, disconnect_fraction=disconnect_fraction, bad_fraction=bad_fraction,
+                           abort_fraction=abort_fraction, seed=seed)  # fmt: skip
+        before = await finished_by_reason(control, base_url)
+        results: list[CallResult] = []
+        rss_warm: list[int | None] = []
+
+        async def measure_warm() -> None:  # once the first ~10 % of requests have their outcome
+            while len(results) < max(1, requests // 10) and not load.done():
+                await asyncio.sleep(0.05)
+            rss_warm.append(await server_rss(control, base_url, server_pid))
+
+        start = time.perf_counter()
+        load = asyncio.ensure_future(drive(base_url, calls, concurrency, duration, results))
+        await measure_warm()
+        sent = await load
+        elapsed = time.perf_counter() - start
+        await wait_idle(control, base_url, idle_timeout)
+        after = await finished_by_reason(control, base_url)
+        cache = (await control.get(base_url + "/cache", params={"top": 0, "check": "true"})).json()
+        rss_end = await server_rss(control, base_url, server_pid)
+    reasons = {k: v - (before or {}).get(k, 0) for k, v in (after or {}).items()}
+    finished = sum(reasons.values()) if before is not None and after is not None else None
+    counts = OutcomeCounts.of(sent, results)
+    leaks = check_leaks(cache, rss_warm[0], rss_end)
+    problems = check_outcomes(counts, finished) + leaks
+    return SoakReport(not problems, problems, counts, len(leaks), finished, reasons, rss_warm[0], rss_end,
+                      elapsed, cache)  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="radixserve bench soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--base-url", default=None, help="a running radixserve with --enable-metrics; else start one")
+    parser.add_argument("--model-path", default=None, help="model for the server started here (default: tiny, 4k)")
+    parser.add_argument("--max-total-tokens", type=int, default=8192, help="KV pool of the server started here")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds after which no new request is sent")
+    parser.add_argument("--disconnect-fraction", type=float, default=0.2)
+    parser.add_argument("--bad-fraction", type=float, default=0.1)
+    parser.add_argument("--abort-fraction", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None, help="write the report as JSON")
+    args = parser.parse_args(argv)
+    load = dict(requests=args.requests, concurrency=args.concurrency, duration=args.duration,
+                disconnect_fraction=args.disconnect_fraction, bad_fraction=args.bad_fraction,
+                abort_fraction=args.abort_fraction, seed=args.seed)  # fmt: skip
+    if args.base_url:
+        report = asyncio.run(run_soak(args.base_url, **load))  # type: ignore[arg-type]
+    else:
+        report = soak_own_server(args.model_path, args.max_total_tokens, load)
+    print(report.table())
+    if args.output:
+        args.output.write_text(json.dumps(report.to_dict(), indent=2))
+    if not report.ok:
+        raise SystemExit(1)
+
+
+def soak_own_server(model_path: str | None, max_total_tokens: int, load: dict[str, Any]) -> SoakReport:
+    """Start a server (tiny 4k-context model by default), soak it, stop it: it must exit 0."""
+    with tempfile.TemporaryDirectory(prefix="radixserve-soak-") as tmp:
+        model = model_path or build_engine_folder(Path(tmp) / "tiny-llama-4k", max_position_embeddings=4096)
+        server = ServerProcess("--enable-metrics", "--max-total-tokens", str(max_total_tokens),
+                               "--log-level", "warning", model_path=model).start(timeout=600)  # fmt: skip
+        assert server.proc is not None
+        try:
+            report = asyncio.run(run_soak(server.url, server_pid=server.proc.pid, **load))
+        finally:
+            code = server.stop()
+        if code != 0:
+            report.problems.append(f"the server exited with status {code} after SIGTERM")
+            report.ok = False
+        if not report.ok:
+            print("---- server log (last 40 lines) ----\n" + "\n".join(server.log().splitlines()[-40:]))
+    return report
