@@ -98,6 +98,7 @@ class GenerateResult:
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     matched_stop: int | str | None = None
     error: str | None = None
+    retryable: bool = False  # the error was a transient lack of capacity (a server answers 503)
 
     def to_dict(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -114,4 +115,5 @@ class GenerateResult:
             meta["output_top_logprobs"] = [[list(pair) for pair in step] for step in self.output_top_logprobs]
         if self.error is not None:
             meta["error"] = self.error
+            meta["retryable"] = self.retryable
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}

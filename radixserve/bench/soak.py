@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +59,7 @@ class SoakCall:
     stream: bool = False
     close_after_events: int | None = None  # disconnect (N events read) / abort as it starts (0)
     client_timeout_s: float | None = None  # abort before or right after the server reads it
+    num_requests: int = 1  # engine requests it makes (n choices, a batch): each counts in requests_total
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class CallResult:
     outcome: Outcome
     accepted: Accepted
     detail: str = ""
+    num_requests: int = 1  # the call's
 
 
 @dataclass(frozen=True)
@@ -77,14 +79,16 @@ class OutcomeCounts:
     bad_rejected: int = 0
     overloaded: int = 0  # 503: a legitimate refusal under load
     unexpected: int = 0
-    accepted_min: int = 0  # requests the server surely accepted
+    accepted_min: int = 0  # engine requests the server surely accepted
     accepted_max: int = 0  # ... and those it may have (a timeout or a 503 raced with it)
     unexpected_details: tuple[str, ...] = ()  # distinct ones, "N x detail"
 
     @staticmethod
     def of(sent: int, results: list[CallResult]) -> OutcomeCounts:
-        outcomes = Counter(r.outcome for r in results)
-        accepted = Counter(r.accepted for r in results)
+        outcomes: Counter[str] = Counter(r.outcome for r in results)
+        accepted: Counter[str] = Counter()
+        for r in results:
+            accepted[r.accepted] += r.num_requests
         details = Counter(r.detail for r in results if r.outcome == "unexpected")
         return OutcomeCounts(sent, **{name: outcomes[name] for name in OUTCOMES},
                              accepted_min=accepted["yes"], accepted_max=accepted["yes"] + accepted["maybe"],
@@ -151,8 +155,8 @@ def plan_calls(n: int, facts: ServerFacts, *, disconnect_fraction: float, bad_fr
     """``n`` calls, the kinds in the given shares (rounded), shuffled; the same for the same seed."""
     rng = random.Random(seed)
     groups = [token_ids(rng, facts, facts.context_len // 8) for _ in range(NUM_PREFIX_GROUPS)]
-    shares = {"disconnect": disconnect_fraction, "bad": bad_fraction, "abort": abort_fraction}
-    kinds: list[Kind] = [kind for kind, share in shares.items() for _ in range(round(n * share))]  # type: ignore[misc]
+    shares: dict[Kind, float] = {"disconnect": disconnect_fraction, "bad": bad_fraction, "abort": abort_fraction}
+    kinds: list[Kind] = [kind for kind, share in shares.items() for _ in range(round(n * share))]
     kinds = kinds[:n] + ["normal"] * (n - len(kinds))
     rng.shuffle(kinds)
     calls = []
@@ -165,10 +169,11 @@ def plan_calls(n: int, facts: ServerFacts, *, disconnect_fraction: float, bad_fr
             stream = False
         call = normal_call(rng, facts, groups, stream, long=kind != "normal")
         if kind == "disconnect":
-            call = SoakCall("disconnect", call.label, call.path, call.body, True, rng.randint(1, 4))
+            call = replace(call, kind="disconnect", close_after_events=rng.randint(1, 4))
+        elif kind == "abort" and stream:
+            call = replace(call, kind="abort", close_after_events=0)
         elif kind == "abort":
-            timeout = None if stream else rng.uniform(0.001, 0.05)
-            call = SoakCall("abort", call.label, call.path, call.body, stream, 0 if stream else None, timeout)
+            call = replace(call, kind="abort", client_timeout_s=rng.uniform(0.001, 0.05))
         calls.append(call)
     return calls
 
@@ -192,18 +197,23 @@ def normal_call(rng: random.Random, facts: ServerFacts, groups: list[list[int]],
     max_tokens = ctx // 16 if long else rng.choice([1, 4, 16, 32, ctx // 16])
     sampling = {"temperature": rng.choice([0.0, 0.8]), "ignore_eos": long or rng.random() < 0.5}
     endpoint = rng.choices(["completions", "chat", "generate"], weights=[45, 45, 10])[0]
+    n = 2 if rng.random() < 0.1 else 1  # several engine requests behind one HTTP request
+    if endpoint == "generate":
+        prompts = [prefix + question] + [prefix + token_ids(rng, facts, len(question))] * (n - 1)
+        body = {"input_ids": prompts if n > 1 else prompts[0], "stream": stream,
+                "sampling_params": {"max_new_tokens": max_tokens, **sampling}}  # fmt: skip
+        return SoakCall("normal", endpoint, "/generate", body, stream, num_requests=n)
+    common = {"model": facts.model, "max_tokens": max_tokens, "n": n, "stream": stream, **sampling}
+    if stream and rng.random() < 0.5:
+        common["stream_options"] = {"include_usage": True}
     if endpoint == "completions":
-        body = {"model": facts.model, "prompt": prefix + question, "max_tokens": max_tokens, **sampling}
-        return SoakCall("normal", endpoint, "/v1/completions", {**body, "stream": stream}, stream)
-    if endpoint == "chat":
-        messages = [{"role": "user", "content": words(question)}]
-        if prefix:  # half the prefix as words: a real tokenizer may make several tokens of one
-            messages.insert(0, {"role": "system", "content": words(prefix[: len(prefix) // 2])})
-        body = {"model": facts.model, "messages": messages, "max_tokens": max_tokens, **sampling}
-        return SoakCall("normal", endpoint, "/v1/chat/completions", {**body, "stream": stream}, stream)
-    params = {"max_new_tokens": max_tokens, **sampling}
-    body = {"input_ids": prefix + question, "sampling_params": params, "stream": stream}
-    return SoakCall("normal", endpoint, "/generate", body, stream)
+        return SoakCall("normal", endpoint, "/v1/completions", {**common, "prompt": prefix + question}, stream,
+                        num_requests=n)  # fmt: skip
+    messages = [{"role": "user", "content": words(question)}]
+    if prefix:  # half the prefix as words: a real tokenizer may make several tokens of one
+        messages.insert(0, {"role": "system", "content": words(prefix[: len(prefix) // 2])})
+    return SoakCall("normal", endpoint, "/v1/chat/completions", {**common, "messages": messages}, stream,
+                    num_requests=n)  # fmt: skip
 
 
 def bad_call(rng: random.Random, facts: ServerFacts) -> SoakCall:
@@ -251,10 +261,9 @@ def refused(call: SoakCall, status: int, body: bytes) -> CallResult:
 async def send_call(client: httpx.AsyncClient, base_url: str, call: SoakCall) -> CallResult:
     """Send ``call`` and classify what happened; never raises."""
     content = call.body if isinstance(call.body, bytes) else json.dumps(call.body).encode()
-    request = client.build_request("POST", base_url + call.path, content=content,
+    timeout = httpx.USE_CLIENT_DEFAULT if call.client_timeout_s is None else httpx.Timeout(call.client_timeout_s)
+    request = client.build_request("POST", base_url + call.path, content=content, timeout=timeout,
                                    headers={"content-type": "application/json"})  # fmt: skip
-    if call.client_timeout_s is not None:
-        request.extensions["timeout"] = httpx.Timeout(call.client_timeout_s).as_dict()
     try:
         response = await client.send(request, stream=True)
     except (httpx.PoolTimeout, httpx.ConnectTimeout):
@@ -286,7 +295,7 @@ async def read_answer(response: httpx.Response, call: SoakCall) -> CallResult:
     """A 200: the whole JSON answer, or the stream up to [DONE] (or ``close_after_events`` events)."""
     if not call.stream:
         answer = json.loads(await response.aread())
-        if "choices" in answer or "meta_info" in answer:
+        if all("choices" in a or "meta_info" in a for a in (answer if isinstance(answer, list) else [answer])):
             return CallResult("completed", "yes")
         return CallResult("unexpected", "yes", f"{call.label}: an answer with no choices")
     events = 0
@@ -315,6 +324,8 @@ class SoakReport:
     leaks: int  # leak problems found (in the cache, the slots, the RSS)
     server_finished: int | None  # requests_total delta
     finish_reasons: dict[str, int]
+    evicted_tokens: int | None  # /metrics deltas: the pool was under pressure when these are > 0
+    retractions: int | None
     rss_warm_bytes: int | None
     rss_end_bytes: int | None
     duration_s: float  # sending and answering, without the final wait and checks
@@ -335,6 +346,7 @@ class SoakReport:
                 ("Unexpected errors", c.unexpected),
                 ("Server requests_total delta", f"{self.server_finished} (accepted {accepted}; "
                  + ", ".join(f"{k} {v}" for k, v in sorted(self.finish_reasons.items())) + ")"),
+                ("Pool pressure", f"{self.evicted_tokens} tokens evicted, {self.retractions} retractions"),
                 ("Leaks found", self.leaks), ("RSS after warm-up", mib(self.rss_warm_bytes)),
                 ("RSS at end (idle)", mib(self.rss_end_bytes)), ("Duration", f"{self.duration_s:.1f} s"),
                 ("Requests/s", f"{c.sent / self.duration_s:.1f}" if self.duration_s else "n/a")]  # fmt: skip
@@ -344,14 +356,20 @@ class SoakReport:
         return "\n".join(lines)
 
 
-async def finished_by_reason(control: httpx.AsyncClient, base_url: str) -> dict[str, int] | None:
-    """``radixserve:requests_total`` by finish reason; None if /metrics is off."""
+async def server_counters(control: httpx.AsyncClient, base_url: str) -> dict[str, int] | None:
+    """/metrics counters: ``finish:REASON`` (requests_total), ``evicted_tokens``, ``retractions``; None if off."""
     response = await control.get(base_url + "/metrics")
     if response.status_code != 200:
         return None
-    return {sample.labels["finish_reason"]: int(sample.value)
-            for family in text_string_to_metric_families(response.text)
-            for sample in family.samples if sample.name == "radixserve:requests_total"}  # fmt: skip
+    found = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("radixserve:").removesuffix("_total")
+            if name == "requests":
+                found["finish:" + sample.labels["finish_reason"]] = int(sample.value)
+            elif name in ("evicted_tokens", "retractions"):
+                found[name] = int(sample.value)
+    return found
 
 
 async def server_rss(control: httpx.AsyncClient, base_url: str, pid: int | None) -> int | None:
@@ -364,7 +382,9 @@ async def server_rss(control: httpx.AsyncClient, base_url: str, pid: int | None)
         except (OSError, ValueError, IndexError):
             pass
     response = await control.get(base_url + "/server_info")
-    return int(response.json()["process"]["rss_bytes"]) or None if response.status_code == 200 else None
+    if response.status_code != 200:
+        return None
+    return int(response.json()["process"]["rss_bytes"]) or None  # 0: the server could not tell
 
 
 async def wait_idle(control: httpx.AsyncClient, base_url: str, timeout: float) -> None:
@@ -372,13 +392,32 @@ async def wait_idle(control: httpx.AsyncClient, base_url: str, timeout: float) -
     deadline, quiet_since, last = time.monotonic() + timeout, None, None
     while time.monotonic() < deadline:
         cache = (await control.get(base_url + "/cache", params={"top": 0})).json()
-        finished = await finished_by_reason(control, base_url)
+        finished = await server_counters(control, base_url)
         idle = not cache["running_requests"] and not cache["waiting_requests"]
         if not idle or finished != last:
             quiet_since, last = (time.monotonic() if idle else None), finished
         elif quiet_since is not None and time.monotonic() - quiet_since >= 1.0:
             return
         await asyncio.sleep(0.25)
+
+
+@dataclass(frozen=True)
+class FinalState:
+    counters: dict[str, int] | None
+    cache: dict[str, Any] | None
+    rss_bytes: int | None
+    error: str | None = None
+
+
+async def final_state(control: httpx.AsyncClient, base_url: str, pid: int | None, idle_timeout: float) -> FinalState:
+    """Once idle (or after ``idle_timeout`` s): the counters, ``/cache?check=true``, the RSS."""
+    try:
+        await wait_idle(control, base_url, idle_timeout)
+        counters = await server_counters(control, base_url)
+        cache = (await control.get(base_url + "/cache", params={"top": 0, "check": "true"})).raise_for_status()
+        return FinalState(counters, cache.json(), await server_rss(control, base_url, pid))
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        return FinalState(None, None, None, f"the server stopped answering after the load: {type(exc).__name__}: {exc}")
 
 
 async def server_facts(control: httpx.AsyncClient, base_url: str) -> ServerFacts:
@@ -400,7 +439,7 @@ async def drive(base_url: str, calls: list[SoakCall], concurrency: int, duration
                 if time.monotonic() > deadline:
                     return
                 sent += 1
-                on_done.append(await send_call(client, base_url, call))
+                on_done.append(replace(await send_call(client, base_url, call), num_requests=call.num_requests))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return sent
@@ -415,7 +454,7 @@ async def run_soak(base_url: str, *, requests: int, concurrency: int, duration: 
         facts = await server_facts(control, base_url)
         calls = plan_calls(requests, facts, disconnect_fraction=disconnect_fraction, bad_fraction=bad_fraction,
                            abort_fraction=abort_fraction, seed=seed)  # fmt: skip
-        before = await finished_by_reason(control, base_url)
+        before = await server_counters(control, base_url)
         results: list[CallResult] = []
         rss_warm: list[int | None] = []
 
@@ -429,17 +468,16 @@ async def run_soak(base_url: str, *, requests: int, concurrency: int, duration: 
         await measure_warm()
         sent = await load
         elapsed = time.perf_counter() - start
-        await wait_idle(control, base_url, idle_timeout)
-        after = await finished_by_reason(control, base_url)
-        cache = (await control.get(base_url + "/cache", params={"top": 0, "check": "true"})).json()
-        rss_end = await server_rss(control, base_url, server_pid)
-    reasons = {k: v - (before or {}).get(k, 0) for k, v in (after or {}).items()}
-    finished = sum(reasons.values()) if before is not None and after is not None else None
+        end = await final_state(control, base_url, server_pid, idle_timeout)
+    after = end.counters
+    delta = {k: v - before.get(k, 0) for k, v in after.items()} if before is not None and after is not None else {}
+    reasons = {k.removeprefix("finish:"): v for k, v in delta.items() if k.startswith("finish:")}
+    finished = sum(reasons.values()) if delta else None
     counts = OutcomeCounts.of(sent, results)
-    leaks = check_leaks(cache, rss_warm[0], rss_end)
-    problems = check_outcomes(counts, finished) + leaks
-    return SoakReport(not problems, problems, counts, len(leaks), finished, reasons, rss_warm[0], rss_end,
-                      elapsed, cache)  # fmt: skip
+    leaks = check_leaks(end.cache, rss_warm[0], end.rss_bytes)
+    problems = check_outcomes(counts, finished) + leaks + ([end.error] if end.error else [])
+    return SoakReport(not problems, problems, counts, len(leaks), finished, reasons, delta.get("evicted_tokens"),
+                      delta.get("retractions"), rss_warm[0], end.rss_bytes, elapsed, end.cache or {})  # fmt: skip
 
 
 def main(argv: list[str]) -> None:
@@ -457,11 +495,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the report as JSON")
     args = parser.parse_args(argv)
-    load = dict(requests=args.requests, concurrency=args.concurrency, duration=args.duration,
+    load: dict[str, Any] = dict(requests=args.requests, concurrency=args.concurrency, duration=args.duration,
                 disconnect_fraction=args.disconnect_fraction, bad_fraction=args.bad_fraction,
                 abort_fraction=args.abort_fraction, seed=args.seed)  # fmt: skip
     if args.base_url:
-        report = asyncio.run(run_soak(args.base_url, **load))  # type: ignore[arg-type]
+        report = asyncio.run(run_soak(args.base_url, **load))
     else:
         report = soak_own_server(args.model_path, args.max_total_tokens, load)
     print(report.table())

@@ -20,8 +20,10 @@ from collections import deque
 from typing import Callable, Sequence
 
 import numpy as np
+import torch
 
 from radixserve.cache.base import BasePrefixCache
+from radixserve.core import TopLogprobs
 from radixserve.model.runner import ModelRunner, StepInput
 from radixserve.model.sampling import SamplingState, sample
 from radixserve.scheduler.admission import PrefillAdder, decode_reserve
@@ -117,6 +119,7 @@ class Scheduler:
         if not stuck:
             return []
         victim = max(stuck, key=lambda r: r.arrival_time)
+        victim.retryable = True  # it fits alone: once the running requests finish, it will run
         self._finish(victim, "abort", error="the KV pool cannot hold this prompt next to the running requests")
         self.running = [r for r in self.running if r is not victim]
         return [victim]
@@ -209,38 +212,98 @@ class Scheduler:
     # ---- one model call -----------------------------------------------------------------------------
 
     def _run(self, batch: list[Request], mode: str) -> list[Request]:
-        inputs = [StepInput(self._new_tokens(req, mode), req.kv.kv_indices) for req in batch if req.kv is not None]
-        try:
-            logits = self.runner.forward(inputs, mode)
-        except Exception as exc:  # one bad batch must not take the engine down
-            logger.exception("model step failed")
-            for req in batch:
-                self._finish(req, "abort", error=f"{type(exc).__name__}: {exc}", insert=False)
-            self.running = [r for r in self.running if r.status is Status.RUNNING]
-            return batch
+        """One model step; a request that breaks it fails alone, the others go on.
+
+        A failed batch is retried one request at a time; a row of NaN/inf logits
+        or a sampling or detokenizing error fails only its request (its KV is
+        freed, never cached: it may be garbage).
+        """
+        batch = [req for req in batch if req.kv is not None]
+        batch, logits = self._forward(batch, mode)
+        if logits is None:
+            return self._after_step(batch, mode, [])
         if mode == "extend":
-            self.stats.prefill_tokens += sum(len(i.new_token_ids) for i in inputs)
-        sampled = [i for i, req in enumerate(batch) if mode == "decode" or _prefilled(req)]
-        states = [batch[i].sampling for i in sampled]
-        out = sample(logits[sampled], states) if sampled else None  # type: ignore[arg-type]
+            self.stats.prefill_tokens += sum(len(self._new_tokens(req, mode)) for req in batch)
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        for req, ok in zip(batch, finite):
+            if not ok:
+                self._fail(req, "the model produced non-finite logits (NaN or inf)")
+        rows = [i for i, req in enumerate(batch) if finite[i] and (mode == "decode" or _prefilled(req))]
         finished = []
-        for row, i in enumerate(sampled):
+        for i, (token, logprob, top) in zip(rows, self._sample(logits, [batch[i] for i in rows], rows)):
             req = batch[i]
-            if mode == "extend":
-                req.prefill_done = True
-            if out is None:
-                continue
-            if out.logprobs is not None and out.logprobs[row] is not None:
-                req.output_logprobs.append(out.logprobs[row])  # type: ignore[arg-type]
-            if out.top_logprobs is not None and req.params.top_logprobs:
-                req.output_top_logprobs.append(out.top_logprobs[row])
-            if self._append_token(req, out.token_ids[row]):
-                finished.append(req)
+            if req.status is not Status.RUNNING:
+                continue  # its sampling failed
+            req.prefill_done = True
+            if logprob is not None:
+                req.output_logprobs.append(logprob)
+            if top is not None and req.params.top_logprobs:
+                req.output_top_logprobs.append(top)
+            try:
+                if self._append_token(req, token):
+                    finished.append(req)
+            except Exception as exc:  # e.g. the detokenizer on a stop-string check
+                self._fail(req, exc)
+        return self._after_step(batch, mode, finished)
+
+    def _after_step(self, batch: list[Request], mode: str, finished: list[Request]) -> list[Request]:
         for req in batch:  # share every computed prompt chunk at once (dedup-held requests hit it)
             if mode == "extend" and req.status is Status.RUNNING and req.kv is not None:
                 self.cache.cache_unfinished_req(req.kv)
+        failed = [req for req in batch if req.status is Status.ABORTED and req not in finished]
         self.running = [r for r in self.running if r.status is Status.RUNNING]
-        return finished
+        return finished + failed
+
+    def _forward(self, batch: list[Request], mode: str) -> tuple[list[Request], torch.Tensor | None]:
+        """Logits for ``batch``; if the batched call fails, each request alone (the failing ones abort)."""
+        try:
+            return batch, self.runner.forward([self._step_input(req, mode) for req in batch], mode)
+        except Exception as exc:
+            if len(batch) == 1:
+                logger.exception("model step failed for request %d", batch[0].rid)
+                self._fail(batch[0], exc)
+                return [], None
+            logger.warning("a %d-request %s step failed (%s); retrying each request alone", len(batch), mode, exc)
+        survivors, rows = [], []
+        for req in batch:
+            try:
+                rows.append(self.runner.forward([self._step_input(req, mode)], mode))
+                survivors.append(req)
+            except Exception as exc:
+                logger.exception("model step failed for request %d", req.rid)
+                self._fail(req, exc)
+        return survivors, (torch.cat(rows) if rows else None)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]
+                ) -> list[tuple[int, float | None, TopLogprobs | None]]:  # fmt: skip
+        """(token, logprob, top logprobs) per request; if batched sampling fails, row by row."""
+        if not reqs:
+            return []
+        try:
+            out = sample(logits[rows], [req.sampling for req in reqs])  # type: ignore[misc]
+            return [(out.token_ids[k], out.logprobs[k] if out.logprobs else None,
+                     out.top_logprobs[k] if out.top_logprobs else None) for k in range(len(reqs))]  # fmt: skip
+        except Exception as exc:
+            logger.warning("sampling a batch of %d failed (%s); sampling each request alone", len(reqs), exc)
+        results: list[tuple[int, float | None, TopLogprobs | None]] = []
+        for req, row in zip(reqs, rows):
+            try:
+                one = sample(logits[row : row + 1], [req.sampling])  # type: ignore[list-item]
+                results.append((one.token_ids[0], one.logprobs[0] if one.logprobs else None,
+                                one.top_logprobs[0] if one.top_logprobs else None))  # fmt: skip
+            except Exception as exc:
+                logger.exception("sampling failed for request %d", req.rid)
+                self._fail(req, exc)
+                results.append((-1, None, None))
+        return results
+
+    def _fail(self, req: Request, error: BaseException | str) -> None:
+        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self._finish(req, "abort", error=message, insert=False, decode=False)
+
+    def _step_input(self, req: Request, mode: str) -> StepInput:
+        assert req.kv is not None
+        return StepInput(self._new_tokens(req, mode), req.kv.kv_indices)
 
     def _new_tokens(self, req: Request, mode: str) -> np.ndarray:
         assert req.kv is not None

@@ -48,6 +48,7 @@ class Request:
     prefill_done: bool = False  # this admission's prefill has produced a token
     chunk_start: int = 0  # where in kv.token_ids this step's prefill chunk starts
     error: str | None = None
+    retryable: bool = False  # the error is a transient lack of capacity: the same request may succeed later
     num_retractions: int = 0
     computed_len: int = 0  # tokens whose K/V it had computed when last retracted
     finish_reason: FinishReason | None = None
@@ -80,4 +81,5 @@ class Request:
             output_top_logprobs=list(self.output_top_logprobs),
             matched_stop=self.matched_stop,
             error=self.error,
+            retryable=self.retryable,
         )

@@ -44,7 +44,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     metrics = ServerMetrics(args.hit_rate_window) if args.enable_metrics else None
-    state = ServerState(engine, args, EngineWorker(engine, metrics), metrics)
+    state = ServerState(engine, args, EngineWorker(engine, metrics, args.max_queued_requests), metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -193,7 +193,7 @@ def rss_bytes() -> int:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -32,6 +32,7 @@ class ServerArgs:
     api_key: str | None = None
     enable_metrics: bool = False
     hit_rate_window: int = 1000  # finished requests the cache_hit_rate gauge averages over
+    max_queued_requests: int = 4096  # requests in flight (queued + running) before new ones get 503
     graceful_shutdown_timeout: float = 30.0
     log_level: str = "info"
 
@@ -97,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` (all endpoints but /health and /metrics)")  # fmt: skip
     server.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    server.add_argument("--max-queued-requests", type=int, default=ServerArgs.max_queued_requests,
+                        help="requests in flight (waiting + running) before new ones get 503 + Retry-After")  # fmt: skip
     server.add_argument("--hit-rate-window", type=int, default=ServerArgs.hit_rate_window,
                         help="finished requests the cache_hit_rate gauge averages over")  # fmt: skip
     server.add_argument("--graceful-shutdown-timeout", type=float, default=ServerArgs.graceful_shutdown_timeout,
@@ -127,8 +130,9 @@ def parse_args(argv: list[str]) -> ServerArgs:
         )
         if not 0 < ns.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {ns.port}")
-        if ns.hit_rate_window < 1 or ns.graceful_shutdown_timeout < 0:
-            raise ValueError("--hit-rate-window must be >= 1 and --graceful-shutdown-timeout >= 0")
+        if ns.hit_rate_window < 1 or ns.graceful_shutdown_timeout < 0 or ns.max_queued_requests < 1:
+            raise ValueError("--hit-rate-window and --max-queued-requests must be >= 1, "
+                             "--graceful-shutdown-timeout >= 0")  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
     return ServerArgs(
@@ -139,6 +143,7 @@ def parse_args(argv: list[str]) -> ServerArgs:
         api_key=ns.api_key,
         enable_metrics=ns.enable_metrics,
         hit_rate_window=ns.hit_rate_window,
+        max_queued_requests=ns.max_queued_requests,
         graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
         log_level=ns.log_level,
     )

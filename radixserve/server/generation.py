@@ -24,7 +24,7 @@ from radixserve.scheduler.request import Request
 from radixserve.server.args import ServerArgs
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
-from radixserve.server.worker import Delta, EngineWorker
+from radixserve.server.worker import Delta, EngineWorker, Overloaded
 
 T = TypeVar("T")
 
@@ -84,11 +84,13 @@ class Generation:
             loop.call_soon_threadsafe(self._queue.put_nowait, delta)
 
         try:
-            for index, req in enumerate(requests):
-                self.worker.submit(req, sink, index)
+            self.worker.reserve(len(requests))
+        except Overloaded as exc:
+            raise APIError.overloaded(str(exc)) from None
         except RuntimeError as exc:  # shutting down
-            self.abort()
-            raise APIError(503, str(exc), "shutting_down") from None
+            raise APIError.overloaded(str(exc), "shutting_down") from None
+        for index, req in enumerate(requests):
+            self.worker.submit(req, sink, index)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         while self._pending:

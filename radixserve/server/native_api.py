@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Callable
 
 from radixserve.core import SamplingParams
-from radixserve.server.errors import APIError
+from radixserve.server.errors import APIError, raise_first_error
 from radixserve.server.generation import Generation, ServerState, TextStream, finish_unless_disconnected
 from radixserve.server.openai_api import SSE_DONE, sse
 from radixserve.server.protocol import GenerateRequest
@@ -62,6 +62,7 @@ class NativeCall:
 
     async def run(self, generation: Generation, is_disconnected: Callable[[], Any]) -> Any:
         results = await finish_unless_disconnected(generation, is_disconnected)
+        raise_first_error(results)
         outs = []
         for req, result in zip(generation.requests, results):
             out = result.to_dict()

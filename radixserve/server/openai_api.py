@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Callable
 
 from radixserve.core import GenerateResult
-from radixserve.server.errors import APIError
+from radixserve.server.errors import APIError, error_event, raise_first_error
 from radixserve.server.generation import Generation, ServerState, TextStream, finish_unless_disconnected
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
@@ -109,10 +109,7 @@ class OpenAICall:
 
     @staticmethod
     def check_errors(results: list[GenerateResult]) -> None:
-        for result in results:
-            if result.error is not None:
-                shutting = "shutting down" in result.error
-                raise APIError(503 if shutting else 500, result.error, "shutting_down" if shutting else "engine_error")
+        raise_first_error(results)
 
     async def run(self, generation: Generation, is_disconnected: Callable[[], Any]) -> dict[str, Any]:
         results = await finish_unless_disconnected(generation, is_disconnected)
@@ -148,7 +145,7 @@ class OpenAICall:
                 result = delta.result
                 if result is not None:
                     if result.error is not None:
-                        yield sse({"error": {"message": result.error, "type": "internal_error", "code": 500}})
+                        yield sse(error_event(result))
                         continue
                     text += stream.finish(result.text)
                 if text or delta.token_ids or result is not None:

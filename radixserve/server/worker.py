@@ -56,9 +56,16 @@ class _Live:
     last_token_time: float = 0.0
 
 
+class Overloaded(RuntimeError):
+    """More requests in flight than the server accepts (``--max-queued-requests``)."""
+
+
 class EngineWorker:
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_in_flight: int = 1 << 30) -> None:
         self.engine = engine
+        self.max_in_flight = max_in_flight
+        self._in_flight = 0  # submitted and not yet finished (any thread reads; changed under _count_lock)
+        self._count_lock = threading.Lock()
         self.scheduler = engine.scheduler
         self.metrics = metrics
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -75,9 +82,20 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None
 
-    def submit(self, req: Request, sink: Sink, index: int = 0) -> None:
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def reserve(self, count: int) -> None:
+        """Claim room for ``count`` requests before submitting them; Overloaded if there is none."""
         if self._stopping.is_set():
             raise RuntimeError("the server is shutting down")
+        with self._count_lock:
+            if self._in_flight + count > self.max_in_flight:
+                raise Overloaded(f"the server has {self._in_flight} requests in flight (at most {self.max_in_flight})")
+            self._in_flight += count
+
+    def submit(self, req: Request, sink: Sink, index: int = 0) -> None:
+        """Queue a request (after ``reserve``); its sink gets deltas, the last with the result."""
         self._inbox.put(lambda: self._add(req, sink, index))
 
     def abort(self, rid: int) -> None:
@@ -202,6 +220,8 @@ class EngineWorker:
         )
         live.sent = len(req.output_ids)
         if final:
+            with self._count_lock:
+                self._in_flight -= 1
             if req.finish_time is None:
                 req.finish_time = time.perf_counter()
             if req.finish_reason is None:

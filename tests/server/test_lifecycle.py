@@ -140,3 +140,22 @@ def test_signal_finishes_or_aborts_in_flight_requests_and_exits_zero(medium_dir:
     assert code == 0, proc.log()
     assert len(events) < 3000  # it did not run to the end: it was aborted
     assert "server stopped" in proc.log()
+
+
+def test_over_the_queue_limit_is_503_with_retry_after(medium_dir: Path) -> None:
+    proc = ServerProcess("--max-queued-requests", "1", "--log-level", "warning", "--max-total-tokens", "4096",
+                         model_path=medium_dir).start()  # fmt: skip
+    try:
+        body = {"input_ids": [5, 6, 7], "sampling_params": LONG, "stream": True}
+        with httpx.stream("POST", proc.url + "/generate", json=body, timeout=60) as first:
+            lines = first.iter_lines()  # keep it referenced: a discarded iterator closes the connection
+            next(line for line in lines if line.startswith("data: "))  # it is running
+            second = httpx.post(proc.url + "/generate", json={**body, "stream": False}, timeout=60)
+            assert second.status_code == 503 and second.headers["retry-after"] == "1"
+            assert "in flight" in second.json()["error"]["message"]
+        assert_idle_and_conserved(proc.url)  # the first was aborted by the disconnect: room again
+        again = httpx.post(proc.url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}},
+                           timeout=60)  # fmt: skip
+        assert again.status_code == 200
+    finally:
+        proc.stop()

@@ -1,0 +1,114 @@
+"""Fault containment: one request that breaks a step fails alone; the rest finish with correct output.
+
+Each fault is injected around the real engine (monkeypatched model call, sampler
+or detokenizer) for exactly one request of a mixed batch. Afterwards: that
+request aborted with a clear error, every other request's tokens equal a clean
+run's, and the engine is idle with no lock held and no slot leaked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+import radixserve.scheduler.loop as loop
+from radixserve import Engine
+from radixserve.cache import RadixKey
+from tests.model.tiny import build_engine_folder
+
+PARAMS = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+POISON = 77  # the token that marks the faulty request's prompt
+PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 9, 10], [5, 6, POISON, 11], [20, 21, 22]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_engine_folder(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def clean(model_dir: Path) -> list[list[int]]:
+    engine = Engine(model_path=str(model_dir), max_total_tokens=2048)
+    return [out["output_ids"] for out in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]  # type: ignore[index]
+
+
+def run_with(model_dir: Path, patch: Callable[[Engine], None], params: Any = PARAMS) -> tuple[Engine, list[Any]]:
+    engine = Engine(model_path=str(model_dir), max_total_tokens=2048)
+    patch(engine)
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    assert isinstance(outs, list)
+    return engine, outs
+
+
+def check_contained(engine: Engine, outs: list[Any], clean: list[list[int]], words: str) -> None:
+    faulty = outs[2]["meta_info"]
+    assert faulty["finish_reason"] == "abort" and words in faulty["error"], faulty
+    for i in (0, 1, 3):
+        assert outs[i]["meta_info"]["finish_reason"] == "length" and outs[i]["output_ids"] == clean[i]
+    engine.check_idle_invariants()
+    assert len(engine.cache.match_prefix(RadixKey([5, 6, POISON])).indices) == 2  # its own tokens never cached
+
+
+def test_a_model_call_that_fails_for_one_request(model_dir: Path, clean: list[list[int]]) -> None:
+    def patch(engine: Engine) -> None:
+        forward = engine.scheduler.runner.forward
+
+        def failing(inputs: Any, mode: str) -> torch.Tensor:
+            for step in inputs:
+                if POISON in np.asarray(step.new_token_ids).tolist():
+                    raise RuntimeError("injected kernel failure")
+            return forward(inputs, mode)
+
+        engine.scheduler.runner.forward = failing  # type: ignore[method-assign]
+
+    engine, outs = run_with(model_dir, patch)
+    check_contained(engine, outs, clean, "injected kernel failure")
+
+
+def test_nan_logits_for_one_request(model_dir: Path, clean: list[list[int]]) -> None:
+    def patch(engine: Engine) -> None:
+        forward = engine.scheduler.runner.forward
+
+        def poisoned(inputs: Any, mode: str) -> torch.Tensor:
+            logits = forward(inputs, mode).clone()  # an inference tensor: copy before writing
+            for row, step in enumerate(inputs):
+                if POISON in np.asarray(step.new_token_ids).tolist():
+                    logits[row, 3] = float("nan")
+            return logits
+
+        engine.scheduler.runner.forward = poisoned  # type: ignore[method-assign]
+
+    engine, outs = run_with(model_dir, patch)
+    check_contained(engine, outs, clean, "non-finite logits")
+
+
+def test_a_sampler_error_for_one_request(model_dir: Path, clean: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    real = loop.sample
+
+    def picky(logits: torch.Tensor, states: Any) -> Any:
+        if any(POISON in s.prompt_ids for s in states):
+            raise ValueError("injected sampler failure")
+        return real(logits, states)
+
+    monkeypatch.setattr(loop, "sample", picky)
+    engine, outs = run_with(model_dir, lambda engine: None)
+    check_contained(engine, outs, clean, "injected sampler failure")
+
+
+def test_a_detokenizer_error_for_one_request(model_dir: Path, clean: list[list[int]]) -> None:
+    def patch(engine: Engine) -> None:
+        detokenize = engine.scheduler.detokenize
+
+        def fragile(output_ids: Any, prompt_ids: Any) -> str:
+            if POISON in list(prompt_ids):
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+            return detokenize(output_ids, prompt_ids)
+
+        engine.scheduler.detokenize = fragile
+
+    engine, outs = run_with(model_dir, patch, {**PARAMS, "stop": ["never-generated"]})
+    check_contained(engine, outs, clean, "UnicodeDecodeError")
