@@ -9,7 +9,7 @@ salt) is shown as a short hash, never as the value itself.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Callable
 
 from radixserve.cache.base import BasePrefixCache
 from radixserve.cache.block import BlockHashCache
@@ -25,7 +25,11 @@ def namespace_id(extra_key: str | None) -> str | None:
     return hashlib.blake2b(extra_key.encode(), digest_size=6, person=b"rs-ns-id").hexdigest()
 
 
-def summarize(cache: BasePrefixCache, top_k: int = 10) -> dict[str, Any]:
+def summarize(cache: BasePrefixCache, top_k: int = 10, visible: Callable[[str | None], bool] | None = None
+              ) -> dict[str, Any]:  # fmt: skip
+    """Sizes and shape; with ``visible``, only the namespaces it accepts (a tenant's view: no pool-wide figure)."""
+    if visible is not None:
+        return _namespace_view(cache, top_k, visible)
     allocator = cache.allocator
     out: dict[str, Any] = {
         "kind": {RadixCache: "radix", BlockHashCache: "block"}.get(type(cache), "none"),
@@ -48,7 +52,22 @@ def summarize(cache: BasePrefixCache, top_k: int = 10) -> dict[str, Any]:
     return out
 
 
-def _radix_shape(cache: RadixCache, top_k: int) -> dict[str, Any]:
+def _namespace_view(cache: BasePrefixCache, top_k: int, visible: Callable[[str | None], bool]) -> dict[str, Any]:
+    kind = {RadixCache: "radix", BlockHashCache: "block"}.get(type(cache), "none")
+    out: dict[str, Any] = {"kind": kind, "page_size": cache.page_size, "namespace_view": True}
+    if isinstance(cache, RadixCache):
+        shape = _radix_shape(cache, top_k, visible)
+        tokens = sum(len(node.key) for node in cache.nodes() if visible(node.key.extra_key))
+        out.update(cached_tokens=tokens, **{k: shape[k] for k in ("nodes", "leaves", "namespaces", "top_shared_prefixes")})
+    elif isinstance(cache, BlockHashCache):
+        blocks = [b for b in cache.blocks() if visible(b.extra_key)]
+        out.update(blocks=len(blocks), cached_tokens=len(blocks) * cache.block_size)
+    else:
+        out.update(cached_tokens=0)
+    return out
+
+
+def _radix_shape(cache: RadixCache, top_k: int, visible: Callable[[str | None], bool] | None = None) -> dict[str, Any]:
     """Node counts, depth, namespaces, and the top shared prefixes.
 
     A shared prefix is a branch point (two or more children: sequences diverge
@@ -64,6 +83,8 @@ def _radix_shape(cache: RadixCache, top_k: int) -> dict[str, Any]:
     for node in cache.nodes():
         assert node.parent is not None
         depth[node.id] = depth[node.parent.id] + len(node.key)
+        if visible is not None and not visible(node.key.extra_key):
+            continue
         nodes += 1
         leaves += not node.children
         max_depth = max(max_depth, depth[node.id])

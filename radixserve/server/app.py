@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -36,6 +35,7 @@ from radixserve.server.metrics import ServerMetrics
 from radixserve.server.native_api import NativeCall
 from radixserve.server.openai_api import ChatCall, CompletionCall
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from radixserve.server.tenancy import ADMIN, Tenancy, key_tenant, read_key_file
 from radixserve.server.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     metrics = ServerMetrics(args.hit_rate_window) if args.enable_metrics else None
-    state = ServerState(engine, args, EngineWorker(engine, metrics, args.max_queued_requests), metrics)
+    state = ServerState(engine, args, EngineWorker(engine, metrics, args.max_queued_requests), metrics,
+                        build_tenancy(args))  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,15 +62,15 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(JSONBodyMiddleware)
 
-    async def check_api_key(request: Request) -> None:
-        if args.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), args.api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", "invalid_api_key")
+    tenancy = state.tenancy
 
-    auth = [Depends(check_api_key)]
+    async def identify(request: Request) -> str | None:
+        """The caller's tenant (see tenancy.py); 401 when the key or the tenant header is wrong."""
+        tenant = tenancy.authenticate(request.headers)
+        request.state.tenant = tenant
+        return tenant
+
+    auth = [Depends(identify)]
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -91,7 +92,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        call = CompletionCall(state, body)
+        call = CompletionCall(state, body, tenancy.namespace(request.state.tenant, body.cache_salt))
         generation = await call.begin()
         if body.stream:
             return StreamingResponse(call.stream(generation), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -99,7 +100,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        call = ChatCall(state, body)
+        call = ChatCall(state, body, tenancy.namespace(request.state.tenant, body.cache_salt))
         generation = await call.begin()
         if body.stream:
             return StreamingResponse(call.stream(generation), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -107,20 +108,27 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
 
     @app.post("/generate", dependencies=auth)
     async def generate(body: GenerateRequest, request: Request) -> Response:
-        call = NativeCall(state, body)
+        call = NativeCall(state, body, tenancy.namespace(request.state.tenant, body.extra_key))
         generation = await call.begin()
         if body.stream:
             return StreamingResponse(call.stream(generation), media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(await call.run(generation, request.is_disconnected))
 
     @app.get("/cache", dependencies=auth)
-    async def cache(top: int = Query(10, ge=0, le=100), check: bool = False) -> dict[str, Any]:
+    async def cache(request: Request, top: int = Query(10, ge=0, le=100), check: bool = False) -> dict[str, Any]:
         """Sizes (tokens), shape, and the most shared prefixes (their first and last tokens as text).
 
         ``live_request_tokens`` are slots held privately by running requests:
         free + cached + live == pool, always. ``check=true`` also verifies every
-        cache invariant (walks the whole tree).
+        cache invariant (walks the whole tree). Under --tenant-isolation a tenant
+        sees only its own namespaces (no pool-wide figures); the admin key sees all.
         """
+        tenant = request.state.tenant
+        if tenancy.isolation and tenant != ADMIN:
+            own = tenancy.namespace(tenant, None) or ""
+            view = await asyncio.wrap_future(state.worker.call(
+                lambda: summarize(engine.cache, top, visible=lambda ns: ns is not None and ns.startswith(own))))
+            return decode_previews(engine, view)
 
         def snapshot() -> dict[str, Any]:
             out = summarize(engine.cache, top)
@@ -135,14 +143,13 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
                     out["invariants"] = f"broken: {exc}"
             return out
 
-        out = await asyncio.wrap_future(state.worker.call(snapshot))
-        for prefix in out.get("top_shared_prefixes", []):
-            prefix["head_text"] = engine.tokenizer.decode(prefix.pop("head_token_ids"), skip_special_tokens=False)
-            prefix["tail_text"] = engine.tokenizer.decode(prefix.pop("tail_token_ids"), skip_special_tokens=False)
-        return out
+        return decode_previews(engine, await asyncio.wrap_future(state.worker.call(snapshot)))
 
     @app.post("/flush_cache", dependencies=auth)
-    async def flush_cache() -> dict[str, Any]:
+    async def flush_cache(request: Request) -> dict[str, Any]:
+        if tenancy.isolation and request.state.tenant != ADMIN:
+            raise APIError(403, "under --tenant-isolation only the admin key may flush the cache", "forbidden")
+
         def flush() -> int:
             if engine.scheduler.has_work():
                 raise APIError(400, "cache not flushed: requests are in flight", "requests_in_flight")
@@ -179,6 +186,21 @@ class JSONBodyMiddleware:
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
+
+
+def decode_previews(engine: Engine, out: dict[str, Any]) -> dict[str, Any]:
+    """The shared prefixes' first and last tokens, as text."""
+    for prefix in out.get("top_shared_prefixes", []):
+        prefix["head_text"] = engine.tokenizer.decode(prefix.pop("head_token_ids"), skip_special_tokens=False)
+        prefix["tail_text"] = engine.tokenizer.decode(prefix.pop("tail_token_ids"), skip_special_tokens=False)
+    return out
+
+
+def build_tenancy(args: ServerArgs) -> Tenancy:
+    keys = {key: key_tenant(key) for key in args.api_keys}
+    if args.api_key_file:
+        keys.update(read_key_file(args.api_key_file))
+    return Tenancy(keys, args.admin_api_key, args.tenant_header, args.tenant_isolation)
 
 
 def rss_bytes() -> int:

@@ -29,7 +29,11 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     served_model_name: str | None = None  # None: the model file or folder name
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
+    api_key_file: str | None = None
+    admin_api_key: str | None = None
+    tenant_header: str | None = None
+    tenant_isolation: bool = False
     enable_metrics: bool = False
     hit_rate_window: int = 1000  # finished requests the cache_hit_rate gauge averages over
     max_queued_requests: int = 4096  # requests in flight (queued + running) before new ones get 503
@@ -46,7 +50,8 @@ class ServerArgs:
     def resolved(self) -> dict[str, Any]:
         """Every setting as it will be used; the API key only as whether one is set."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
-        values["api_key"] = "<set>" if self.api_key else None
+        values["api_keys"] = f"<{len(self.api_keys)} set>" if self.api_keys else None
+        values["admin_api_key"] = "<set>" if self.admin_api_key else None
         values["served_model_name"] = self.model_name()
         return {**values, **dataclasses.asdict(self.engine)}
 
@@ -95,9 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=ServerArgs.host, help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port to listen on")
-    server.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` (all endpoints but /health and /metrics)")  # fmt: skip
+    server.add_argument("--api-key", action="append", default=[],
+                        help="require `Authorization: Bearer KEY` (all endpoints but /health and /metrics); "
+                             "repeat for several keys, each its own tenant")  # fmt: skip
     server.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+
+    tenancy = parser.add_argument_group("tenants (see README: Security)")
+    tenancy.add_argument("--api-key-file", default=None, help="API keys, one 'TENANT KEY' per line")
+    tenancy.add_argument("--admin-api-key", default=None,
+                         help="a key that may flush the cache and see every namespace in /cache")  # fmt: skip
+    tenancy.add_argument("--tenant-header", default=None,
+                         help="take the tenant from this header (only behind a proxy that sets it)")  # fmt: skip
+    tenancy.add_argument("--tenant-isolation", action="store_true",
+                         help="derive each request's cache namespace from its tenant: tenants never share a "
+                              "prefix, and a client's cache_salt cannot reach another tenant's")  # fmt: skip
     server.add_argument("--max-queued-requests", type=int, default=ServerArgs.max_queued_requests,
                         help="requests in flight (waiting + running) before new ones get 503 + Retry-After")  # fmt: skip
     server.add_argument("--hit-rate-window", type=int, default=ServerArgs.hit_rate_window,
@@ -128,6 +144,8 @@ def parse_args(argv: list[str]) -> ServerArgs:
             device=ns.device,
             num_threads=ns.num_threads,
         )
+        if ns.tenant_isolation and not (ns.api_key or ns.api_key_file or ns.tenant_header):
+            raise ValueError("--tenant-isolation needs identities: --api-key, --api-key-file or --tenant-header")
         if not 0 < ns.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {ns.port}")
         if ns.hit_rate_window < 1 or ns.graceful_shutdown_timeout < 0 or ns.max_queued_requests < 1:
@@ -140,7 +158,11 @@ def parse_args(argv: list[str]) -> ServerArgs:
         host=ns.host,
         port=ns.port,
         served_model_name=ns.served_model_name,
-        api_key=ns.api_key,
+        api_keys=tuple(ns.api_key),
+        api_key_file=ns.api_key_file,
+        admin_api_key=ns.admin_api_key,
+        tenant_header=ns.tenant_header,
+        tenant_isolation=ns.tenant_isolation,
         enable_metrics=ns.enable_metrics,
         hit_rate_window=ns.hit_rate_window,
         max_queued_requests=ns.max_queued_requests,

@@ -24,6 +24,7 @@ from radixserve.scheduler.request import Request
 from radixserve.server.args import ServerArgs
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.tenancy import Tenancy
 from radixserve.server.worker import Delta, EngineWorker, Overloaded
 
 T = TypeVar("T")
@@ -35,6 +36,7 @@ class ServerState:
     args: ServerArgs
     worker: EngineWorker
     metrics: ServerMetrics | None
+    tenancy: Tenancy
     # Tokenization runs here: off the event loop and off the scheduler thread, one at a time
     # (a fast tokenizer shared between threads may raise "Already borrowed").
     tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(

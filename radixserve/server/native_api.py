@@ -20,8 +20,8 @@ from radixserve.server.protocol import GenerateRequest
 
 
 class NativeCall:
-    def __init__(self, state: ServerState, body: GenerateRequest) -> None:
-        self.state, self.body = state, body
+    def __init__(self, state: ServerState, body: GenerateRequest, namespace: str | None) -> None:
+        self.state, self.body, self.namespace = state, body, namespace
         self.arrival = time.perf_counter()
         self.single = True
         self.streams: list[TextStream] = []
@@ -56,7 +56,7 @@ class NativeCall:
             except (TypeError, ValueError) as exc:
                 raise APIError(400, f"sampling_params: {exc}", param="sampling_params") from None
             explicit = "max_new_tokens" in params
-            requests.append(self.state.make_request(ids, params, explicit, body.extra_key, self.arrival))
+            requests.append(self.state.make_request(ids, params, explicit, self.namespace, self.arrival))
             self.streams.append(TextStream(tokenizer, ids, stops))
         return Generation(self.state, requests)
 

@@ -41,8 +41,8 @@ class OpenAICall:
 
     kind: str  # "text_completion" | "chat.completion"
 
-    def __init__(self, state: ServerState, body: _SamplingFields) -> None:
-        self.state, self.body = state, body
+    def __init__(self, state: ServerState, body: _SamplingFields, namespace: str | None) -> None:
+        self.state, self.body, self.namespace = state, body, namespace
         self.id = f"{'cmpl' if self.kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.arrival = time.perf_counter()
@@ -84,7 +84,7 @@ class OpenAICall:
         for ids in prompts:
             for j in range(n):
                 choice = dict(params, seed=None if seed is None else seed + j)
-                requests.append(self.state.make_request(ids, choice, explicit_max, self.body.cache_salt, self.arrival))
+                requests.append(self.state.make_request(ids, choice, explicit_max, self.namespace, self.arrival))
         stops = params["stop"]
         self.streams = [TextStream(self.state.tokenizer, req.prompt_ids.tolist(), stops) for req in requests]
         return Generation(self.state, requests)

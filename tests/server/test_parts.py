@@ -33,7 +33,7 @@ def test_flags_resolve_into_engine_and_server_args() -> None:
     assert args.engine.prefix_cache == "none" and args.engine.page_size == 16
     assert args.engine.schedule_policy == "lpm" and args.engine.radix_eviction_policy == "slru"
     resolved = args.resolved()
-    assert resolved["api_key"] == "<set>" and resolved["port"] == 8000 and resolved["prefix_cache"] == "none"
+    assert resolved["api_keys"] == "<1 set>" and resolved["port"] == 8000 and resolved["prefix_cache"] == "none"
     assert resolved["served_model_name"] == "SmolLM2-135M-Instruct"
 
 

@@ -1,0 +1,108 @@
+"""Tenant isolation over HTTP: namespaces derived from the API key or a trusted header, never the body."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from radixserve.bench.server_process import ServerProcess
+from radixserve.server.tenancy import read_key_file, salt_namespace, tenant_namespace
+from tests.server.conftest import MODEL
+
+KEYS = {"alice": "key-alice-1", "bob": "key-bob-2"}
+ADMIN = "admin-key-3"
+PROMPT = " ".join(f"w{i}" for i in range(20, 50))  # 30 tokens
+
+
+@pytest.fixture(scope="module")
+def isolated(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
+    proc = ServerProcess("--tenant-isolation", "--api-key-file", str(key_file), "--admin-api-key", ADMIN,
+                         "--log-level", "warning", model_path=tiny_model_dir).start()  # fmt: skip
+    yield proc
+    proc.stop()
+
+
+def cached(url: str, key: str, salt: str | None = None, prompt: str = PROMPT, headers: dict[str, str] | None = None) -> int:
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    if salt is not None:
+        body["cache_salt"] = salt
+    response = httpx.post(url + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {key}", **(headers or {})})  # fmt: skip
+    assert response.status_code == 200, response.text
+    return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_tenants_never_share_and_each_still_hits_its_own(isolated: ServerProcess) -> None:
+    prompt = PROMPT + " w90"
+    assert cached(isolated.url, KEYS["alice"], prompt=prompt) == 0
+    assert cached(isolated.url, KEYS["alice"], prompt=prompt) == 30  # paired: caching works
+    assert cached(isolated.url, KEYS["bob"], prompt=prompt) == 0  # ... but not across tenants
+    assert cached(isolated.url, KEYS["bob"], prompt=prompt) == 30
+
+
+def test_a_client_salt_cannot_reach_another_tenant(isolated: ServerProcess) -> None:
+    prompt = PROMPT + " w91"
+    assert cached(isolated.url, KEYS["alice"], salt="shared", prompt=prompt) == 0
+    assert cached(isolated.url, KEYS["alice"], salt="shared", prompt=prompt) == 30
+    assert cached(isolated.url, KEYS["bob"], salt="shared", prompt=prompt) == 0  # same salt, other tenant
+    assert cached(isolated.url, KEYS["alice"], salt="other", prompt=prompt) == 0  # salts split a tenant further
+    for forged in (tenant_namespace("alice"), "alice", salt_namespace("shared") or ""):
+        assert cached(isolated.url, KEYS["bob"], salt=forged, prompt=prompt) == 0
+
+
+def test_cache_view_is_per_tenant_and_flush_is_admin_only(isolated: ServerProcess) -> None:
+    secret = " ".join(f"w{i}" for i in range(100, 126))
+    for _ in range(3):
+        cached(isolated.url, KEYS["alice"], prompt=secret)
+
+    def view(key: str) -> dict[str, Any]:
+        out: dict[str, Any] = httpx.get(isolated.url + "/cache", headers={"Authorization": f"Bearer {key}"}).json()
+        return out
+
+    alice, bob, admin = view(KEYS["alice"]), view(KEYS["bob"]), view(ADMIN)
+    assert alice["namespace_view"] and "pool_tokens" not in alice and "free_tokens" not in bob
+    assert any("w100" in p["head_text"] for p in alice["top_shared_prefixes"])
+    assert not any("w100" in p["head_text"] for p in bob["top_shared_prefixes"])
+    assert any("w100" in p["head_text"] for p in admin["top_shared_prefixes"]) and "pool_tokens" in admin
+    assert alice["cached_tokens"] > 0 and admin["cached_tokens"] >= alice["cached_tokens"] + bob["cached_tokens"]
+    refused = httpx.post(isolated.url + "/flush_cache", headers={"Authorization": f"Bearer {KEYS['bob']}"})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden"
+    assert httpx.post(isolated.url + "/flush_cache", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+    assert httpx.post(isolated.url + "/v1/completions", json={"model": MODEL, "prompt": "w5"}).status_code == 401
+
+
+def test_tenant_from_a_trusted_header(tiny_model_dir: Path) -> None:
+    proc = ServerProcess("--tenant-isolation", "--tenant-header", "X-Tenant", "--log-level", "warning",
+                         model_path=tiny_model_dir).start()  # fmt: skip
+    try:
+        url = proc.url
+        missing = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_tenant"
+        assert cached(url, "unused", headers={"X-Tenant": "t1"}) == 0
+        assert cached(url, "unused", headers={"X-Tenant": "t1"}) == 29  # all but the last prompt token
+        assert cached(url, "unused", headers={"X-Tenant": "t2"}) == 0
+    finally:
+        proc.stop()
+
+
+def test_namespaces_are_domain_separated_hashes() -> None:
+    assert tenant_namespace("a") != tenant_namespace("a", "") != tenant_namespace("a", None)
+    assert tenant_namespace("ab", "c") != tenant_namespace("a", "bc")  # length-prefixed parts
+    assert salt_namespace("x") != tenant_namespace("x") and salt_namespace(None) is None
+    assert "secret" not in (salt_namespace("secret") or "") + tenant_namespace("secret", "secret")
+
+
+def test_key_file_errors_name_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "keys"
+    bad.write_text("alice key1\nbob\n")
+    with pytest.raises(ValueError, match="keys:2"):
+        read_key_file(bad)
+    bad.write_text("alice key1\nbob key1\n")
+    with pytest.raises(ValueError, match="twice"):
+        read_key_file(bad)
