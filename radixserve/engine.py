@@ -177,11 +177,14 @@ class Engine:
         return self.loaded.config.max_position_embeddings
 
     def make_request(
-        self, prompt: Sequence[int], params: Params, extra_key: str | None = None, arrival_time: float | None = None
-    ) -> Request:
+        self, prompt: Sequence[int], params: Params, extra_key: str | None = None, arrival_time: float | None = None,
+        shared_len: int = 0,
+    ) -> Request:  # fmt: skip
         """A validated request (not yet queued); ValueError says what is wrong with the input.
 
         ``max_new_tokens`` is clipped to what the context leaves after the prompt.
+        ``shared_len``: leading prompt tokens cached in the shared namespace even
+        though the request has its own ``extra_key`` (rounded down to a page).
         Thread-safe: the server calls it off the scheduler thread.
         """
         sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
@@ -200,6 +203,8 @@ class Engine:
             raise ValueError(f"the prompt has {len(ids)} tokens but the KV pool holds {self.allocator.size}")
         sp = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, max_pos - len(ids)))
         req = Request(next(self._rids), ids, sp, extra_key)
+        if extra_key is not None and shared_len > 0:
+            req.shared_len = min(shared_len, len(ids)) - min(shared_len, len(ids)) % self.config.page_size
         if arrival_time is not None:
             req.arrival_time = arrival_time
         return req

@@ -53,13 +53,14 @@ class CacheReq:
     priority: int = 0
     last_node: Any = None
     cache_protected_len: int = 0
+    shared_len: int = 0  # token_ids[:shared_len] live in the shared namespace (see RadixKey)
 
     @property
     def num_cached_tokens(self) -> int:
         return self.cache_protected_len
 
     def key(self, length: int | None = None) -> RadixKey:
-        return RadixKey(self.token_ids[:length], self.extra_key)
+        return RadixKey(self.token_ids[:length], self.extra_key, self.shared_len)
 
 
 class BasePrefixCache(ABC):
@@ -181,17 +182,19 @@ class BasePrefixCache(ABC):
     # ---- helpers the scheduler, tests and benchmarks share -------------------------------------
 
     def open_request(
-        self, token_ids: Sequence[int] | TokenArray, extra_key: str | None = None, priority: int = 0
-    ) -> CacheReq:
+        self, token_ids: Sequence[int] | TokenArray, extra_key: str | None = None, priority: int = 0,
+        shared_len: int = 0,
+    ) -> CacheReq:  # fmt: skip
         """Match the longest cached prefix of ``token_ids`` and lock it for a new request.
 
         The returned request holds only the cached prefix; call ``extend_request``
-        for the rest (the caller keeps the full token list).
+        for the rest (the caller keeps the full token list). ``shared_len``: the
+        leading tokens in the shared namespace (an allowlisted public prefix).
         """
-        key = RadixKey(token_ids, extra_key)
+        key = RadixKey(token_ids, extra_key, shared_len)
         indices, node = self.match_prefix(key)
         self.inc_lock_ref(node)
-        return CacheReq(key.token_ids[: len(indices)], indices, extra_key, priority, node, len(indices))
+        return CacheReq(key.token_ids[: len(indices)], indices, extra_key, priority, node, len(indices), key.shared_len)
 
     def extend_request(self, req: CacheReq, new_token_ids: Sequence[int] | TokenArray) -> bool:
         """Give ``req`` slots for ``new_token_ids`` (evicting if short). False: the pool can't.

@@ -34,6 +34,7 @@ class KVEvent:
     end: int
     prefix: TokenArray  # tokens [0, end): the range and everything before it
     page_size: int
+    shared_len: int = 0  # prefix[:shared_len] is in the shared namespace (an allowlisted public head)
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
@@ -44,7 +45,7 @@ class KVEvent:
     def block_hashes(self) -> list[bytes]:
         """Chained page hashes of the pages in ``[start, end)``, computed on first read."""
         if not self._hashes:
-            hashes = page_hashes(self.prefix[: self.end], self.extra_key, self.page_size)
+            hashes = page_hashes(self.prefix[: self.end], self.extra_key, self.page_size, shared_len=self.shared_len)
             self._hashes.extend(itertools.islice(hashes, self.start // self.page_size, None))
         return self._hashes
 
@@ -57,10 +58,10 @@ class KVEventLog:
         self._queue: deque[KVEvent] = deque()
         self._seq = 0
 
-    def record(self, kind: EventKind, extra_key: str | None, start: int, prefix: TokenArray) -> None:
+    def record(self, kind: EventKind, extra_key: str | None, start: int, prefix: TokenArray, shared_len: int = 0) -> None:
         """Record that tokens ``prefix[start:]`` were stored or removed (``prefix`` is copied)."""
         self._seq += 1
-        event = KVEvent(self._seq, kind, extra_key, start, len(prefix), prefix.copy(), self.page_size)
+        event = KVEvent(self._seq, kind, extra_key, start, len(prefix), prefix.copy(), self.page_size, shared_len)
         self._queue.append(event)
 
     def record_clear(self) -> None:

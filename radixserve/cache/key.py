@@ -4,6 +4,13 @@ A namespace (``extra_key``: a LoRA adapter, a tenant's ``cache_salt``) splits
 the cache into disjoint subtrees: it is part of every child key, so identical
 tokens under different namespaces never share a node, and comparing keys of two
 namespaces is a bug that raises instead of silently matching.
+
+A key may start with a *shared head*: its first ``shared_len`` tokens live in the
+shared namespace (None), the rest in ``extra_key``. That is how an operator's
+allowlisted public prefix (a common system prompt) is shared across tenants
+while everything after it stays private. A tree edge is always in one
+namespace; a match never runs past the end of a head that differs from the
+edge's namespace.
 """
 
 from __future__ import annotations
@@ -27,25 +34,43 @@ _GALLOP_MIN = 4096
 class RadixKey:
     """``token_ids`` (int64, viewed, never copied by slicing) plus a namespace."""
 
-    __slots__ = ("token_ids", "extra_key")
+    __slots__ = ("token_ids", "extra_key", "shared_len")
 
-    def __init__(self, token_ids: Sequence[int] | TokenArray, extra_key: str | None = None) -> None:
+    def __init__(self, token_ids: Sequence[int] | TokenArray, extra_key: str | None = None, shared_len: int = 0) -> None:
         self.token_ids: TokenArray = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         self.extra_key = extra_key
+        # Leading tokens in the shared namespace (only meaningful under a namespace).
+        self.shared_len = min(max(shared_len, 0), len(self.token_ids)) if extra_key is not None else 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def __getitem__(self, item: slice) -> RadixKey:
-        if not isinstance(item, slice):
-            raise TypeError("RadixKey supports slicing only")
-        return RadixKey(self.token_ids[item], self.extra_key)
+        if not isinstance(item, slice) or item.step not in (None, 1):
+            raise TypeError("RadixKey supports slicing only (step 1)")
+        start = item.indices(len(self.token_ids))[0]
+        return RadixKey(self.token_ids[item], self.extra_key, self.shared_len - start)
 
     def __repr__(self) -> str:
         head = self.token_ids[:10].tolist()
         more = "..." if len(self) > 10 else ""
         ns = f", extra_key={self.extra_key!r}" if self.extra_key is not None else ""
-        return f"RadixKey({head}{more} len={len(self)}{ns})"
+        shared = f", shared_len={self.shared_len}" if self.shared_len else ""
+        return f"RadixKey({head}{more} len={len(self)}{ns}{shared})"
+
+    @property
+    def head_namespace(self) -> str | None:
+        """The namespace of the key's first token."""
+        return None if self.shared_len else self.extra_key
+
+    @property
+    def head_len(self) -> int:
+        """How many leading tokens share ``head_namespace``."""
+        return self.shared_len if 0 < self.shared_len < len(self.token_ids) else len(self.token_ids)
+
+    def pure(self) -> RadixKey:
+        """This key in one namespace (its head's); for keys no longer than ``head_len``."""
+        return RadixKey(self.token_ids, self.head_namespace)
 
     def child_key(self, page_size: int) -> Hashable:
         """The dict key a child edge starting with this key is stored under.
@@ -57,18 +82,20 @@ class RadixKey:
             first: Hashable = int(self.token_ids[0])
         else:
             first = tuple(self.token_ids[:page_size].tolist())
-        return first if self.extra_key is None else (self.extra_key, first)
+        ns = self.head_namespace
+        return first if ns is None else (ns, first)
 
     def match(self, other: RadixKey, page_size: int = 1) -> int:
         """Length of the common prefix with ``other``, rounded down to ``page_size``.
 
-        Raises ValueError if the two keys live in different namespaces.
+        Stops where either key's head namespace ends. Raises ValueError if the
+        two keys start in different namespaces.
         """
-        if self.extra_key != other.extra_key:
+        if self.head_namespace != other.head_namespace:
             raise ValueError(
-                f"RadixKey operations require matching extra_key: {self.extra_key!r} != {other.extra_key!r}"
+                f"RadixKey operations require matching extra_key: {self.head_namespace!r} != {other.head_namespace!r}"
             )
-        matched = common_prefix_len(self.token_ids, other.token_ids)
+        matched = min(common_prefix_len(self.token_ids, other.token_ids), self.head_len, other.head_len)
         return matched - matched % page_size
 
 
@@ -112,17 +139,20 @@ def chain_hash(parent: bytes, extra_key: str | None, token_ids: TokenArray) -> b
 
 
 def page_hashes(
-    token_ids: TokenArray, extra_key: str | None, page_size: int, parent: bytes = ROOT_HASH
+    token_ids: TokenArray, extra_key: str | None, page_size: int, parent: bytes = ROOT_HASH, shared_len: int = 0
 ) -> Iterator[bytes]:
     """Chained hashes of each whole page of ``token_ids``, computed as they are consumed.
 
     The tokens are serialised once and pages hashed from byte slices: a lookup
-    that stops at the first miss hashes no further.
+    that stops at the first miss hashes no further. Pages starting before
+    ``shared_len`` are hashed in the shared namespace (a key's shared head).
     """
     data = np.ascontiguousarray(token_ids, dtype=np.int64).tobytes()
     tag, step, blake2b = _namespace_tag(extra_key), 8 * page_size, hashlib.blake2b
+    shared_tag, shared_bytes = _namespace_tag(None), 8 * shared_len
     for offset in range(0, len(data) - step + 1, step):
-        parent = blake2b(parent + tag + data[offset : offset + step], digest_size=16).digest()
+        page_tag = shared_tag if offset < shared_bytes else tag
+        parent = blake2b(parent + page_tag + data[offset : offset + step], digest_size=16).digest()
         yield parent
 
 

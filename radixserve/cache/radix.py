@@ -90,7 +90,7 @@ class RadixCache(BasePrefixCache):
         ``last_node`` ends exactly at the match. Lock it before the returned
         indices are used: until then eviction may free them.
         """
-        key = key[: len(key) - len(key) % self.page_size]
+        key = self._aligned(key[: len(key) - len(key) % self.page_size])
         now = self.clock()
         node, values = self.root, []
         self.root.last_access_time = now
@@ -122,6 +122,7 @@ class RadixCache(BasePrefixCache):
         """
         if len(key) != len(indices) or len(key) % self.page_size:
             raise ValueError(f"insert needs page-aligned key and indices of one length: {len(key)}, {len(indices)}")
+        key = self._aligned(key)
         full, now = key.token_ids, self.clock()
         node, matched_len = self.root, 0
         while matched_len < len(full):
@@ -137,9 +138,14 @@ class RadixCache(BasePrefixCache):
             self._touch(child, now)
             node, matched_len = child, matched_len + matched
         if matched_len < len(full):
-            self._add_leaf(node, key[matched_len:], indices[matched_len:].copy(), priority, now)
+            rest, value = key[matched_len:], indices[matched_len:].copy()
+            head = rest.head_len
+            if head < len(rest):  # a shared head ends here: one leaf per namespace
+                node = self._add_leaf(node, rest[:head].pure(), value[:head], priority, now)
+                rest, value = rest[head:], value[head:]
+            self._add_leaf(node, rest.pure(), value, priority, now)
             if self.events is not None:
-                self.events.record("store", key.extra_key, matched_len, full)
+                self.events.record("store", key.extra_key, matched_len, full, key.shared_len)
         return matched_len
 
     # ---- eviction ---------------------------------------------------------------------------
@@ -158,7 +164,8 @@ class RadixCache(BasePrefixCache):
             if node is None:
                 break
             if self.events is not None:
-                self.events.record("remove", node.key.extra_key, self._depth(node.parent), self._path_tokens(node))
+                self.events.record("remove", node.key.extra_key, self._depth(node.parent), self._path_tokens(node),
+                                   self._shared_depth(node))  # fmt: skip
             freed.append(node.value)
             evicted += len(node.value)
             self._delete_leaf(node)
@@ -245,7 +252,7 @@ class RadixCache(BasePrefixCache):
         new.children[child.key.child_key(self.page_size)] = child
         return new
 
-    def _add_leaf(self, parent: TreeNode, key: RadixKey, value: IndexArray, priority: int, now: float) -> None:
+    def _add_leaf(self, parent: TreeNode, key: RadixKey, value: IndexArray, priority: int, now: float) -> TreeNode:
         key.token_ids = key.token_ids.copy()  # never alias the caller's token buffer
         leaf = TreeNode(next(self._ids), key, value, parent, now)
         leaf.priority = priority
@@ -253,6 +260,7 @@ class RadixCache(BasePrefixCache):
         self._evictable_size += len(key)
         self.candidates.discard(parent)
         self._update_candidate(leaf)
+        return leaf
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
@@ -272,6 +280,20 @@ class RadixCache(BasePrefixCache):
     def _touch(self, node: TreeNode, now: float) -> None:
         node.last_access_time = now
         self.candidates.refresh(node)
+
+    def _shared_depth(self, node: TreeNode) -> int:
+        """How deep the shared head above a namespaced node runs (0 when there is none)."""
+        if node.key.extra_key is None:
+            return 0
+        cursor = node.parent
+        while cursor is not None and cursor is not self.root and cursor.key.extra_key is not None:
+            cursor = cursor.parent
+        return self._depth(cursor)
+
+    def _aligned(self, key: RadixKey) -> RadixKey:
+        """``key`` with its shared head rounded down to whole pages (an edge is whole pages)."""
+        extra = key.shared_len % self.page_size
+        return key if not extra else RadixKey(key.token_ids, key.extra_key, key.shared_len - extra)
 
     def _depth(self, node: TreeNode | None) -> int:
         depth = 0

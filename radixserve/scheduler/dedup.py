@@ -37,7 +37,7 @@ def match_request(req: Request, cache: BasePrefixCache) -> MatchResult:
     (may split a node, refreshes access times); locks nothing.
     """
     fill = req.fill_ids
-    result = cache.match_prefix(RadixKey(fill[: len(fill) - 1], req.extra_key))
+    result = cache.match_prefix(RadixKey(fill[: len(fill) - 1], req.extra_key, req.shared_len))
     req.match_len, req.match_node = len(result.indices), result.last_node
     return result
 
@@ -78,7 +78,8 @@ def hold_in_batch_duplicates(
         if len(fill) - 1 < end:  # fewer than a span of uncached tokens: nothing worth waiting for
             kept.append(req)
             continue
-        key = (req.extra_key, id(req.match_node), fill[req.match_len : end].tobytes())
+        namespace = None if req.match_len < req.shared_len else req.extra_key  # still in a shared head?
+        key = (namespace, id(req.match_node), fill[req.match_len : end].tobytes())
         if key in seen:
             held.append(req)
         else:

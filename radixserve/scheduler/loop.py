@@ -147,7 +147,7 @@ class Scheduler:
     def _admit(self, req: Request, adder: PrefillAdder) -> bool:
         fill = req.fill_ids
         # Match at most len - 1 tokens: the last one must run to produce logits.
-        kv = self.cache.open_request(fill[: len(fill) - 1], req.extra_key, req.priority)
+        kv = self.cache.open_request(fill[: len(fill) - 1], req.extra_key, req.priority, req.shared_len)
         matched = len(kv.token_ids)
         if not adder.add(req, kv, len(fill)):
             self.cache.cache_finished_req(kv, is_insert=False)

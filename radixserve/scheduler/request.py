@@ -35,6 +35,7 @@ class Request:
     params: SamplingParams
     extra_key: str | None = None
     priority: int = 0  # schedule_policy=priority: higher first; also the cache eviction priority
+    shared_len: int = 0  # leading prompt tokens in the shared namespace (an allowlisted public prefix)
     routing_key: str | None = None  # schedule_policy=routing-key
     status: Status = Status.WAITING
     match_len: int = 0  # cached prefix length found by the last scheduling round (policy input)
