@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -39,7 +40,9 @@ class SamplingParams:
     top_logprobs: int = 0  # also return the N most likely tokens at each step (implies logprobs)
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = _type_problems(self)
+        if problems:  # the range checks below assume the right types
+            raise ValueError("; ".join(problems))
         if self.max_new_tokens < 0:
             problems.append(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -57,11 +60,9 @@ class SamplingParams:
                 problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             problems.append(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
-            problems.append("stop and stop_token_ids are sequences (use a tuple or list)")
         if problems:
             raise ValueError("; ".join(problems))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))  # "" would match everywhere
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_logprobs:
             object.__setattr__(self, "logprobs", True)
@@ -82,6 +83,37 @@ class SamplingParams:
         if isinstance(values.get("stop"), str):
             values["stop"] = (values["stop"],)
         return cls(**values)
+
+
+_INTS = ("max_new_tokens", "top_k", "top_logprobs")
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+_INT_LIMIT = 1 << 63
+
+
+def _type_problems(params: SamplingParams) -> list[str]:
+    """Wrong types, non-finite floats, out-of-int64 ints: each named (a user's dict is untrusted)."""
+    problems = []
+    for name in _INTS:
+        value = getattr(params, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not -_INT_LIMIT < value < _INT_LIMIT:
+            problems.append(f"{name} must be an integer, got {value!r}")
+    for name in _FLOATS:
+        value = getattr(params, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            problems.append(f"{name} must be a finite number, got {value!r}")
+    seed = params.seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64):
+        problems.append(f"seed must be an integer in [0, 2^64), got {seed!r}")
+    if isinstance(params.stop, str) or not isinstance(params.stop, (list, tuple)) \
+            or not all(isinstance(s, str) for s in params.stop):  # fmt: skip
+        problems.append(f"stop must be a list of strings, got {params.stop!r}")
+    ids = params.stop_token_ids
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        problems.append(f"stop_token_ids must be a list of integers, got {ids!r}")
+    for name in ("ignore_eos", "logprobs"):
+        if not isinstance(getattr(params, name), bool):
+            problems.append(f"{name} must be true or false, got {getattr(params, name)!r}")
+    return problems
 
 
 @dataclass

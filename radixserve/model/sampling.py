@@ -153,6 +153,7 @@ def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> t
     sub = logits[rows]
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub = sub - (freq * counts + pres * (counts > 0))
+    sub = sub.clamp(-_LOGIT_BOUND, _LOGIT_BOUND)  # an extreme penalty must not make inf (softmax -> NaN)
     out = logits.clone()
     out[rows] = sub
     return out
@@ -181,13 +182,17 @@ def _top_k_top_p_keep(probs: torch.Tensor, states: Sequence[SamplingState]) -> t
     """
     device, vocab_size = probs.device, probs.shape[1]
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    top_k = [s.params.top_k if s.params.top_k > 0 else vocab_size for s in states]
+    top_k = [min(s.params.top_k, vocab_size) if s.params.top_k > 0 else vocab_size for s in states]
     keep = torch.arange(vocab_size, device=device) < torch.tensor(top_k, device=device)[:, None]
     in_top_k = sorted_probs.masked_fill(~keep, 0.0)
     mass_before = in_top_k.cumsum(dim=-1) - in_top_k
     top_p = _column([s.params.top_p if s.params.top_p < 1 else math.inf for s in states], device)
     keep &= mass_before < top_p * in_top_k.sum(dim=-1, keepdim=True)
+    keep[:, 0] = True  # the most likely token always stays (a tiny top_p underflows to an empty nucleus)
     return torch.zeros_like(keep).scatter(1, order, keep)
+
+
+_LOGIT_BOUND = 1e4  # far beyond any real logit; keeps penalised rows finite
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

@@ -45,7 +45,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     metrics = ServerMetrics(args.hit_rate_window) if args.enable_metrics else None
     state = ServerState(engine, args, EngineWorker(engine, metrics, args.max_queued_requests), metrics,
-                        build_tenancy(args))  # fmt: skip
+                        build_tenancy(args), shared_heads(engine, args))  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -194,6 +194,17 @@ def decode_previews(engine: Engine, out: dict[str, Any]) -> dict[str, Any]:
         prefix["head_text"] = engine.tokenizer.decode(prefix.pop("head_token_ids"), skip_special_tokens=False)
         prefix["tail_text"] = engine.tokenizer.decode(prefix.pop("tail_token_ids"), skip_special_tokens=False)
     return out
+
+
+def shared_heads(engine: Engine, args: ServerArgs) -> list[list[int]]:
+    """The allowlisted public prompt heads as token ids, longest first."""
+    tokenizer = engine.tokenizer
+    heads = [tokenizer.encode(text) for text in args.shared_prefixes]
+    heads += [tokenizer.apply_chat_template([{"role": "system", "content": text}], add_generation_prompt=False)
+              for text in args.shared_system_prompts]  # fmt: skip
+    for head in heads:
+        logger.info("shared prompt head: %d tokens", len(head))
+    return sorted((h for h in heads if h), key=len, reverse=True)
 
 
 def build_tenancy(args: ServerArgs) -> Tenancy:

@@ -34,6 +34,8 @@ class ServerArgs:
     admin_api_key: str | None = None
     tenant_header: str | None = None
     tenant_isolation: bool = False
+    shared_prefixes: tuple[str, ...] = ()  # raw text prompt heads shared across namespaces
+    shared_system_prompts: tuple[str, ...] = ()  # system messages (through the chat template) shared likewise
     enable_metrics: bool = False
     hit_rate_window: int = 1000  # finished requests the cache_hit_rate gauge averages over
     max_queued_requests: int = 4096  # requests in flight (queued + running) before new ones get 503
@@ -111,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a key that may flush the cache and see every namespace in /cache")  # fmt: skip
     tenancy.add_argument("--tenant-header", default=None,
                          help="take the tenant from this header (only behind a proxy that sets it)")  # fmt: skip
+    tenancy.add_argument("--shared-system-prompt", action="append", default=[],
+                         help="a system prompt whose chat-template rendering every namespace shares (the rest "
+                              "of each conversation stays private); repeatable")  # fmt: skip
+    tenancy.add_argument("--shared-prefix", action="append", default=[],
+                         help="a raw prompt prefix (text) every namespace shares; repeatable")  # fmt: skip
     tenancy.add_argument("--tenant-isolation", action="store_true",
                          help="derive each request's cache namespace from its tenant: tenants never share a "
                               "prefix, and a client's cache_salt cannot reach another tenant's")  # fmt: skip
@@ -163,6 +170,8 @@ def parse_args(argv: list[str]) -> ServerArgs:
         admin_api_key=ns.admin_api_key,
         tenant_header=ns.tenant_header,
         tenant_isolation=ns.tenant_isolation,
+        shared_prefixes=tuple(ns.shared_prefix),
+        shared_system_prompts=tuple(ns.shared_system_prompt),
         enable_metrics=ns.enable_metrics,
         hit_rate_window=ns.hit_rate_window,
         max_queued_requests=ns.max_queued_requests,

@@ -28,6 +28,7 @@ from radixserve.server.tenancy import Tenancy
 from radixserve.server.worker import Delta, EngineWorker, Overloaded
 
 T = TypeVar("T")
+MAX_REQUESTS_PER_CALL = 1024  # engine requests (prompts x choices) one HTTP call may make
 
 
 @dataclass
@@ -37,6 +38,8 @@ class ServerState:
     worker: EngineWorker
     metrics: ServerMetrics | None
     tenancy: Tenancy
+    # Allowlisted public prompt heads (token ids), longest first: shared across namespaces.
+    shared_prefixes: list[list[int]] = field(default_factory=list)
     # Tokenization runs here: off the event loop and off the scheduler thread, one at a time
     # (a fast tokenizer shared between threads may raise "Already borrowed").
     tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(
@@ -61,20 +64,32 @@ class ServerState:
             raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
                                 f"{len(ids)} tokens.", "context_length_exceeded", "prompt")  # fmt: skip
         wanted = params.get("max_new_tokens", SamplingParams.max_new_tokens)
-        if explicit_max and len(ids) + wanted > context:
+        if explicit_max and type(wanted) is int and len(ids) + wanted > context:  # other types: SamplingParams says
             raise APIError(400, f"This model's maximum context length is {context} tokens, but you requested "
                                 f"{len(ids) + wanted} tokens ({len(ids)} in the prompt, {wanted} for the completion).",
                            "context_length_exceeded", "max_tokens")  # fmt: skip
         try:
-            return self.engine.make_request(ids, params, extra_key, arrival)
+            return self.engine.make_request(ids, params, extra_key, arrival, self.shared_len(ids, extra_key))
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
+
+    def shared_len(self, ids: Sequence[int], extra_key: str | None) -> int:
+        """How many leading tokens of a namespaced prompt are an allowlisted public head."""
+        if extra_key is None:
+            return 0  # the shared namespace already
+        for head in self.shared_prefixes:
+            if len(head) <= len(ids) and list(ids[: len(head)]) == head:
+                return len(head)
+        return 0
 
 
 class Generation:
     """The engine requests of one HTTP call; iterate ``deltas()`` on the event loop."""
 
     def __init__(self, state: ServerState, requests: list[Request]) -> None:
+        if len(requests) > MAX_REQUESTS_PER_CALL:
+            raise APIError(400, f"one call may make at most {MAX_REQUESTS_PER_CALL} requests (prompts x n), "
+                                f"this one makes {len(requests)}", "too_many_requests_in_call")  # fmt: skip
         self.worker = state.worker
         self.requests = requests
         self.results: list[GenerateResult | None] = [None] * len(requests)
@@ -89,8 +104,8 @@ class Generation:
             self.worker.reserve(len(requests))
         except Overloaded as exc:
             raise APIError.overloaded(str(exc)) from None
-        except RuntimeError as exc:  # shutting down
-            raise APIError.overloaded(str(exc), "shutting_down") from None
+        except RuntimeError as exc:  # shutting down, or the scheduler died (then /health says 503 too)
+            raise APIError.overloaded(str(exc), "unavailable") from None
         for index, req in enumerate(requests):
             self.worker.submit(req, sink, index)
 

@@ -89,6 +89,8 @@ class EngineWorker:
         """Claim room for ``count`` requests before submitting them; Overloaded if there is none."""
         if self._stopping.is_set():
             raise RuntimeError("the server is shutting down")
+        if not self.alive():
+            raise RuntimeError(f"the scheduler stopped: {self.failure!r}")
         with self._count_lock:
             if self._in_flight + count > self.max_in_flight:
                 raise Overloaded(f"the server has {self._in_flight} requests in flight (at most {self.max_in_flight})")
@@ -105,6 +107,9 @@ class EngineWorker:
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the scheduler thread between two steps; wrap with ``asyncio.wrap_future``."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if not self.alive():  # nobody would ever run it
+            future.set_exception(RuntimeError(f"the scheduler stopped: {self.failure!r}"))
+            return future
 
         def run() -> None:
             if future.set_running_or_notify_cancel():

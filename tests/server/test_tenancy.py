@@ -16,6 +16,7 @@ from tests.server.conftest import MODEL
 KEYS = {"alice": "key-alice-1", "bob": "key-bob-2"}
 ADMIN = "admin-key-3"
 PROMPT = " ".join(f"w{i}" for i in range(20, 50))  # 30 tokens
+PUBLIC = " ".join(f"w{i}" for i in range(60, 80))  # 20 tokens: the allowlisted public head
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def isolated(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
     proc = ServerProcess("--tenant-isolation", "--api-key-file", str(key_file), "--admin-api-key", ADMIN,
-                         "--log-level", "warning", model_path=tiny_model_dir).start()  # fmt: skip
+                         "--shared-prefix", PUBLIC, "--log-level", "warning", model_path=tiny_model_dir).start()  # fmt: skip
     yield proc
     proc.stop()
 
@@ -54,6 +55,14 @@ def test_a_client_salt_cannot_reach_another_tenant(isolated: ServerProcess) -> N
     assert cached(isolated.url, KEYS["alice"], salt="other", prompt=prompt) == 0  # salts split a tenant further
     for forged in (tenant_namespace("alice"), "alice", salt_namespace("shared") or ""):
         assert cached(isolated.url, KEYS["bob"], salt=forged, prompt=prompt) == 0
+
+
+def test_an_allowlisted_public_head_is_shared_and_the_rest_stays_private(isolated: ServerProcess) -> None:
+    prompt = PUBLIC + " w90 w91 w92"
+    assert cached(isolated.url, KEYS["alice"], prompt=prompt) == 0
+    assert cached(isolated.url, KEYS["bob"], prompt=prompt) == 20  # the public head only, not alice's question
+    assert cached(isolated.url, KEYS["alice"], prompt=prompt) == 22  # paired: alice's private part is cached
+    assert cached(isolated.url, KEYS["bob"], salt="mine", prompt=PUBLIC + " w93") == 20  # any salt shares the head
 
 
 def test_cache_view_is_per_tenant_and_flush_is_admin_only(isolated: ServerProcess) -> None:
