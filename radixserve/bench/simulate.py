@@ -194,6 +194,21 @@ def plot(results: Sequence[SimResult], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def simulate_cluster(requests: Sequence[TraceRequest], label: str, replica_counts: list[int], routers: list[str],
+                     capacity: int, out: Path) -> None:  # fmt: skip
+    from radixserve.bench.replicas import format_replica_table, plot_replicas, simulate_replicas
+
+    start = time.perf_counter()
+    print(f"{len(requests):,} requests of {label}; {capacity:,} KV tokens per replica")
+    results = [simulate_replicas(requests, n, router, capacity) for n in replica_counts for router in routers]
+    print(format_replica_table(results))
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"replicas-{label}"
+    plot_replicas(results, str(out / f"{stem}.png"), f"{label}: {len(requests):,} requests, {capacity:,} tokens a replica")
+    (out / f"{stem}.json").write_text(json.dumps([r.to_dict() for r in results], indent=1))
+    print(f"{len(results)} runs in {time.perf_counter() - start:.1f} s; wrote {out / stem}.png and .json")
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
@@ -212,6 +227,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--capacity-tokens", default=None, help="capacities in tokens (overrides the fractions)")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (their tokens are locked)")
     parser.add_argument("--output-dir", default="bench-results", help="where the PNG and JSON go")
+    parser.add_argument("--replicas", default=None,
+                        help="simulate this many replicas behind each --router instead (e.g. 8,32,128); "
+                             "--capacity-fraction is then per replica (default 0.1)")  # fmt: skip
+    parser.add_argument("--router", default="round-robin,power-of-two,cache-aware,cache-aware-precise",
+                        help="routers for --replicas")  # fmt: skip
     args = parser.parse_args(argv)
 
     if args.trace:
@@ -220,8 +240,14 @@ def main(argv: list[str]) -> None:
     else:
         requests = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed)
         label = args.workload
-    caches = [c for c in args.caches.split(",") if c]
     working_set = working_set_tokens(requests)
+    if args.replicas:
+        fraction = 0.1 if args.capacity_fraction == parser.get_default("capacity_fraction") else \
+            _floats(args.capacity_fraction)[0]  # fmt: skip
+        simulate_cluster(requests, label, [int(n) for n in _floats(args.replicas)],
+                         [r for r in args.router.split(",") if r], int(fraction * working_set), Path(args.output_dir))
+        return
+    caches = [c for c in args.caches.split(",") if c]
     if args.capacity_tokens:
         capacities = [int(c) for c in _floats(args.capacity_tokens)]
     else:
