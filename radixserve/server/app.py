@@ -31,6 +31,7 @@ from radixserve.engine import Engine
 from radixserve.server.args import ServerArgs
 from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import ServerState
+from radixserve.server.kv_publisher import KVEventPublisher
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.native_api import NativeCall
 from radixserve.server.openai_api import ChatCall, CompletionCall
@@ -44,7 +45,10 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     metrics = ServerMetrics(args.hit_rate_window) if args.enable_metrics else None
-    state = ServerState(engine, args, EngineWorker(engine, metrics, args.max_queued_requests), metrics,
+    events = None
+    if args.kv_events_endpoint:
+        events = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_block_size)
+    state = ServerState(engine, args, EngineWorker(engine, metrics, args.max_queued_requests, events), metrics,
                         build_tenancy(args), shared_heads(engine, args))  # fmt: skip
 
     @asynccontextmanager
@@ -55,6 +59,8 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         logger.info("shutting down: aborting requests still in flight")
         await asyncio.get_running_loop().run_in_executor(None, state.worker.stop)
         state.tokenizer_pool.shutdown(wait=False)
+        if events is not None:
+            events.close()
 
     app = FastAPI(title="radixserve", version="0.1.0", lifespan=lifespan,
                   description="RadixAttention LLM server: OpenAI-compatible and native APIs.")  # fmt: skip

@@ -34,6 +34,9 @@ class ServerArgs:
     admin_api_key: str | None = None
     tenant_header: str | None = None
     tenant_isolation: bool = False
+    kv_events_endpoint: str | None = None  # ZMQ PUB endpoint for KV events (off when None)
+    kv_events_replay_endpoint: str | None = None  # None: the next port (tcp) or <path>.replay (ipc)
+    kv_events_block_size: int = 16
     shared_prefixes: tuple[str, ...] = ()  # raw text prompt heads shared across namespaces
     shared_system_prompts: tuple[str, ...] = ()  # system messages (through the chat template) shared likewise
     enable_metrics: bool = False
@@ -106,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="require `Authorization: Bearer KEY` (all endpoints but /health and /metrics); "
                              "repeat for several keys, each its own tenant")  # fmt: skip
     server.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    server.add_argument("--kv-events-endpoint", default=None,
+                        help="publish the cache's stored/removed blocks on this ZMQ PUB endpoint "
+                             "(e.g. tcp://127.0.0.1:5557); off by default")  # fmt: skip
+    server.add_argument("--kv-events-replay-endpoint", default=None,
+                        help="ZMQ REP endpoint for missed-batch replays and snapshots (default: the next port)")  # fmt: skip
+    server.add_argument("--kv-events-block-size", type=int, default=ServerArgs.kv_events_block_size,
+                        help="tokens per block in KV events (whatever the cache's page size)")  # fmt: skip
 
     tenancy = parser.add_argument_group("tenants (see README: Security)")
     tenancy.add_argument("--api-key-file", default=None, help="API keys, one 'TENANT KEY' per line")
@@ -150,7 +160,10 @@ def parse_args(argv: list[str]) -> ServerArgs:
             dtype=ns.dtype,
             device=ns.device,
             num_threads=ns.num_threads,
+            enable_kv_events=ns.kv_events_endpoint is not None,
         )
+        if ns.kv_events_block_size < 1:
+            raise ValueError("--kv-events-block-size must be >= 1")
         if ns.tenant_isolation and not (ns.api_key or ns.api_key_file or ns.tenant_header):
             raise ValueError("--tenant-isolation needs identities: --api-key, --api-key-file or --tenant-header")
         if not 0 < ns.port < 65536:
@@ -170,6 +183,9 @@ def parse_args(argv: list[str]) -> ServerArgs:
         admin_api_key=ns.admin_api_key,
         tenant_header=ns.tenant_header,
         tenant_isolation=ns.tenant_isolation,
+        kv_events_endpoint=ns.kv_events_endpoint,
+        kv_events_replay_endpoint=ns.kv_events_replay_endpoint,
+        kv_events_block_size=ns.kv_events_block_size,
         shared_prefixes=tuple(ns.shared_prefix),
         shared_system_prompts=tuple(ns.shared_system_prompt),
         enable_metrics=ns.enable_metrics,

@@ -26,6 +26,7 @@ from typing import Callable, TypeVar
 from radixserve.core import GenerateResult, TopLogprobs
 from radixserve.engine import Engine
 from radixserve.scheduler.request import Request, Status
+from radixserve.server.kv_publisher import KVEventPublisher
 from radixserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,10 @@ class Overloaded(RuntimeError):
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_in_flight: int = 1 << 30) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_in_flight: int = 1 << 30,
+                 events: KVEventPublisher | None = None) -> None:  # fmt: skip
         self.engine = engine
+        self.events = events
         self.max_in_flight = max_in_flight
         self._in_flight = 0  # submitted and not yet finished (any thread reads; changed under _count_lock)
         self._count_lock = threading.Lock()
@@ -133,6 +136,7 @@ class EngineWorker:
         try:
             while True:
                 self._drain(block=not self.scheduler.has_work())
+                self._publish_events()  # what the commands did (a flush clears everything)
                 if self._stopping.is_set():
                     self._drain(block=False)
                     for rid in list(self._live):
@@ -141,6 +145,7 @@ class EngineWorker:
                 if self.scheduler.has_work():
                     self.scheduler.step()
                     self._publish()
+                    self._publish_events()
         except BaseException as exc:  # a bug in the loop: fail everyone loudly rather than hang
             logger.exception("the scheduler loop died")
             self.failure = exc
@@ -204,6 +209,11 @@ class EngineWorker:
             snap = scheduler.snapshot()
             self.metrics.on_step(len(scheduler.running), len(scheduler.waiting), float(snap["token_usage"]),  # type: ignore[arg-type]
                                  scheduler.cache.evicted_tokens, scheduler.stats.retractions)  # fmt: skip
+
+    def _publish_events(self) -> None:
+        log = self.scheduler.cache.events
+        if self.events is not None and log is not None:
+            self.events.publish(log.drain())
 
     def _observe_tokens(self, live: _Live, now: float) -> None:
         if self.metrics is None or len(live.req.output_ids) == live.sent:

@@ -1,0 +1,137 @@
+"""KV events: a subscriber outside the engine rebuilds exactly the set of cached blocks.
+
+The engine serves a random shared-prefix workload in a pool small enough to
+evict; after every step the publisher sends the drained events. The subscriber
+joins late (it misses the first batches: a replay fills the gap), or after the
+replay ring has moved on (a snapshot rebuilds it). At the end its mirror must
+equal the blocks recomputed from the cache's tree and token ids alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from radixserve import Engine
+from radixserve.cache import RadixCache
+from radixserve.cache.key import page_hashes
+from radixserve.router.kv_subscriber import KVEventSubscriber
+from radixserve.server.kv_publisher import KVEventPublisher
+from tests.model.tiny import build_engine_folder
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_engine_folder(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def expected_blocks(cache: RadixCache) -> set[bytes]:
+    """Every whole block on every cached path, hashed from the tokens (the documented recipe)."""
+    blocks: set[bytes] = set()
+    for node in cache.nodes():
+        if not node.children:
+            path = cache._path_tokens(node)
+            blocks.update(page_hashes(path, node.key.extra_key, BLOCK, shared_len=cache._shared_depth(node)))
+    return blocks
+
+
+def workload(seed: int, n: int = 40) -> list[tuple[list[int], str | None]]:
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(3, 128, 40).tolist() for _ in range(4)]
+    out = []
+    for _ in range(n):
+        prefix = prefixes[int(rng.integers(4))][: int(rng.integers(8, 41))]
+        out.append((prefix + rng.integers(3, 128, int(rng.integers(1, 30))).tolist(), [None, "ns-a"][int(rng.integers(2))]))
+    return out
+
+
+def serve_and_publish(engine: Engine, publisher: KVEventPublisher, requests: list[tuple[list[int], str | None]],
+                      before: int = 0, on_batch: object = None) -> None:  # fmt: skip
+    for prompt, ns in requests:
+        engine.scheduler.add(engine.make_request(prompt, {"max_new_tokens": 6, "ignore_eos": True}, ns))
+    while engine.scheduler.has_work():
+        engine.scheduler.step()
+        assert engine.cache.events is not None
+        publisher.publish(engine.cache.events.drain())
+
+
+def drain(subscriber: KVEventSubscriber, publisher: KVEventPublisher) -> None:
+    deadline = time.monotonic() + 10
+    while subscriber.mirror.seq < publisher.seq and time.monotonic() < deadline:
+        subscriber.poll(50)
+    if subscriber.mirror.seq < publisher.seq:
+        subscriber.catch_up()  # the last batches can be lost to a slow-joining SUB socket
+
+
+@pytest.fixture
+def endpoints(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    yield f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/kv.replay"
+
+
+@pytest.mark.parametrize("buffer,expect", [(10_000, "replay"), (2, "snapshot")])
+def test_a_late_subscriber_rebuilds_exactly_the_cached_blocks(model_dir: Path, endpoints: tuple[str, str],
+                                                               buffer: int, expect: str) -> None:  # fmt: skip
+    engine = Engine(model_path=str(model_dir), max_total_tokens=512, enable_kv_events=True)
+    publisher = KVEventPublisher(*endpoints, block_size=BLOCK, buffer=buffer)
+    try:
+        serve_and_publish(engine, publisher, workload(1))  # nobody listens yet
+        assert publisher.seq > 2
+        subscriber = KVEventSubscriber(*endpoints)
+        time.sleep(0.2)  # let the subscription reach the publisher
+        serve_and_publish(engine, publisher, workload(2))
+        drain(subscriber, publisher)
+        assert engine.cache.evicted_tokens > 0  # the pool was under pressure: removals happened
+        assert subscriber.mirror.seq == publisher.seq
+        assert subscriber.blocks == expected_blocks(engine.cache)  # type: ignore[arg-type]
+        assert (subscriber.replays if expect == "replay" else subscriber.snapshots) >= 1
+        engine.flush_cache()
+        publisher.publish(engine.cache.events.drain())  # type: ignore[union-attr]
+        drain(subscriber, publisher)
+        assert subscriber.blocks == set()  # the clear event
+        subscriber.close()
+    finally:
+        publisher.close()
+
+
+def test_a_bad_replay_request_gets_an_error_not_a_dead_thread(endpoints: tuple[str, str]) -> None:
+    publisher = KVEventPublisher(*endpoints)
+    try:
+        subscriber = KVEventSubscriber(*endpoints)
+        assert subscriber._request({"op": "nonsense"})["ok"] is False
+        assert subscriber._request({"op": "snapshot"}) == {"ok": True, "seq": 0, "blocks": []}
+        subscriber.close()
+    finally:
+        publisher.close()
+
+
+def test_the_server_publishes_blocks_a_router_recomputes_from_token_ids(model_dir: Path) -> None:
+    import httpx
+
+    from radixserve.bench.server_process import ServerProcess, free_port
+
+    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    proc = ServerProcess("--kv-events-endpoint", pub, "--kv-events-replay-endpoint", rep, "--log-level", "warning",
+                         model_path=model_dir).start()  # fmt: skip
+    try:
+        subscriber = KVEventSubscriber(pub, rep)
+        prompt = list(range(10, 50))  # 40 tokens: blocks 0 and 1 are whole
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.post(proc.url + "/generate", json=body, timeout=60).status_code == 200
+        subscriber.poll(500)
+        subscriber.catch_up()  # whatever the SUB socket missed while joining
+        wanted = list(page_hashes(np.asarray(prompt), None, BLOCK))
+        assert set(wanted) <= subscriber.blocks
+        assert httpx.post(proc.url + "/flush_cache", timeout=30).status_code == 200
+        time.sleep(0.6)  # the scheduler publishes within its 0.5 s idle wait
+        subscriber.poll(500)
+        subscriber.catch_up()
+        assert subscriber.blocks == set()
+        subscriber.close()
+    finally:
+        assert proc.stop() == 0
