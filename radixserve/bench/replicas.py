@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from radixserve.bench.simulate import TokenCounts
 from radixserve.bench.workloads import TraceRequest
 from radixserve.cache import RadixCache, RadixKey
 from radixserve.memory import TokenAllocator
@@ -33,7 +34,7 @@ ROUTERS = ("round-robin", "power-of-two", "cache-aware", "cache-aware-precise")
 
 
 @dataclass
-class ReplicaResult:
+class ReplicaResult(TokenCounts):
     router: str
     replicas: int
     requests: int
@@ -41,14 +42,6 @@ class ReplicaResult:
     cached_tokens: int
     load_imbalance: float  # max / mean requests per replica
     peak_queue: int  # the longest any replica's queue got
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def prefill_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "hit_rate": self.hit_rate, "prefill_tokens": self.prefill_tokens}

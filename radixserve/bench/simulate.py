@@ -44,8 +44,23 @@ DEFAULT_CACHES = tuple(
 DEFAULT_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 1.0)
 
 
+class TokenCounts:
+    """Hit rate and prefill tokens from a result's prompt and cached token counts."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
 @dataclass
-class SimResult:
+class SimResult(TokenCounts):
     cache: str
     capacity: int  # KV slots (tokens)
     capacity_fraction: float  # of the working set
@@ -55,14 +70,6 @@ class SimResult:
     cached_tokens: int
     evicted_tokens: int
     cache_seconds: float  # time inside cache operations
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def prefill_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
 
     @property
     def us_per_request(self) -> float:

@@ -98,27 +98,18 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        call = CompletionCall(state, body, tenancy.namespace(request.state.tenant, body.cache_salt))
-        generation = await call.begin()
-        if body.stream:
-            return StreamingResponse(call.stream(generation), media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await call.run(generation, request.is_disconnected))
+        return await respond(CompletionCall(state, body, tenancy.namespace(request.state.tenant, body.cache_salt)),
+                             body.stream, request)  # fmt: skip
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        call = ChatCall(state, body, tenancy.namespace(request.state.tenant, body.cache_salt))
-        generation = await call.begin()
-        if body.stream:
-            return StreamingResponse(call.stream(generation), media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await call.run(generation, request.is_disconnected))
+        return await respond(ChatCall(state, body, tenancy.namespace(request.state.tenant, body.cache_salt)),
+                             body.stream, request)  # fmt: skip
 
     @app.post("/generate", dependencies=auth)
     async def generate(body: GenerateRequest, request: Request) -> Response:
-        call = NativeCall(state, body, tenancy.namespace(request.state.tenant, body.extra_key))
-        generation = await call.begin()
-        if body.stream:
-            return StreamingResponse(call.stream(generation), media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await call.run(generation, request.is_disconnected))
+        return await respond(NativeCall(state, body, tenancy.namespace(request.state.tenant, body.extra_key)),
+                             body.stream, request)  # fmt: skip
 
     @app.get("/cache", dependencies=auth)
     async def cache(request: Request, top: int = Query(10, ge=0, le=100), check: bool = False) -> dict[str, Any]:
@@ -192,6 +183,14 @@ class JSONBodyMiddleware:
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
+
+
+async def respond(call: CompletionCall | ChatCall | NativeCall, stream: bool, request: Request) -> Response:
+    """Start the call's requests; an SSE stream, or the whole answer (aborted if the client leaves)."""
+    generation = await call.begin()
+    if stream:
+        return StreamingResponse(call.stream(generation), media_type="text/event-stream", headers=SSE_HEADERS)
+    return JSONResponse(await call.run(generation, request.is_disconnected))
 
 
 def decode_previews(engine: Engine, out: dict[str, Any]) -> dict[str, Any]:
