@@ -4,9 +4,13 @@
 """
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from radixserve.bench.tiny_model import build_engine_folder
 
 # One thread: libgomp's spinning pool makes 2 threads 3-50x slower on a busy 2-core box.
 torch.set_num_threads(1)
@@ -24,3 +28,9 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama + word tokenizer as an HF folder named ``tiny-llama`` (built once)."""
+    return build_engine_folder(tmp_path_factory.mktemp("models") / "tiny-llama")

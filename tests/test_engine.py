@@ -8,17 +8,13 @@ from typing import Any
 import pytest
 import torch
 from radixserve import Engine
-from tests.model.tiny import EOS, VOCAB, build_engine_folder
+from tests.model.tiny import EOS, VOCAB
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_engine_folder(tmp_path_factory.mktemp("tiny-llama"))
 
-
-def make_engine(model_dir: Path, **options: Any) -> Engine:
-    return Engine(model_path=str(model_dir), max_total_tokens=options.pop("max_total_tokens", 2048), **options)
+def make_engine(tiny_model_dir: Path, **options: Any) -> Engine:
+    return Engine(model_path=str(tiny_model_dir), max_total_tokens=options.pop("max_total_tokens", 2048), **options)
 
 
 def words(ids: list[int]) -> str:
@@ -29,8 +25,8 @@ SHARED = list(range(3, 43))  # a 40-token shared preamble
 PROMPTS = [SHARED + [50, 51, 52], SHARED + [60, 61], SHARED[:20] + [70] * 9, [5, 6, 7]]
 
 
-def test_generate_result_shape_and_slots_conserved(model_dir: Path) -> None:
-    engine = make_engine(model_dir)
+def test_generate_result_shape_and_slots_conserved(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
     out = engine.generate(words([3, 4, 5]), GREEDY)
     assert isinstance(out, dict) and len(out["output_ids"]) == 12
     meta = out["meta_info"]
@@ -41,20 +37,20 @@ def test_generate_result_shape_and_slots_conserved(model_dir: Path) -> None:
     engine.check_idle_invariants()
 
 
-def test_greedy_output_equals_transformers_generate(model_dir: Path) -> None:
+def test_greedy_output_equals_transformers_generate(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     prompt = [1, 9, 17, 33, 4, 88]
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None)
-    out = make_engine(model_dir).generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 20})
+    out = make_engine(tiny_model_dir).generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 20})
     assert out["output_ids"] == expected[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("prefix_cache,page_size", [("radix", 1), ("radix", 16), ("block", 16)])
-def test_shared_prefix_hits_and_gives_the_same_tokens_as_no_cache(model_dir: Path, prefix_cache: str, page_size: int) -> None:
-    control = make_engine(model_dir, prefix_cache="none")
-    cached = make_engine(model_dir, prefix_cache=prefix_cache, page_size=page_size)
+def test_shared_prefix_hits_and_gives_the_same_tokens_as_no_cache(tiny_model_dir: Path, prefix_cache: str, page_size: int) -> None:
+    control = make_engine(tiny_model_dir, prefix_cache="none")
+    cached = make_engine(tiny_model_dir, prefix_cache=prefix_cache, page_size=page_size)
     for prompt in PROMPTS[:2]:
         cold = control.generate(input_ids=prompt, sampling_params=GREEDY)
         warm = cached.generate(input_ids=prompt, sampling_params=GREEDY)
@@ -65,17 +61,17 @@ def test_shared_prefix_hits_and_gives_the_same_tokens_as_no_cache(model_dir: Pat
     control.check_idle_invariants()
 
 
-def test_a_mixed_batch_equals_one_by_one(model_dir: Path) -> None:
-    engine = make_engine(model_dir)
-    alone = [make_engine(model_dir).generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
+def test_a_mixed_batch_equals_one_by_one(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    alone = [make_engine(tiny_model_dir).generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
     together = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert [r["output_ids"] for r in together] == alone
     engine.check_idle_invariants()
 
 
-def test_a_tiny_pool_retracts_and_still_gives_the_same_tokens(model_dir: Path) -> None:
-    roomy = make_engine(model_dir)
-    tight = make_engine(model_dir, max_total_tokens=160)
+def test_a_tiny_pool_retracts_and_still_gives_the_same_tokens(tiny_model_dir: Path) -> None:
+    roomy = make_engine(tiny_model_dir)
+    tight = make_engine(tiny_model_dir, max_total_tokens=160)
     params = {**GREEDY, "max_new_tokens": 30}
     expected = [r["output_ids"] for r in roomy.generate(input_ids=PROMPTS, sampling_params=params)]
     got = tight.generate(input_ids=PROMPTS, sampling_params=params)
@@ -84,8 +80,8 @@ def test_a_tiny_pool_retracts_and_still_gives_the_same_tokens(model_dir: Path) -
     tight.check_idle_invariants()
 
 
-def test_stop_conditions(model_dir: Path) -> None:
-    engine = make_engine(model_dir)
+def test_stop_conditions(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
     free = engine.generate(input_ids=[3, 4, 5], sampling_params=GREEDY)["output_ids"]
     by_id = engine.generate(input_ids=[3, 4, 5], sampling_params={**GREEDY, "stop_token_ids": [free[3]]})
     assert by_id["output_ids"] == free[: free.index(free[3]) + 1]
@@ -98,16 +94,16 @@ def test_stop_conditions(model_dir: Path) -> None:
     engine.check_idle_invariants()
 
 
-def test_seeded_sampling_is_reproducible_inside_any_batch(model_dir: Path) -> None:
-    engine = make_engine(model_dir)
+def test_seeded_sampling_is_reproducible_inside_any_batch(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
     params = {"max_new_tokens": 10, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
     alone = engine.generate(input_ids=[3, 4, 5], sampling_params=params)["output_ids"]
     batch = engine.generate(input_ids=[[9, 9], [3, 4, 5]], sampling_params=[{"max_new_tokens": 10}, params])
     assert batch[1]["output_ids"] == alone
 
 
-def test_chat_applies_the_template(model_dir: Path) -> None:
-    engine = make_engine(model_dir)
+def test_chat_applies_the_template(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
     via_chat = engine.chat([{"role": "user", "content": "w10 w11"}], GREEDY)
     direct = engine.generate(input_ids=[4, 10, 11, 99], sampling_params=GREEDY)
     assert via_chat["output_ids"] == direct["output_ids"] and via_chat["meta_info"]["prompt_tokens"] == 4
@@ -125,8 +121,8 @@ def test_chat_applies_the_template(model_dir: Path) -> None:
         {"input_ids": list(range(3, 100)) * 3},  # longer than the model's 256 positions
     ],
 )
-def test_bad_input_is_a_clear_error_and_changes_nothing(model_dir: Path, kwargs: dict[str, Any]) -> None:
-    engine = make_engine(model_dir)
+def test_bad_input_is_a_clear_error_and_changes_nothing(tiny_model_dir: Path, kwargs: dict[str, Any]) -> None:
+    engine = make_engine(tiny_model_dir)
     engine.generate(input_ids=SHARED, sampling_params=GREEDY)
     before = (engine.allocator.free_size(), engine.cache.total_size())
     with pytest.raises(ValueError):
@@ -136,8 +132,8 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(model_dir: Path, kwargs:
     assert engine.generate(input_ids=SHARED, sampling_params=GREEDY)["meta_info"]["cached_tokens"] == 39
 
 
-def test_unknown_engine_option_is_an_error(model_dir: Path) -> None:
+def test_unknown_engine_option_is_an_error(tiny_model_dir: Path) -> None:
     with pytest.raises(TypeError):
-        Engine(model_path=str(model_dir), max_total_tokenz=100)
+        Engine(model_path=str(tiny_model_dir), max_total_tokenz=100)
     with pytest.raises(ValueError, match="prefix_cache"):
-        Engine(model_path=str(model_dir), prefix_cache="lru")
+        Engine(model_path=str(tiny_model_dir), prefix_cache="lru")

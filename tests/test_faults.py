@@ -18,26 +18,21 @@ import torch
 import radixserve.scheduler.loop as loop
 from radixserve import Engine
 from radixserve.cache import RadixKey
-from tests.model.tiny import build_engine_folder
 
 PARAMS = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 POISON = 77  # the token that marks the faulty request's prompt
 PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 9, 10], [5, 6, POISON, 11], [20, 21, 22]]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_engine_folder(tmp_path_factory.mktemp("tiny-llama"))
-
 
 @pytest.fixture(scope="module")
-def clean(model_dir: Path) -> list[list[int]]:
-    engine = Engine(model_path=str(model_dir), max_total_tokens=2048)
+def clean(tiny_model_dir: Path) -> list[list[int]]:
+    engine = Engine(model_path=str(tiny_model_dir), max_total_tokens=2048)
     return [out["output_ids"] for out in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]  # type: ignore[index]
 
 
-def run_with(model_dir: Path, patch: Callable[[Engine], None], params: Any = PARAMS) -> tuple[Engine, list[Any]]:
-    engine = Engine(model_path=str(model_dir), max_total_tokens=2048)
+def run_with(tiny_model_dir: Path, patch: Callable[[Engine], None], params: Any = PARAMS) -> tuple[Engine, list[Any]]:
+    engine = Engine(model_path=str(tiny_model_dir), max_total_tokens=2048)
     patch(engine)
     outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
     assert isinstance(outs, list)
@@ -53,7 +48,7 @@ def check_contained(engine: Engine, outs: list[Any], clean: list[list[int]], wor
     assert len(engine.cache.match_prefix(RadixKey([5, 6, POISON])).indices) == 2  # its own tokens never cached
 
 
-def test_a_model_call_that_fails_for_one_request(model_dir: Path, clean: list[list[int]]) -> None:
+def test_a_model_call_that_fails_for_one_request(tiny_model_dir: Path, clean: list[list[int]]) -> None:
     def patch(engine: Engine) -> None:
         forward = engine.scheduler.runner.forward
 
@@ -65,11 +60,11 @@ def test_a_model_call_that_fails_for_one_request(model_dir: Path, clean: list[li
 
         engine.scheduler.runner.forward = failing  # type: ignore[method-assign]
 
-    engine, outs = run_with(model_dir, patch)
+    engine, outs = run_with(tiny_model_dir, patch)
     check_contained(engine, outs, clean, "injected kernel failure")
 
 
-def test_nan_logits_for_one_request(model_dir: Path, clean: list[list[int]]) -> None:
+def test_nan_logits_for_one_request(tiny_model_dir: Path, clean: list[list[int]]) -> None:
     def patch(engine: Engine) -> None:
         forward = engine.scheduler.runner.forward
 
@@ -82,11 +77,11 @@ def test_nan_logits_for_one_request(model_dir: Path, clean: list[list[int]]) -> 
 
         engine.scheduler.runner.forward = poisoned  # type: ignore[method-assign]
 
-    engine, outs = run_with(model_dir, patch)
+    engine, outs = run_with(tiny_model_dir, patch)
     check_contained(engine, outs, clean, "non-finite logits")
 
 
-def test_a_sampler_error_for_one_request(model_dir: Path, clean: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sampler_error_for_one_request(tiny_model_dir: Path, clean: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
     real = loop.sample
 
     def picky(logits: torch.Tensor, states: Any) -> Any:
@@ -95,11 +90,11 @@ def test_a_sampler_error_for_one_request(model_dir: Path, clean: list[list[int]]
         return real(logits, states)
 
     monkeypatch.setattr(loop, "sample", picky)
-    engine, outs = run_with(model_dir, lambda engine: None)
+    engine, outs = run_with(tiny_model_dir, lambda engine: None)
     check_contained(engine, outs, clean, "injected sampler failure")
 
 
-def test_a_detokenizer_error_for_one_request(model_dir: Path, clean: list[list[int]]) -> None:
+def test_a_detokenizer_error_for_one_request(tiny_model_dir: Path, clean: list[list[int]]) -> None:
     def patch(engine: Engine) -> None:
         detokenize = engine.scheduler.detokenize
 
@@ -110,5 +105,5 @@ def test_a_detokenizer_error_for_one_request(model_dir: Path, clean: list[list[i
 
         engine.scheduler.detokenize = fragile
 
-    engine, outs = run_with(model_dir, patch, {**PARAMS, "stop": ["never-generated"]})
+    engine, outs = run_with(tiny_model_dir, patch, {**PARAMS, "stop": ["never-generated"]})
     check_contained(engine, outs, clean, "UnicodeDecodeError")

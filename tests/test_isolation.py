@@ -17,20 +17,15 @@ import pytest
 from radixserve import Engine
 from radixserve.scheduler.request import Status
 from radixserve.server.tenancy import tenant_namespace
-from tests.model.tiny import build_engine_folder
 
 SECRETS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47]]
 GUESSES = [[60, 61, 62, 63], SECRETS[1] + [13], [70, 71, 72], SECRETS[0] + [14], [80, 81, 82, 83, 84]]
 PARAMS = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_engine_folder(tmp_path_factory.mktemp("tiny-llama"))
 
-
-def tenant_b_view(model_dir: Path, a_cached: bool, isolated: bool, policy: str) -> tuple[list[int], list[int]]:
-    engine = Engine(model_path=str(model_dir), schedule_policy=policy, max_running_requests=1, max_total_tokens=2048)
+def tenant_b_view(tiny_model_dir: Path, a_cached: bool, isolated: bool, policy: str) -> tuple[list[int], list[int]]:
+    engine = Engine(model_path=str(tiny_model_dir), schedule_policy=policy, max_running_requests=1, max_total_tokens=2048)
     ns_a, ns_b = (tenant_namespace("A"), tenant_namespace("B")) if isolated else (None, None)
     if a_cached:
         engine.generate(input_ids=SECRETS, sampling_params=PARAMS, extra_key=ns_a)
@@ -45,13 +40,13 @@ def tenant_b_view(model_dir: Path, a_cached: bool, isolated: bool, policy: str) 
 
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
-def test_tenant_b_learns_nothing_from_tenant_a_cache(model_dir: Path, policy: str) -> None:
-    assert tenant_b_view(model_dir, True, isolated=True, policy=policy) == \
-        tenant_b_view(model_dir, False, isolated=True, policy=policy)  # fmt: skip
+def test_tenant_b_learns_nothing_from_tenant_a_cache(tiny_model_dir: Path, policy: str) -> None:
+    assert tenant_b_view(tiny_model_dir, True, isolated=True, policy=policy) == \
+        tenant_b_view(tiny_model_dir, False, isolated=True, policy=policy)  # fmt: skip
 
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
-def test_the_same_experiment_leaks_without_isolation(model_dir: Path, policy: str) -> None:
-    with_a, without_a = (tenant_b_view(model_dir, a, isolated=False, policy=policy) for a in (True, False))
+def test_the_same_experiment_leaks_without_isolation(tiny_model_dir: Path, policy: str) -> None:
+    with_a, without_a = (tenant_b_view(tiny_model_dir, a, isolated=False, policy=policy) for a in (True, False))
     assert with_a[0] != without_a[0]  # cached_tokens reveal A's prompts
     assert with_a[1] != without_a[1]  # and so does the service order

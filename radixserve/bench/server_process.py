@@ -60,5 +60,11 @@ class ServerProcess:
                 self.proc.wait()
         return self.proc.returncode
 
+    def __enter__(self) -> ServerProcess:
+        return self if self.proc is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def log(self) -> str:
         return Path(self._log.name).read_text(errors="replace")

@@ -13,7 +13,6 @@ import pytest
 
 from radixserve.bench.serve import BenchResult, LatencyStats, main, run_benchmark
 from radixserve.bench.server_process import ServerProcess
-from radixserve.bench.tiny_model import build_engine_folder
 from radixserve.bench.traces import save_trace
 from radixserve.bench.workloads import TraceRequest, generated_shared_prefix
 
@@ -21,12 +20,10 @@ GROUPS, PER_GROUP, SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 4, 5, 96, 16, 8
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    model = build_engine_folder(tmp_path_factory.mktemp("models") / "tiny-llama")  # 256-token context
-    proc = ServerProcess("--enable-metrics", "--max-total-tokens", "8192", "--log-level", "warning",
-                         model_path=model).start()  # fmt: skip
-    yield proc
-    proc.stop()
+def server(tiny_model_dir: Path) -> Iterator[ServerProcess]:  # 256-token context
+    with ServerProcess("--enable-metrics", "--max-total-tokens", "8192", "--log-level", "warning",
+                       model_path=tiny_model_dir) as proc:  # fmt: skip
+        yield proc
 
 
 def workload(url: str, seed: int = 0) -> list[TraceRequest]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,6 @@ from radixserve.bench.soak import (
     run_soak,
 )
 from radixserve.bench.soak_plan import ServerFacts, plan_calls
-from radixserve.bench.tiny_model import build_engine_folder
 
 REQUESTS, CONCURRENCY = 200, 50
 IDLE_CACHE = {"pool_tokens": 2048, "free_tokens": 1500, "cached_tokens": 548, "evictable_tokens": 548,
@@ -28,13 +28,11 @@ IDLE_CACHE = {"pool_tokens": 2048, "free_tokens": 1500, "cached_tokens": 548, "e
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    model = build_engine_folder(tmp_path_factory.mktemp("models") / "tiny-llama")  # 256-token context
+def server(tiny_model_dir: Path) -> Iterator[ServerProcess]:  # 256-token context
     # 50 requests of up to ~60 tokens each do not fit in 2048 slots: eviction and retraction happen
-    proc = ServerProcess("--enable-metrics", "--max-total-tokens", "2048", "--log-level", "warning",
-                         model_path=model).start()  # fmt: skip
-    yield proc
-    proc.stop()
+    with ServerProcess("--enable-metrics", "--max-total-tokens", "2048", "--log-level", "warning",
+                       model_path=tiny_model_dir) as proc:  # fmt: skip
+        yield proc
 
 
 def test_a_ci_sized_soak_finds_no_leak_and_every_request_has_an_outcome(server: ServerProcess) -> None:

@@ -9,23 +9,16 @@ from typing import Any
 import httpx
 import pytest
 
-from radixserve.bench.tiny_model import build_engine_folder
 from radixserve.bench.server_process import ServerProcess
 
 MODEL = "tiny-llama"
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_engine_folder(tmp_path_factory.mktemp("models") / MODEL)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess("--enable-metrics", "--max-total-tokens", "4096", "--log-level", "warning",
-                         model_path=tiny_model_dir).start()  # fmt: skip
-    yield proc
-    proc.stop()
+    with ServerProcess("--enable-metrics", "--max-total-tokens", "4096", "--log-level", "warning",
+                       model_path=tiny_model_dir) as proc:  # fmt: skip
+        yield proc
 
 
 def cache_state(url: str, **headers: str) -> dict[str, Any]:

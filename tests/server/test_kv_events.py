@@ -21,14 +21,9 @@ from radixserve.cache import RadixCache
 from radixserve.cache.key import page_hashes
 from radixserve.router.kv_subscriber import KVEventSubscriber
 from radixserve.server.kv_publisher import KVEventPublisher
-from tests.model.tiny import build_engine_folder
 
 BLOCK = 16
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_engine_folder(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def expected_blocks(cache: RadixCache) -> set[bytes]:
@@ -75,9 +70,9 @@ def endpoints(tmp_path: Path) -> Iterator[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("buffer,expect", [(10_000, "replay"), (2, "snapshot")])
-def test_a_late_subscriber_rebuilds_exactly_the_cached_blocks(model_dir: Path, endpoints: tuple[str, str],
+def test_a_late_subscriber_rebuilds_exactly_the_cached_blocks(tiny_model_dir: Path, endpoints: tuple[str, str],
                                                                buffer: int, expect: str) -> None:  # fmt: skip
-    engine = Engine(model_path=str(model_dir), max_total_tokens=512, enable_kv_events=True)
+    engine = Engine(model_path=str(tiny_model_dir), max_total_tokens=512, enable_kv_events=True)
     publisher = KVEventPublisher(*endpoints, block_size=BLOCK, buffer=buffer)
     try:
         serve_and_publish(engine, publisher, workload(1))  # nobody listens yet
@@ -110,14 +105,14 @@ def test_a_bad_replay_request_gets_an_error_not_a_dead_thread(endpoints: tuple[s
         publisher.close()
 
 
-def test_the_server_publishes_blocks_a_router_recomputes_from_token_ids(model_dir: Path) -> None:
+def test_the_server_publishes_blocks_a_router_recomputes_from_token_ids(tiny_model_dir: Path) -> None:
     import httpx
 
     from radixserve.bench.server_process import ServerProcess, free_port
 
     pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     proc = ServerProcess("--kv-events-endpoint", pub, "--kv-events-replay-endpoint", rep, "--log-level", "warning",
-                         model_path=model_dir).start()  # fmt: skip
+                         model_path=tiny_model_dir).start()  # fmt: skip
     try:
         subscriber = KVEventSubscriber(pub, rep)
         prompt = list(range(10, 50))  # 40 tokens: blocks 0 and 1 are whole

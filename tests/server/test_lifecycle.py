@@ -33,10 +33,9 @@ def medium_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def medium(medium_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess("--enable-metrics", "--max-total-tokens", "16384", "--log-level", "warning",
-                         model_path=medium_dir).start()  # fmt: skip
-    yield proc
-    proc.stop()
+    with ServerProcess("--enable-metrics", "--max-total-tokens", "16384", "--log-level", "warning",
+                       model_path=medium_dir) as proc:  # fmt: skip
+        yield proc
 
 
 def aborted_count(url: str) -> float:

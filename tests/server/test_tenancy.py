@@ -23,10 +23,9 @@ PUBLIC = " ".join(f"w{i}" for i in range(60, 80))  # 20 tokens: the allowlisted 
 def isolated(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
-    proc = ServerProcess("--tenant-isolation", "--api-key-file", str(key_file), "--admin-api-key", ADMIN,
-                         "--shared-prefix", PUBLIC, "--log-level", "warning", model_path=tiny_model_dir).start()  # fmt: skip
-    yield proc
-    proc.stop()
+    with ServerProcess("--tenant-isolation", "--api-key-file", str(key_file), "--admin-api-key", ADMIN,
+                       "--shared-prefix", PUBLIC, "--log-level", "warning", model_path=tiny_model_dir) as proc:  # fmt: skip
+        yield proc
 
 
 def cached(url: str, key: str, salt: str | None = None, prompt: str = PROMPT, headers: dict[str, str] | None = None) -> int:
