@@ -59,9 +59,17 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("name", nargs="?", choices=sorted(BENCHMARKS), help="pass --help after it for its flags")
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
-        from radixserve.server.launch import main as serve
+        from radixserve.server.args import parse_args
 
-        serve(rest)
+        server_args = parse_args(rest)
+        if server_args.replicas:
+            from radixserve.router.deployments import serve_replicas
+
+            serve_replicas(server_args)
+        else:
+            from radixserve.server.launch import serve
+
+            serve(server_args)
     elif args.command == "chat":
         chat(rest)
     elif args.command == "demo":

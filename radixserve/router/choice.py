@@ -68,13 +68,13 @@ class PrefixIndex:
     def __init__(self, capacity: int) -> None:
         self.cache = RadixCache(TokenAllocator(capacity))
 
-    def match(self, tokens: TokenArray, namespace: str | None = None) -> int:
-        return len(self.cache.match_prefix(RadixKey(tokens, namespace)).indices)
+    def match(self, tokens: TokenArray, namespace: str | None = None, shared_len: int = 0) -> int:
+        return len(self.cache.match_prefix(RadixKey(tokens, namespace, shared_len)).indices)
 
-    def add(self, tokens: TokenArray, namespace: str | None = None) -> None:
+    def add(self, tokens: TokenArray, namespace: str | None = None, shared_len: int = 0) -> None:
         """Remember ``tokens`` (evicting the least recently routed prefixes when full)."""
         tokens = np.asarray(tokens, dtype=np.int64)[: self.cache.allocator.size]
-        req = self.cache.open_request(tokens, namespace)
+        req = self.cache.open_request(tokens, namespace, shared_len=shared_len)
         if self.cache.extend_request(req, tokens[len(req.token_ids) :]):
             self.cache.cache_finished_req(req)
         else:

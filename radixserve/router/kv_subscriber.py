@@ -29,6 +29,11 @@ class KVEventSubscriber:
     def blocks(self) -> set[bytes]:
         return self.mirror.blocks
 
+    @property
+    def socket(self) -> zmq.Socket[bytes]:
+        """The SUB socket (to poll many subscribers at once; use it from one thread only)."""
+        return self._sub
+
     def poll(self, timeout_ms: int = 0) -> int:
         """Apply every batch that arrived (waiting up to ``timeout_ms`` for the first); how many applied."""
         applied = 0

@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.cache.summary import summarize
 from radixserve.engine import Engine
+from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.args import ServerArgs
 from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import ServerState
@@ -49,7 +50,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     if args.kv_events_endpoint:
         events = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_block_size)
     state = ServerState(engine, args, EngineWorker(engine, metrics, args.max_queued_requests, events), metrics,
-                        build_tenancy(args), shared_heads(engine, args))  # fmt: skip
+                        build_tenancy(args), shared_heads(engine.tokenizer, args))  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -201,9 +202,8 @@ def decode_previews(engine: Engine, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def shared_heads(engine: Engine, args: ServerArgs) -> list[list[int]]:
+def shared_heads(tokenizer: Tokenizer, args: ServerArgs) -> list[list[int]]:
     """The allowlisted public prompt heads as token ids, longest first."""
-    tokenizer = engine.tokenizer
     heads = [tokenizer.encode(text) for text in args.shared_prefixes]
     heads += [tokenizer.apply_chat_template([{"role": "system", "content": text}], add_generation_prompt=False)
               for text in args.shared_system_prompts]  # fmt: skip

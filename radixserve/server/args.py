@@ -21,6 +21,8 @@ from radixserve.scheduler.policy import SCHEDULE_POLICIES
 
 DEFAULT_PORT = 30000
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ROUTER_POLICIES = ("cache-aware", "round-robin", "power-of-two")  # router/table.py implements them
+ROUTER_INDEXES = ("precise", "approximate")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,14 @@ class ServerArgs:
     max_queued_requests: int = 4096  # requests in flight (queued + running) before new ones get 503
     graceful_shutdown_timeout: float = 30.0
     log_level: str = "info"
+    # Scale-out (Ray Serve): 0 = this process only
+    replicas: int = 0
+    ray_address: str | None = None  # None: start a local Ray cluster
+    router: str = "cache-aware"
+    router_index: str = "precise"
+    router_abs_threshold: int = 8
+    router_rel_threshold: float = 1.5
+    replica_cpus: float | None = None  # None: min(1, cluster CPUs / replicas)
 
     def model_name(self) -> str:
         if self.served_model_name:
@@ -139,6 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds in-flight requests get to finish after SIGINT/SIGTERM; then they are aborted")  # fmt: skip
     server.add_argument("--log-level", default=ServerArgs.log_level, choices=LOG_LEVELS,
                         help="debug also logs every HTTP request")  # fmt: skip
+    scale = parser.add_argument_group("scale-out on Ray Serve (see README: Scaling out)")
+    scale.add_argument("--replicas", type=int, default=0,
+                       help="engine replicas behind a cache-aware router (0: one engine in this process, no Ray)")
+    scale.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (e.g. auto or ray://host:10001); default: start a local one")
+    scale.add_argument("--router", default=ServerArgs.router, choices=ROUTER_POLICIES,
+                       help="how requests pick a replica (round-robin and power-of-two: for comparison)")
+    scale.add_argument("--router-index", default=ServerArgs.router_index, choices=ROUTER_INDEXES,
+                       help="precise: the replicas' KV events; approximate: the prompts the router sent")
+    scale.add_argument("--router-abs-threshold", type=int, default=ServerArgs.router_abs_threshold,
+                       help="load is out of balance when max - min requests exceeds this ...")
+    scale.add_argument("--router-rel-threshold", type=float, default=ServerArgs.router_rel_threshold,
+                       help="... and max exceeds this times min: then the least-loaded replica wins")
+    scale.add_argument("--replica-cpus", type=float, default=None,
+                       help="Ray CPUs per replica (default: min(1, cluster CPUs / replicas))")
     return parser
 
 
@@ -166,6 +191,10 @@ def parse_args(argv: list[str]) -> ServerArgs:
             raise ValueError("--kv-events-block-size must be >= 1")
         if ns.tenant_isolation and not (ns.api_key or ns.api_key_file or ns.tenant_header):
             raise ValueError("--tenant-isolation needs identities: --api-key, --api-key-file or --tenant-header")
+        if ns.replicas < 0 or ns.router_abs_threshold < 0 or ns.router_rel_threshold < 1:
+            raise ValueError("--replicas and --router-abs-threshold must be >= 0, --router-rel-threshold >= 1")
+        if ns.replica_cpus is not None and ns.replica_cpus < 0:
+            raise ValueError("--replica-cpus must be >= 0")
         if not 0 < ns.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {ns.port}")
         if ns.hit_rate_window < 1 or ns.graceful_shutdown_timeout < 0 or ns.max_queued_requests < 1:
@@ -193,4 +222,11 @@ def parse_args(argv: list[str]) -> ServerArgs:
         max_queued_requests=ns.max_queued_requests,
         graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
         log_level=ns.log_level,
+        replicas=ns.replicas,
+        ray_address=ns.ray_address,
+        router=ns.router,
+        router_index=ns.router_index,
+        router_abs_threshold=ns.router_abs_threshold,
+        router_rel_threshold=ns.router_rel_threshold,
+        replica_cpus=ns.replica_cpus,
     )

@@ -74,13 +74,17 @@ class ServerState:
             raise APIError(400, str(exc)) from None
 
     def shared_len(self, ids: Sequence[int], extra_key: str | None) -> int:
-        """How many leading tokens of a namespaced prompt are an allowlisted public head."""
-        if extra_key is None:
-            return 0  # the shared namespace already
-        for head in self.shared_prefixes:
-            if len(head) <= len(ids) and list(ids[: len(head)]) == head:
-                return len(head)
-        return 0
+        return shared_head_len(self.shared_prefixes, ids, extra_key)
+
+
+def shared_head_len(heads: Sequence[Sequence[int]], ids: Sequence[int], extra_key: str | None) -> int:
+    """How many leading tokens of a namespaced prompt are an allowlisted public head (``heads`` longest first)."""
+    if extra_key is None:
+        return 0  # the shared namespace already
+    for head in heads:
+        if len(head) <= len(ids) and list(ids[: len(head)]) == list(head):
+            return len(head)
+    return 0
 
 
 class Generation:

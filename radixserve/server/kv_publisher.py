@@ -28,10 +28,13 @@ TOPIC = b"kv-events"
 
 
 def replay_endpoint_for(endpoint: str) -> str:
-    """The default replay endpoint: the next TCP port, or ``<path>.replay`` for ipc://."""
-    if endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1].isdigit():
+    """The default replay endpoint: the next TCP port (any free one for ``tcp://host:*``), or ``<path>.replay``."""
+    if endpoint.startswith("tcp://"):
         host, port = endpoint.rsplit(":", 1)
-        return f"{host}:{int(port) + 1}"
+        if port == "*":
+            return endpoint
+        if port.isdigit():
+            return f"{host}:{int(port) + 1}"
     return endpoint + ".replay"
 
 
@@ -46,6 +49,9 @@ class KVEventPublisher:
         self._rep = context.socket(zmq.REP)
         self._rep.setsockopt(zmq.LINGER, 0)
         self._rep.bind(replay_endpoint or replay_endpoint_for(endpoint))
+        # Where subscribers connect: the bound addresses (a ``tcp://host:*`` wildcard resolved to its port).
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self._rep.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=buffer)
         self._mirror = BlockMirror()
         self._lock = threading.Lock()  # ring + mirror: the scheduler thread writes, the replay thread reads

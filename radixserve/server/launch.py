@@ -18,7 +18,7 @@ from types import FrameType
 
 import uvicorn
 
-from radixserve.server.args import ServerArgs, parse_args
+from radixserve.server.args import ServerArgs
 
 logger = logging.getLogger("radixserve.server")
 
@@ -69,6 +69,3 @@ def serve(args: ServerArgs) -> None:
     _Server(config).run()
     logger.info("server stopped")
 
-
-def main(argv: list[str]) -> None:
-    serve(parse_args(argv))

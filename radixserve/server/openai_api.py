@@ -242,13 +242,7 @@ class ChatCall(OpenAICall):
 
     async def begin(self) -> Generation:
         body, tokenizer = self.body, self.state.tokenizer
-        messages = []
-        for message in body.messages:
-            content = message.content
-            if isinstance(content, list):
-                content = "\n".join(part.text or "" for part in content)
-            messages.append({"role": "system" if message.role == "developer" else message.role,
-                             "content": content or ""})  # fmt: skip
+        messages = body.template_messages()
         try:
             ids = await self.state.tokenize(lambda: tokenizer.apply_chat_template(messages))
         except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)

@@ -116,6 +116,17 @@ class ChatCompletionRequest(_SamplingFields):
                     return f"message content of type {part.type!r} is not supported (only 'text')"
         return super().unsupported()
 
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them: text content, ``developer`` read as ``system``."""
+        messages = []
+        for message in self.messages:
+            content = message.content
+            if isinstance(content, list):
+                content = "\n".join(part.text or "" for part in content)
+            messages.append({"role": "system" if message.role == "developer" else message.role,
+                             "content": content or ""})  # fmt: skip
+        return messages
+
 
 class GenerateRequest(BaseModel):
     """The native API: SGLang's ``/generate`` shape. ``text`` or ``input_ids``, one or a batch."""

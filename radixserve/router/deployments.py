@@ -1,0 +1,311 @@
+"""radixserve on Ray Serve: N engine replicas behind one OpenAI front, routed by what each has cached.
+
+    client -> Serve HTTP proxy -> Front (FastAPI; tokenizes the prompt into a RouteKey)
+           -> handle(EngineReplica).forward(call, key)   # CacheAwareRouter picks the replica
+           -> EngineReplica: the whole single-process server app, driven in-process (ASGIBridge)
+
+Every endpoint therefore behaves as on ``radixserve serve`` without replicas
+(same validation, errors, streams, usage with ``cached_tokens``). The front adds:
+
+    GET  /router        the router's policy, decisions and per-replica view (load, index)
+    GET  /cache         every replica's /cache, by replica id
+    POST /flush_cache   flush every replica
+
+Each replica publishes its KV events on ``tcp://<node ip>:<free port>`` and says
+where in ``record_replica_metadata``; it reports its load (requests in flight)
+through ``record_routing_stats``; a dead scheduler fails ``check_health`` and
+Serve replaces the replica.
+"""
+
+# No ``from __future__ import annotations`` here: Serve's ingress rebuilds the Front's methods,
+# and FastAPI must see real annotations (``Request``) on them, not strings.
+import asyncio
+import concurrent.futures
+import contextvars
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import Headers
+
+from radixserve.model.tokenizer import Tokenizer
+from radixserve.router.asgi_bridge import ASGIBridge, HTTPCall
+from radixserve.router import table as tables  # by module: cloudpickle copies a closure's globals
+from radixserve.router.ray_serve import CacheAwareRouter
+from radixserve.router.table import RouteKey, RoutingTable
+from radixserve.server.app import build_tenancy, install_error_handlers, shared_heads
+from radixserve.server.args import ServerArgs
+from radixserve.server.errors import APIError, error_body
+from radixserve.server.generation import shared_head_len
+from radixserve.server.launch import configure_logging
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from radixserve.server.tenancy import Tenancy
+
+logger = logging.getLogger("radixserve.replicas")
+
+APP_NAME = "radixserve"
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "date", "server"}
+
+
+# ---- the engine replica ---------------------------------------------------------------------------
+
+
+class EngineReplica:
+    """One engine and its server app; the front's handle calls ``forward`` with an HTTP call."""
+
+    async def __init__(self, args: ServerArgs, publish_kv_events: bool = True) -> None:  # type: ignore[misc]  # Serve awaits it
+        from radixserve.engine import Engine
+        from radixserve.server.app import create_app
+
+        if publish_kv_events:  # any free port on this node's address; the bound one is reported below
+            args = dataclasses.replace(args, kv_events_endpoint=f"tcp://{ray.util.get_node_ip_address()}:*",
+                                       kv_events_replay_endpoint=None,
+                                       engine=dataclasses.replace(args.engine, enable_kv_events=True))  # fmt: skip
+        engine = Engine(**{f.name: getattr(args.engine, f.name) for f in dataclasses.fields(args.engine)})
+        self.app = create_app(engine, args)
+        self.state = self.app.state.radixserve
+        self.bridge = ASGIBridge(self.app)
+        await self.bridge.startup()
+
+    async def forward(self, call: HTTPCall, key: RouteKey | None = None) -> AsyncIterator[dict[str, Any] | bytes]:
+        """The response to ``call``: its head, then its body chunks (``key`` is for the router only)."""
+        async for part in self.bridge.request(call):
+            yield part
+
+    def record_replica_metadata(self) -> dict[str, Any]:
+        events = self.state.worker.events
+        if events is None:
+            return {"pid": os.getpid()}
+        return {"pid": os.getpid(), "kv_events_endpoint": events.endpoint,
+                "kv_events_replay_endpoint": events.replay_endpoint, "kv_events_block_size": events.block_size}  # fmt: skip
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return {"requests": self.state.worker.in_flight()}
+
+    def check_health(self) -> None:
+        if not self.state.worker.alive():
+            raise RuntimeError(f"the scheduler thread died: {self.state.worker.failure!r}")
+
+    async def __del__(self) -> None:
+        await self.bridge.shutdown()
+
+
+# ---- the front ------------------------------------------------------------------------------------
+
+
+def route_key_for(path: str, body: bytes, headers: Headers, tokenizer: Tokenizer, tenancy: Tenancy,
+                  heads: Sequence[Sequence[int]]) -> RouteKey | None:  # fmt: skip
+    """The routing key of a generation call: its first prompt's tokens in its cache namespace.
+
+    Exactly what the replica will compute (same schemas, tokenizer, chat template,
+    tenancy and shared heads). ``None`` when the call is not a generation or is
+    invalid: any replica then answers it (with the same error it would give alone).
+    """
+    if path not in ROUTED_PATHS:
+        return None
+    try:
+        tenant = tenancy.authenticate(headers)
+        ids: list[int]
+        if path == "/v1/chat/completions":
+            chat = ChatCompletionRequest.model_validate_json(body)
+            salt = chat.cache_salt
+            ids = tokenizer.apply_chat_template(chat.template_messages())
+        elif path == "/v1/completions":
+            completion = CompletionRequest.model_validate_json(body)
+            salt = completion.cache_salt
+            ids = _first_prompt(completion.prompt, tokenizer)
+        else:
+            native = GenerateRequest.model_validate_json(body)
+            salt = native.extra_key
+            ids = _first_prompt(native.text if native.text is not None else native.input_ids or [], tokenizer)
+    except Exception:  # invalid JSON, schema, auth, template: the replica will say what is wrong
+        return None
+    namespace = tenancy.namespace(tenant, salt)
+    return RouteKey(tuple(ids), namespace, shared_head_len(heads, ids, namespace))
+
+
+def _first_prompt(prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Tokenizer) -> list[int]:
+    first: Any = prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        first = prompt[0]
+    return tokenizer.encode(first) if isinstance(first, str) else list(first)
+
+
+def make_front(args: ServerArgs) -> type:
+    """The front deployment's class (a FastAPI app per deployment, as Serve's ingress wants it)."""
+    app = FastAPI(title="radixserve", version="0.1.0", description="radixserve replicas behind a cache-aware router.")
+    install_error_handlers(app)
+
+    @serve.ingress(app)
+    class Front:
+        def __init__(self, engine: DeploymentHandle, args: ServerArgs) -> None:
+            self.engine, self.args = engine, args
+            self.tokenizer = Tokenizer.from_model_path(args.engine.model_path)
+            self.tenancy = build_tenancy(args)
+            self.heads = shared_heads(self.tokenizer, args)
+            self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixserve-route-key")
+
+        @app.get("/router")
+        async def router_state(self, request: Request) -> dict[str, Any]:
+            self.tenancy.authenticate(request.headers)
+            router = await self.router()
+            return router.describe()
+
+        @app.get("/cache")
+        async def cache(self, request: Request) -> Response:
+            return await self.everywhere(request)
+
+        @app.post("/flush_cache")
+        async def flush_cache(self, request: Request) -> Response:
+            return await self.everywhere(request)
+
+        @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
+        async def forward(self, request: Request) -> Response:
+            call = await http_call(request)
+            key = await asyncio.get_running_loop().run_in_executor(
+                self.pool, route_key_for, call.path, call.body, request.headers, self.tokenizer, self.tenancy,
+                self.heads)  # fmt: skip
+            stream = self.engine.options(stream=True).forward.remote(call, key)
+            try:
+                head = await stream.__anext__()
+            except Exception as exc:  # the replica died or is gone: the client may retry
+                stream.cancel()
+                logger.warning("no replica answered %s: %s", call.path, exc)
+                return JSONResponse(error_body(503, f"no engine replica answered: {type(exc).__name__}",
+                                               "replica_unavailable"), 503, {"Retry-After": "1"})  # fmt: skip
+            assert isinstance(head, dict)
+
+            async def body() -> AsyncIterator[bytes]:
+                done = False
+                try:
+                    async for part in stream:
+                        assert isinstance(part, bytes)
+                        yield part
+                    done = True
+                finally:
+                    if not done:  # the client left: cancel the replica's side (its requests are aborted)
+                        stream.cancel()
+
+            headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_HEADERS}
+            return StreamingResponse(body(), status_code=head["status"], headers=headers)
+
+        async def router(self) -> RoutingTable:
+            """The routing table of this process's engine handle (made on its first call; wait for replicas)."""
+            for _ in range(100):
+                routers = [t for t in list(tables.TABLES) if t.views]
+                if routers:
+                    return routers[0]
+                if not tables.TABLES:  # the handle builds its router on its first call
+                    await self.collect(HTTPCall("GET", "/health"), None)
+                await asyncio.sleep(0.1)
+            raise APIError(503, "no engine replicas yet", "replica_unavailable")
+
+        async def collect(self, call: HTTPCall, key: RouteKey | None) -> tuple[int, bytes]:
+            """One extra call of the front's own, answered whole.
+
+            It runs in an empty context: the calls a handler makes otherwise share the
+            HTTP request's Serve-internal request id, by which Serve's router pairs a
+            routing decision with its pending call, so the calls could wait for each
+            other's replica forever.
+            """
+
+            async def run() -> tuple[int, bytes]:
+                status, chunks = 500, []
+                async for part in self.engine.options(stream=True).forward.remote(call, key):
+                    if isinstance(part, dict):
+                        status = int(part["status"])
+                    else:
+                        chunks.append(part)
+                return status, b"".join(chunks)
+
+            return await asyncio.create_task(run(), context=contextvars.Context())
+
+        async def everywhere(self, request: Request) -> Response:
+            """Send the call to every replica; one JSON answer, keyed by replica id (the worst status)."""
+            call = await http_call(request)
+            router = await self.router()
+            replicas = [entry["replica"] for entry in router.describe()["replicas"]]
+            answers = await asyncio.gather(*(self.collect(call, RouteKey(target=r)) for r in replicas))
+            out: dict[str, Any] = {}
+            for replica, (status, data) in zip(replicas, answers):
+                try:
+                    out[replica] = json.loads(data)
+                except ValueError:
+                    out[replica] = {"status": status, "body": data.decode(errors="replace")}
+            worst = max((status for status, _ in answers), default=200)
+            return JSONResponse({"replicas": out}, status_code=worst)
+
+    return Front
+
+
+async def http_call(request: Request) -> HTTPCall:
+    client = (request.client.host, request.client.port) if request.client else None
+    return HTTPCall(request.method, request.url.path, request.url.query,
+                    tuple((k.lower(), v) for k, v in request.headers.items()), await request.body(), client)  # fmt: skip
+
+
+# ---- the application and the launcher -------------------------------------------------------------
+
+
+def build_application(args: ServerArgs, replica_cpus: float = 1.0) -> serve.Application:
+    """The front bound to ``args.replicas`` engine replicas under ``args.router``."""
+    precise = args.router == "cache-aware" and args.router_index == "precise"
+    router = RequestRouterConfig(
+        request_router_class=CacheAwareRouter,
+        request_router_kwargs={"policy": args.router, "index": args.router_index,
+                               "abs_threshold": args.router_abs_threshold,
+                               "rel_threshold": args.router_rel_threshold},  # fmt: skip
+        request_routing_stats_period_s=1.0,
+        request_routing_stats_timeout_s=5.0,
+    )
+    engine = serve.deployment(
+        EngineReplica,
+        name="EngineReplica",
+        num_replicas=args.replicas,
+        max_ongoing_requests=args.max_queued_requests,
+        ray_actor_options={"num_cpus": replica_cpus},
+        request_router_config=router,
+        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout,
+        health_check_period_s=2.0,
+    ).bind(args, precise)
+    front = serve.deployment(make_front(args), name="Front", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                             max_ongoing_requests=args.max_queued_requests)  # fmt: skip
+    return front.bind(engine, args)
+
+
+def serve_replicas(args: ServerArgs) -> None:
+    """``radixserve serve --replicas N``: start (or join) Ray, run the app, wait for SIGINT / SIGTERM."""
+    configure_logging(args.log_level)
+    logger.info("resolved server args: %s", json.dumps(args.resolved(), sort_keys=True))
+    own_cluster = args.ray_address is None
+    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.getLevelName(args.log_level.upper()))
+    cpus = ray.cluster_resources().get("CPU", 1.0)
+    replica_cpus = args.replica_cpus if args.replica_cpus is not None else min(1.0, cpus / args.replicas)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_application(args, replica_cpus), name=APP_NAME, route_prefix="/")
+        logger.info("serving %s on http://%s:%d: %d replicas, %s routing (%s index)", args.model_name(), args.host,
+                    args.port, args.replicas, args.router, args.router_index)  # fmt: skip
+        stop.wait()
+        logger.info("shutting down: draining replicas for up to %.0f s", args.graceful_shutdown_timeout)
+    finally:
+        serve.delete(APP_NAME)
+        if own_cluster:
+            serve.shutdown()
+            ray.shutdown()
+    logger.info("server stopped")

@@ -1,0 +1,306 @@
+"""What a router knows of its replicas, and the routing decision over it (no Ray here).
+
+``RoutingTable`` keeps one ``ReplicaView`` per replica: its requests in flight
+(what this router sent and has not seen finish) and an index of what the
+replica has cached, either
+
+- *approximate*: a ``PrefixIndex`` of the prompts this router sent there
+  (LRU-bounded; blind to evictions and to other routers' traffic), or
+- *precise*: a mirror of the replica's cached blocks, fed by its KV events
+  (``--kv-events-endpoint``) on a background thread, plus the prompts in flight
+  there (a prompt being prefilled is not cached yet, but the next request with
+  its prefix should still follow it).
+
+``RoutingTable.choose`` ranks the candidates: the policy's pick first, then the
+rest by load, so a replica that refuses (at its concurrency cap) spills the
+request to the next. The Ray Serve request router (``ray_serve.py``) is a thin
+adapter over this class, which the tests drive directly as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from radixserve.cache.key import page_hashes
+from radixserve.router.choice import PrefixIndex, RouterConfig, choose_replica, imbalanced
+from radixserve.router.kv_subscriber import KVEventSubscriber
+from radixserve.server.args import ROUTER_INDEXES, ROUTER_POLICIES
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ROUTER_POLICIES
+INDEXES = ROUTER_INDEXES
+Reports = Mapping[str, Mapping[str, Any]]  # replica -> its last record_routing_stats
+
+
+@dataclass(frozen=True)
+class RouteKey:
+    """What routing needs of a request: its first prompt's tokens in its cache namespace.
+
+    ``target`` pins the call to one replica (by its full id), e.g. a flush sent to each.
+    """
+
+    tokens: tuple[int, ...] = ()
+    namespace: str | None = None
+    shared_len: int = 0
+    target: str | None = None
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if len(diff) else n
+
+
+@dataclass
+class ReplicaView:
+    replica: str
+    index: PrefixIndex | None = None  # approximate
+    mirror: KVEventSubscriber | None = None  # precise (owned by the mirror thread)
+    block_size: int = 16
+    inflight: dict[str, RouteKey] = field(default_factory=dict)
+    routed: int = 0
+
+    def match(self, key: RouteKey) -> int:
+        """Tokens of ``key`` this replica is believed to hold (or to be prefilling)."""
+        tokens = np.asarray(key.tokens, dtype=np.int64)
+        best = 0
+        if self.index is not None:
+            best = self.index.match(tokens, key.namespace, key.shared_len)
+        if self.mirror is not None:
+            blocks = self.mirror.blocks  # read-only here; the mirror thread swaps or updates it
+            held = 0
+            for digest in page_hashes(tokens, key.namespace, self.block_size, shared_len=key.shared_len):
+                if digest not in blocks:
+                    break
+                held += 1
+            best = max(best, held * self.block_size)
+        for other in list(self.inflight.values()):
+            if other.namespace == key.namespace:
+                best = max(best, common_prefix_len(other.tokens, key.tokens))
+        return best
+
+
+class MirrorThread:
+    """Owns every KV-event subscriber (ZMQ sockets stay on one thread): snapshot at start, then follow."""
+
+    def __init__(self) -> None:
+        self._commands: queue.SimpleQueue[tuple[str, ReplicaView, str, str]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="radixserve-kv-mirror", daemon=True)
+        self._thread.start()
+
+    def follow(self, view: ReplicaView, endpoint: str, replay_endpoint: str) -> None:
+        self._commands.put(("follow", view, endpoint, replay_endpoint))
+
+    def drop(self, view: ReplicaView) -> None:
+        self._commands.put(("drop", view, "", ""))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+    def _run(self) -> None:
+        views: dict[str, ReplicaView] = {}
+        poller = zmq.Poller()
+        while not self._stop.is_set():
+            while not self._commands.empty():
+                op, view, endpoint, replay = self._commands.get()
+                if op == "follow":
+                    subscriber = KVEventSubscriber(endpoint, replay)
+                    try:
+                        subscriber.snapshot()  # a replica's cache as of now, however late we start
+                    except Exception as exc:  # it will be retried on the first gap
+                        logger.warning("KV snapshot from %s failed: %s", replay, exc)
+                    view.mirror = subscriber
+                    views[view.replica] = view
+                    poller.register(subscriber.socket, zmq.POLLIN)
+                elif view.replica in views and views[view.replica].mirror is not None:
+                    old = views.pop(view.replica).mirror
+                    assert old is not None
+                    poller.unregister(old.socket)
+                    old.close()
+            ready = dict(poller.poll(50)) if views else {}
+            if not views:
+                time.sleep(0.05)
+            for view in list(views.values()):
+                if view.mirror is not None and view.mirror.socket in ready:
+                    try:
+                        view.mirror.poll()
+                    except Exception as exc:  # a replica gone mid-replay: its view is dropped soon
+                        logger.warning("KV events from %s: %s", view.replica, exc)
+        for view in views.values():
+            if view.mirror is not None:
+                view.mirror.close()
+
+
+class RoutingTable:
+    def __init__(self, policy: str = "cache-aware", index: str = "precise", config: RouterConfig | None = None,
+                 index_capacity: int = 1 << 20, seed: int | None = None) -> None:  # fmt: skip
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}: one of {', '.join(POLICIES)}")
+        if index not in INDEXES:
+            raise ValueError(f"unknown router index {index!r}: one of {', '.join(INDEXES)}")
+        self.policy, self.index_kind = policy, index
+        self.config = config or RouterConfig()
+        self.index_capacity = index_capacity
+        self.views: dict[str, ReplicaView] = {}
+        self.decisions: Counter[str] = Counter()  # why requests went where they went
+        self.turn = 0
+        self.random = random.Random(seed)
+        self._lock = threading.Lock()  # views and counters: the routing loop writes, /router reads
+        self._mirrors: MirrorThread | None = None
+        self.reports: Callable[[], Reports] = dict  # the router sets it: the replicas' last reported stats
+
+    # ---- the replica set --------------------------------------------------------------------------
+
+    def sync(self, replicas: Mapping[str, Mapping[str, Any]]) -> None:
+        """The current replicas (id -> metadata): views for new ones, dropped views for gone ones.
+
+        A replica that restarts comes back under a new id: its view starts empty
+        (approximate) or from its KV snapshot (precise), never from the old one.
+        """
+        with self._lock:
+            for gone in set(self.views) - set(replicas):
+                self._drop(gone)
+            for replica, metadata in replicas.items():
+                if replica not in self.views:
+                    self.views[replica] = self._new_view(replica, metadata)
+
+    def remove(self, replica: str) -> None:
+        with self._lock:
+            self._drop(replica)
+
+    def _new_view(self, replica: str, metadata: Mapping[str, Any]) -> ReplicaView:
+        view = ReplicaView(replica, block_size=int(metadata.get("kv_events_block_size", 16)))
+        endpoint, replay = metadata.get("kv_events_endpoint"), metadata.get("kv_events_replay_endpoint")
+        if self.index_kind == "precise" and endpoint and replay:
+            if self._mirrors is None:
+                self._mirrors = MirrorThread()
+            self._mirrors.follow(view, str(endpoint), str(replay))
+        else:
+            if self.index_kind == "precise":
+                logger.warning("replica %s publishes no KV events: routing on an approximate index", replica)
+            view.index = PrefixIndex(self.index_capacity)
+        return view
+
+    def _drop(self, replica: str) -> None:
+        view = self.views.pop(replica, None)
+        if view is not None and self._mirrors is not None:
+            self._mirrors.drop(view)
+
+    def close(self) -> None:
+        if self._mirrors is not None:
+            self._mirrors.close()
+
+    # ---- routing ----------------------------------------------------------------------------------
+
+    def load(self, replica: str, reported: Mapping[str, Any] | None) -> int:
+        """Requests on a replica: what it last reported (running + waiting) or what this router has in
+        flight there, whichever is larger (a report is up to a stats period old)."""
+        view = self.views.get(replica)
+        mine = len(view.inflight) if view is not None else 0
+        theirs = reported.get("requests", 0) if reported else 0
+        return max(mine, int(theirs) if isinstance(theirs, (int, float)) else 0)
+
+    def choose(self, candidates: Sequence[str], key: RouteKey | None,
+               reported: Reports | None = None) -> list[list[str]]:  # fmt: skip
+        """Candidates ranked: ``[[pick], [the rest, least loaded first]]`` (``[]``: none fits)."""
+        if not candidates:
+            return []
+        if key is not None and key.target is not None:
+            return [[key.target]] if key.target in candidates else []
+        reported = reported or {}
+        with self._lock:
+            for replica in candidates:
+                if replica not in self.views:  # routed before sync() heard of it
+                    self.views[replica] = self._new_view(replica, {})
+            loads = [self.load(r, reported.get(r)) for r in candidates]
+            turn, self.turn = self.turn, self.turn + 1
+            if self.policy == "round-robin":
+                pick, why = turn % len(candidates), "round-robin"
+            elif self.policy == "power-of-two":
+                two = self.random.sample(range(len(candidates)), min(2, len(candidates)))
+                pick, why = min(two, key=lambda i: loads[i]), "power-of-two"
+            elif key is None or not key.tokens:
+                pick, why = choose_replica([0] * len(candidates), loads, 1, self.config, turn), "least-loaded"
+            else:
+                matches = [self.views[r].match(key) for r in candidates]
+                pick = choose_replica(matches, loads, len(key.tokens), self.config, turn)
+                best = max(matches)
+                if imbalanced(loads, self.config):
+                    why = "balance"  # load out of balance: the least loaded, whatever it holds
+                elif best > 0 and matches[pick] == best and best >= self.config.min_match_fraction * len(key.tokens):
+                    why = "prefix"
+                else:
+                    why = "least-loaded"
+            self.decisions[why] += 1
+        rest = sorted((i for i in range(len(candidates)) if i != pick), key=lambda i: loads[i])
+        ranked = [[candidates[pick]]]
+        if rest:
+            ranked.append([candidates[i] for i in rest])
+        return ranked
+
+    def routed(self, replica: str, request_id: str, key: RouteKey | None) -> None:
+        """The request went to ``replica``: count it in flight there and (approximate) index its prompt."""
+        with self._lock:
+            view = self.views.get(replica)
+            if view is None:
+                return
+            view.routed += 1
+            if key is None or key.target is not None:
+                return
+            view.inflight[request_id] = key
+            if view.index is not None and key.tokens:
+                view.index.add(np.asarray(key.tokens, dtype=np.int64), key.namespace, key.shared_len)
+
+    def completed(self, replica: str, request_id: str) -> None:
+        with self._lock:
+            view = self.views.get(replica)
+            if view is not None:
+                view.inflight.pop(request_id, None)
+
+    def describe(self) -> dict[str, Any]:
+        """The router's state for ``GET /router``: policy, decisions, and per replica what it knows."""
+        reported = self.reports()
+        with self._lock:
+            replicas = []
+            for replica, view in sorted(self.views.items()):
+                entry: dict[str, Any] = {
+                    "replica": replica,
+                    "routed": view.routed,
+                    "in_flight": len(view.inflight),
+                    "load": self.load(replica, reported.get(replica)),
+                    "reported": dict(reported.get(replica) or {}),
+                }
+                if view.index is not None:
+                    entry["index"] = {"kind": "approximate", "tokens": view.index.cache.total_size()}
+                elif view.mirror is not None:
+                    entry["index"] = {"kind": "precise", "blocks": len(view.mirror.blocks),
+                                      "block_size": view.block_size, "seq": view.mirror.mirror.seq,
+                                      "snapshots": view.mirror.snapshots, "replays": view.mirror.replays}  # fmt: skip
+                else:
+                    entry["index"] = {"kind": "precise", "blocks": 0, "state": "connecting"}
+                replicas.append(entry)
+            return {"policy": self.policy, "index": self.index_kind, "abs_threshold": self.config.abs_threshold,
+                    "rel_threshold": self.config.rel_threshold, "decisions": dict(self.decisions),
+                    "replicas": replicas}  # fmt: skip
+
+
+# Every table in this process (a Ray Serve router is unpickled by value, so its own module globals are
+# copies: this module is where the front finds the router of its handle).
+TABLES: weakref.WeakSet[RoutingTable] = weakref.WeakSet()
