@@ -68,7 +68,8 @@ class CacheAwareRouter(RequestRouter):  # type: ignore[misc]  # Ray ships no typ
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:  # fmt: skip
         by_name = {replica_name(r.replica_id): r for r in candidate_replicas}
         reported = {name: dict(r.routing_stats or {}) for name, r in by_name.items()}
-        ranked = self.table.choose(list(by_name), route_key(pending_request), reported)
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        ranked = self.table.choose(list(by_name), route_key(pending_request), reported, request_id)
         return [[by_name[name] for name in rank] for rank in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 POLICIES = ROUTER_POLICIES
 INDEXES = ROUTER_INDEXES
 Reports = Mapping[str, Mapping[str, Any]]  # replica -> its last record_routing_stats
+UNCONFIRMED_S = 30.0  # a request chosen but not confirmed sent for this long is no longer counted
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,9 @@ class RoutingTable:
         self._lock = threading.Lock()  # views and counters: the routing loop writes, /router reads
         self._mirrors: MirrorThread | None = None
         self.reports: Callable[[], Reports] = dict  # the router sets it: the replicas' last reported stats
+        # Requests counted in flight at decision time, not yet confirmed sent: id -> (replica, when chosen).
+        # Counting at decision time is what keeps a burst routed faster than confirmations from piling up.
+        self._unconfirmed: dict[str, tuple[str, float]] = {}
 
     # ---- the replica set --------------------------------------------------------------------------
 
@@ -217,15 +221,20 @@ class RoutingTable:
         theirs = reported.get("requests", 0) if reported else 0
         return max(mine, int(theirs) if isinstance(theirs, (int, float)) else 0)
 
-    def choose(self, candidates: Sequence[str], key: RouteKey | None,
-               reported: Reports | None = None) -> list[list[str]]:  # fmt: skip
-        """Candidates ranked: ``[[pick], [the rest, least loaded first]]`` (``[]``: none fits)."""
+    def choose(self, candidates: Sequence[str], key: RouteKey | None, reported: Reports | None = None,
+               request_id: str | None = None) -> list[list[str]]:  # fmt: skip
+        """Candidates ranked: ``[[pick], [the rest, least loaded first]]`` (``[]``: none fits).
+
+        With a ``request_id`` the request counts in flight on the pick at once (until
+        ``routed`` says where it really went, or ``UNCONFIRMED_S`` passes without word).
+        """
         if not candidates:
             return []
         if key is not None and key.target is not None:
             return [[key.target]] if key.target in candidates else []
         reported = reported or {}
         with self._lock:
+            self._forget_unconfirmed(time.monotonic() - UNCONFIRMED_S)
             for replica in candidates:
                 if replica not in self.views:  # routed before sync() heard of it
                     self.views[replica] = self._new_view(replica, {})
@@ -249,6 +258,9 @@ class RoutingTable:
                 else:
                     why = "least-loaded"
             self.decisions[why] += 1
+            if request_id is not None and key is not None:
+                self._place(request_id, candidates[pick], key)
+                self._unconfirmed[request_id] = (candidates[pick], time.monotonic())
         rest = sorted((i for i in range(len(candidates)) if i != pick), key=lambda i: loads[i])
         ranked = [[candidates[pick]]]
         if rest:
@@ -259,20 +271,38 @@ class RoutingTable:
         """The request went to ``replica``: count it in flight there and (approximate) index its prompt."""
         with self._lock:
             view = self.views.get(replica)
-            if view is None:
-                return
+            if view is None or (key is not None and key.target is not None):
+                return  # a pinned call (flush, cache view) is no routing decision
             view.routed += 1
-            if key is None or key.target is not None:
+            self._unconfirmed.pop(request_id, None)
+            if key is None:
                 return
-            view.inflight[request_id] = key
+            self._place(request_id, replica, key)
             if view.index is not None and key.tokens:
                 view.index.add(np.asarray(key.tokens, dtype=np.int64), key.namespace, key.shared_len)
 
     def completed(self, replica: str, request_id: str) -> None:
         with self._lock:
+            self._unconfirmed.pop(request_id, None)
             view = self.views.get(replica)
             if view is not None:
                 view.inflight.pop(request_id, None)
+
+    def _place(self, request_id: str, replica: str, key: RouteKey) -> None:
+        """``request_id`` is in flight on ``replica`` (and on no other: a spilled request moves)."""
+        for view in self.views.values():
+            view.inflight.pop(request_id, None)
+        if replica in self.views:
+            self.views[replica].inflight[request_id] = key
+
+    def _forget_unconfirmed(self, before: float) -> None:
+        """Chosen but never sent (cancelled while waiting): stop counting them."""
+        for request_id, (replica, when) in list(self._unconfirmed.items()):
+            if when < before:
+                del self._unconfirmed[request_id]
+                view = self.views.get(replica)
+                if view is not None:
+                    view.inflight.pop(request_id, None)
 
     def describe(self) -> dict[str, Any]:
         """The router's state for ``GET /router``: policy, decisions, and per replica what it knows."""

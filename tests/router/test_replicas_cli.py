@@ -1,0 +1,37 @@
+"""``radixserve serve --replicas 2`` as users run it: a local Ray cluster, the OpenAI API, a clean stop."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from radixserve.bench.server_process import ServerProcess
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+
+def test_serve_replicas_from_the_command_line(tiny_model_dir: Path) -> None:
+    from openai import OpenAI
+
+    proc = ServerProcess("--replicas", "2", "--log-level", "warning", model_path=tiny_model_dir).start(timeout=240)
+    try:
+        client = OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
+        system = {"role": "system", "content": " ".join(f"w{i}" for i in range(3, 90))}
+        usages = []
+        for question in ("w5 w6", "w7 w8", "w9 w10"):
+            reply = client.chat.completions.create(model="tiny-llama", max_tokens=4,
+                                                   messages=[system, {"role": "user", "content": question}])  # fmt: skip
+            assert reply.choices[0].finish_reason == "length"
+            assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+            usages.append(reply.usage.prompt_tokens_details.cached_tokens)
+        assert usages[0] == 0 and all(cached >= 80 for cached in usages[1:]), usages  # one replica kept the prefix
+        state = httpx.get(proc.url + "/router", timeout=30).json()
+        assert state["policy"] == "cache-aware" and len(state["replicas"]) == 2
+        assert state["decisions"].get("prefix") == 2  # the second and third chats followed the first
+    finally:
+        code = proc.stop(signal.SIGTERM, timeout=120)
+    assert code == 0, proc.log()[-3000:]
