@@ -22,6 +22,7 @@ BENCHMARKS = {
     "serve": "serve",
     "four-way": "four_way",
     "soak": "soak",
+    "scale-out": "scale_out",
 }
 
 

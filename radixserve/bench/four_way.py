@@ -35,9 +35,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-import httpx
 
-from radixserve.bench.serve import BenchResult, run_benchmark
+from radixserve.bench.serve import BenchResult, run_benchmark, server_vocab_size
 from radixserve.bench.server_process import ServerProcess
 from radixserve.bench.tiny_model import build_engine_folder
 from radixserve.bench.workloads import TraceRequest, generated_shared_prefix
@@ -91,7 +90,9 @@ def run_one(name: str, flags: tuple[str, ...], model_path: str | None,
     server.start(timeout=600)
     startup = time.perf_counter() - t0
     try:
-        vocab = int(httpx.get(server.url + "/server_info", timeout=30).json()["engine"]["vocab_size"])
+        vocab = server_vocab_size(server.url, None)
+        if vocab is None:
+            raise RuntimeError(f"no vocabulary size from {server.url}/server_info")
         result = asyncio.run(run_benchmark(server.url, trace_for(vocab), max_concurrency=max_concurrency,
                                            request_rate=request_rate, progress=True))  # fmt: skip
     finally:

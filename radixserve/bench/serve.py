@@ -163,11 +163,13 @@ async def server_counters(client: httpx.AsyncClient, base_url: str) -> dict[str,
                 for sample in family.samples:
                     name = sample.name.removeprefix("radixserve:").removesuffix("_total")
                     if sample.name.startswith("radixserve:") and sample.name.endswith("_total") and name in COUNTERS:
-                        found[name] = int(sample.value)
+                        found[name] = found.get(name, 0) + int(sample.value)  # summed over replicas
     with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
         response = await client.get(base_url + "/server_info")
         if response.status_code == 200:
-            found["prefill_tokens"] = int(response.json()["scheduler"]["prefill_tokens"])
+            info = response.json()
+            servers = info["replicas"].values() if "replicas" in info else [info]  # radixserve's replica front
+            found["prefill_tokens"] = sum(int(server["scheduler"]["prefill_tokens"]) for server in servers)
     return found
 
 
@@ -336,7 +338,12 @@ def server_vocab_size(base_url: str, api_key: str | None) -> int | None:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(base_url.rstrip("/") + "/server_info", headers=headers, timeout=30)
-        return int(response.json()["engine"]["vocab_size"]) if response.status_code == 200 else None
+        if response.status_code != 200:
+            return None
+        info = response.json()
+        if "replicas" in info:  # radixserve's replica front: every replica serves the same model
+            info = next(iter(info["replicas"].values()))
+        return int(info["engine"]["vocab_size"])
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
 

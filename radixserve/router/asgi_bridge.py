@@ -37,13 +37,16 @@ class ASGIBridge:
         self._lifespan: asyncio.Task[None] | None = None
         self._to_app: asyncio.Queue[Message] = asyncio.Queue()
         self._from_app: asyncio.Queue[Message] = asyncio.Queue()
+        self._state: dict[str, Any] = {}  # what the lifespan yields; each request gets a copy (ASGI spec)
 
     async def startup(self) -> None:
-        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
+        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": self._state}
         self._lifespan = asyncio.ensure_future(self.app(scope, self._to_app.get, self._from_app.put))
         await self._to_app.put({"type": "lifespan.startup"})
         reply = await self._from_app.get()
         if reply["type"] != "lifespan.startup.complete":
+            with contextlib.suppress(Exception):
+                await self._lifespan  # collect its exception: the message below says it
             raise RuntimeError(f"the app failed to start: {reply.get('message', reply['type'])}")
 
     async def shutdown(self) -> None:
@@ -67,7 +70,7 @@ class ASGIBridge:
             "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in call.headers],
             "client": call.client,
             "server": None,
-            "state": {},
+            "state": dict(self._state),
         }
         body_sent = False
         gone = asyncio.Event()
@@ -86,6 +89,7 @@ class ASGIBridge:
 
         task = asyncio.ensure_future(self.app(scope, receive, send))
         task.add_done_callback(lambda _: out.put_nowait(None))
+        complete = False
         try:
             while (message := await out.get()) is not None:
                 if message["type"] == "http.response.start":
@@ -94,9 +98,10 @@ class ASGIBridge:
                     if message.get("body"):
                         yield bytes(message["body"])
                     if not message.get("more_body", False):
+                        complete = True
                         break
-            if task.done():
-                task.result()  # the app's own exception, if it raised one
+            if not complete and task.done() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]  # no (whole) response: the caller must know
         finally:
             gone.set()
             if not task.done():
@@ -104,8 +109,8 @@ class ASGIBridge:
                     await asyncio.wait_for(asyncio.shield(task), 1.0)  # let it see the disconnect
             if not task.done():
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task  # an error after a whole response (Starlette re-raises past its 500) was logged there
 
 
 def _decode(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[str, str]]:

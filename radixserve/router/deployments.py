@@ -8,8 +8,9 @@ Every endpoint therefore behaves as on ``radixserve serve`` without replicas
 (same validation, errors, streams, usage with ``cached_tokens``). The front adds:
 
     GET  /router        the router's policy, decisions and per-replica view (load, index)
-    GET  /cache         every replica's /cache, by replica id
+    GET  /cache         every replica's /cache, by replica id (so are /server_info and /flush_cache)
     POST /flush_cache   flush every replica
+    GET  /metrics       every replica's metrics, each sample labelled with its replica
 
 Each replica publishes its KV events on ``tcp://<node ip>:<free port>`` and says
 where in ``record_replica_metadata``; it reports its load (requests in flight)
@@ -34,6 +35,9 @@ from typing import Any
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
@@ -171,6 +175,24 @@ def make_front(args: ServerArgs) -> type:
         async def flush_cache(self, request: Request) -> Response:
             return await self.everywhere(request)
 
+        @app.get("/server_info")
+        async def server_info(self, request: Request) -> Response:
+            return await self.everywhere(request)
+
+        @app.get("/metrics")
+        async def metrics(self, request: Request) -> Response:
+            """Every replica's metrics in one exposition, each sample labelled with its ``replica``."""
+            call = await http_call(request)
+            router = await self.router()
+            replicas = [entry["replica"] for entry in router.describe()["replicas"]]
+            answers = await asyncio.gather(*(self.collect(call, RouteKey(target=r)) for r in replicas))
+            failed = [status for status, _ in answers if status != 200]
+            if failed:  # metrics off (404), or a replica unwell: its own answer says why
+                return Response(answers[0][1] if answers else b"", status_code=max(failed),
+                                media_type="application/json")  # fmt: skip
+            return Response(merge_metrics(dict(zip(replicas, (data.decode() for _, data in answers)))),
+                            media_type=CONTENT_TYPE_LATEST)  # fmt: skip
+
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
         async def forward(self, request: Request) -> Response:
             call = await http_call(request)
@@ -248,6 +270,22 @@ def make_front(args: ServerArgs) -> type:
             return JSONResponse({"replicas": out}, status_code=worst)
 
     return Front
+
+
+def merge_metrics(expositions: dict[str, str]) -> str:
+    """Prometheus text from each replica -> one exposition; every sample gains a ``replica`` label."""
+    families: dict[str, Metric] = {}
+    for replica, text in expositions.items():
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            for sample in family.samples:
+                merged.samples.append(sample._replace(labels={**sample.labels, "replica": replica}))
+
+    class Collected:
+        def collect(self) -> list[Metric]:
+            return list(families.values())
+
+    return generate_latest(Collected()).decode()  # any object with collect() will do
 
 
 async def http_call(request: Request) -> HTTPCall:

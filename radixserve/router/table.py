@@ -182,25 +182,35 @@ class RoutingTable:
             for gone in set(self.views) - set(replicas):
                 self._drop(gone)
             for replica, metadata in replicas.items():
-                if replica not in self.views:
+                view = self.views.get(replica)
+                if view is None:
                     self.views[replica] = self._new_view(replica, metadata)
+                elif view.index is not None and self.index_kind == "precise":
+                    self._follow(view, metadata)  # its KV-event endpoints may be known only now
 
     def remove(self, replica: str) -> None:
         with self._lock:
             self._drop(replica)
 
     def _new_view(self, replica: str, metadata: Mapping[str, Any]) -> ReplicaView:
-        view = ReplicaView(replica, block_size=int(metadata.get("kv_events_block_size", 16)))
-        endpoint, replay = metadata.get("kv_events_endpoint"), metadata.get("kv_events_replay_endpoint")
-        if self.index_kind == "precise" and endpoint and replay:
-            if self._mirrors is None:
-                self._mirrors = MirrorThread()
-            self._mirrors.follow(view, str(endpoint), str(replay))
-        else:
+        view = ReplicaView(replica)
+        if self.index_kind != "precise" or not self._follow(view, metadata):
             if self.index_kind == "precise":
-                logger.warning("replica %s publishes no KV events: routing on an approximate index", replica)
+                logger.warning("replica %s publishes no KV events (yet): routing on an approximate index", replica)
             view.index = PrefixIndex(self.index_capacity)
         return view
+
+    def _follow(self, view: ReplicaView, metadata: Mapping[str, Any]) -> bool:
+        """Mirror the replica's KV events if its metadata says where (a precise view from then on)."""
+        endpoint, replay = metadata.get("kv_events_endpoint"), metadata.get("kv_events_replay_endpoint")
+        if not (endpoint and replay):
+            return False
+        if self._mirrors is None:
+            self._mirrors = MirrorThread()
+        view.block_size = int(metadata.get("kv_events_block_size", 16))
+        view.index = None
+        self._mirrors.follow(view, str(endpoint), str(replay))
+        return True
 
     def _drop(self, replica: str) -> None:
         view = self.views.pop(replica, None)
@@ -210,6 +220,7 @@ class RoutingTable:
     def close(self) -> None:
         if self._mirrors is not None:
             self._mirrors.close()
+            self._mirrors = None
 
     # ---- routing ----------------------------------------------------------------------------------
 
