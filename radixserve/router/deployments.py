@@ -28,8 +28,9 @@ import json
 import logging
 import os
 import signal
-import threading
+import time
 from collections.abc import AsyncIterator, Sequence
+from types import FrameType
 from typing import Any
 
 import ray
@@ -308,6 +309,8 @@ def build_application(args: ServerArgs, replica_cpus: float = 1.0) -> serve.Appl
         request_routing_stats_period_s=1.0,
         request_routing_stats_timeout_s=5.0,
     )
+    # Serve logs every call at INFO ("CALL forward OK"): only at --log-level debug, as the single server does.
+    log_config = {"log_level": args.log_level.upper(), "enable_access_log": args.log_level == "debug"}
     engine = serve.deployment(
         EngineReplica,
         name="EngineReplica",
@@ -317,9 +320,10 @@ def build_application(args: ServerArgs, replica_cpus: float = 1.0) -> serve.Appl
         request_router_config=router,
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout,
         health_check_period_s=2.0,
+        logging_config=log_config,
     ).bind(args, precise)
     front = serve.deployment(make_front(args), name="Front", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                             max_ongoing_requests=args.max_queued_requests)  # fmt: skip
+                             max_ongoing_requests=args.max_queued_requests, logging_config=log_config)  # fmt: skip
     return front.bind(engine, args)
 
 
@@ -331,15 +335,22 @@ def serve_replicas(args: ServerArgs) -> None:
     ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.getLevelName(args.log_level.upper()))
     cpus = ray.cluster_resources().get("CPU", 1.0)
     replica_cpus = args.replica_cpus if args.replica_cpus is not None else min(1.0, cpus / args.replicas)
-    stop = threading.Event()
+    signals: list[int] = []
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        # Only note it: a handler that took a lock (Event.set) could deadlock with the main thread holding it.
+        signals.append(sig)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C interrupts the drain
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_application(args, replica_cpus), name=APP_NAME, route_prefix="/")
         logger.info("serving %s on http://%s:%d: %d replicas, %s routing (%s index)", args.model_name(), args.host,
                     args.port, args.replicas, args.router, args.router_index)  # fmt: skip
-        stop.wait()
+        while not signals:
+            time.sleep(0.2)
         logger.info("shutting down: draining replicas for up to %.0f s", args.graceful_shutdown_timeout)
     finally:
         serve.delete(APP_NAME)

@@ -193,6 +193,9 @@ def parse_args(argv: list[str]) -> ServerArgs:
             raise ValueError("--tenant-isolation needs identities: --api-key, --api-key-file or --tenant-header")
         if ns.replicas < 0 or ns.router_abs_threshold < 0 or ns.router_rel_threshold < 1:
             raise ValueError("--replicas and --router-abs-threshold must be >= 0, --router-rel-threshold >= 1")
+        if ns.replicas and (ns.kv_events_endpoint or ns.kv_events_replay_endpoint):
+            raise ValueError("--kv-events-endpoint is per server: with --replicas each replica publishes on a free "
+                             "port of its node (GET /router shows them)")  # fmt: skip
         if ns.replica_cpus is not None and ns.replica_cpus < 0:
             raise ValueError("--replica-cpus must be >= 0")
         if not 0 < ns.port < 65536:

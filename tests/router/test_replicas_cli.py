@@ -33,5 +33,5 @@ def test_serve_replicas_from_the_command_line(tiny_model_dir: Path) -> None:
         assert state["policy"] == "cache-aware" and len(state["replicas"]) == 2
         assert state["decisions"].get("prefix") == 2  # the second and third chats followed the first
     finally:
-        code = proc.stop(signal.SIGTERM, timeout=120)
+        code = proc.stop(signal.SIGINT, timeout=120)  # Ctrl-C: drain, delete the app, stop the local cluster
     assert code == 0, proc.log()[-3000:]

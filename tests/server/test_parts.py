@@ -15,7 +15,8 @@ from radixserve.server.metrics import ServerMetrics
 
 FLAGS = ["--model-path", "--host", "--port", "--prefix-cache", "--disable-radix-cache", "--page-size",
          "--radix-eviction-policy", "--schedule-policy", "--max-total-tokens", "--chunked-prefill-size",
-         "--max-running-requests", "--dtype", "--device", "--enable-metrics", "--api-key", "--log-level"]  # fmt: skip
+         "--max-running-requests", "--dtype", "--device", "--enable-metrics", "--api-key", "--log-level",
+         "--replicas", "--ray-address", "--router", "--router-index"]  # fmt: skip
 
 
 def test_help_documents_every_flag_the_issue_names() -> None:
@@ -35,10 +36,17 @@ def test_flags_resolve_into_engine_and_server_args() -> None:
     resolved = args.resolved()
     assert resolved["api_keys"] == "<1 set>" and resolved["port"] == 8000 and resolved["prefix_cache"] == "none"
     assert resolved["served_model_name"] == "SmolLM2-135M-Instruct"
+    assert args.replicas == 0  # one engine in this process unless asked
+    scaled = parse_args(["--replicas", "4", "--router", "round-robin", "--router-index", "approximate",
+                         "--router-abs-threshold", "3", "--ray-address", "auto"])  # fmt: skip
+    assert (scaled.replicas, scaled.router, scaled.router_index) == (4, "round-robin", "approximate")
+    assert scaled.router_abs_threshold == 3 and scaled.ray_address == "auto" and scaled.replica_cpus is None
 
 
 @pytest.mark.parametrize("argv", [["--page-size", "0"], ["--port", "70000"], ["--schedule-policy", "nope"],
-                                  ["--max-total-tokens", "3"], ["--hit-rate-window", "0"]])  # fmt: skip
+                                  ["--max-total-tokens", "3"], ["--hit-rate-window", "0"], ["--replicas", "-1"],
+                                  ["--router", "random"], ["--router-rel-threshold", "0.5"],
+                                  ["--replicas", "2", "--kv-events-endpoint", "tcp://127.0.0.1:5557"]])  # fmt: skip
 def test_bad_flags_exit_with_a_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_args(argv)
