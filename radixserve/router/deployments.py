@@ -70,7 +70,8 @@ HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "date", "ser
 class EngineReplica:
     """One engine and its server app; the front's handle calls ``forward`` with an HTTP call."""
 
-    async def __init__(self, args: ServerArgs, publish_kv_events: bool = True) -> None:  # type: ignore[misc]  # Serve awaits it
+    # Serve awaits an async constructor; mypy wants __init__ to return None.
+    async def __init__(self, args: ServerArgs, publish_kv_events: bool = True) -> None:  # type: ignore[misc]
         from radixserve.engine import Engine
         from radixserve.server.app import create_app
 
@@ -332,7 +333,8 @@ def serve_replicas(args: ServerArgs) -> None:
     configure_logging(args.log_level)
     logger.info("resolved server args: %s", json.dumps(args.resolved(), sort_keys=True))
     own_cluster = args.ray_address is None
-    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.getLevelName(args.log_level.upper()))
+    level = logging.getLevelName(args.log_level.upper())
+    ray.init(address=args.ray_address, include_dashboard=False, logging_level=level)
     cpus = ray.cluster_resources().get("CPU", 1.0)
     replica_cpus = args.replica_cpus if args.replica_cpus is not None else min(1.0, cpus / args.replicas)
     signals: list[int] = []

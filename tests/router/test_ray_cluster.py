@@ -74,8 +74,8 @@ def routed(url: str) -> dict[str, int]:
 
 
 def complete(url: str, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
-    response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
-                          timeout=60)  # fmt: skip
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     out: dict[str, Any] = response.json()
     return out

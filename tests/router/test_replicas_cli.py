@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -19,11 +20,15 @@ def test_serve_replicas_from_the_command_line(tiny_model_dir: Path) -> None:
 
     proc = ServerProcess("--replicas", "2", "--log-level", "warning", model_path=tiny_model_dir).start(timeout=240)
     try:
+        deadline = time.monotonic() + 120  # /health answers once the front and one replica are up
+        while len(httpx.get(proc.url + "/router", timeout=30).json().get("replicas", [])) < 2:
+            assert time.monotonic() < deadline, "the second replica never came up"
+            time.sleep(0.2)
         client = OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
         system = {"role": "system", "content": " ".join(f"w{i}" for i in range(3, 90))}
         usages = []
         for question in ("w5 w6", "w7 w8", "w9 w10"):
-            reply = client.chat.completions.create(model="tiny-llama", max_tokens=4,
+            reply = client.chat.completions.create(model="tiny-llama", max_tokens=4, extra_body={"ignore_eos": True},
                                                    messages=[system, {"role": "user", "content": question}])  # fmt: skip
             assert reply.choices[0].finish_reason == "length"
             assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
