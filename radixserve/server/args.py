@@ -205,31 +205,8 @@ def parse_args(argv: list[str]) -> ServerArgs:
                              "--graceful-shutdown-timeout >= 0")  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
-    return ServerArgs(
-        engine=engine,
-        host=ns.host,
-        port=ns.port,
-        served_model_name=ns.served_model_name,
-        api_keys=tuple(ns.api_key),
-        api_key_file=ns.api_key_file,
-        admin_api_key=ns.admin_api_key,
-        tenant_header=ns.tenant_header,
-        tenant_isolation=ns.tenant_isolation,
-        kv_events_endpoint=ns.kv_events_endpoint,
-        kv_events_replay_endpoint=ns.kv_events_replay_endpoint,
-        kv_events_block_size=ns.kv_events_block_size,
-        shared_prefixes=tuple(ns.shared_prefix),
-        shared_system_prompts=tuple(ns.shared_system_prompt),
-        enable_metrics=ns.enable_metrics,
-        hit_rate_window=ns.hit_rate_window,
-        max_queued_requests=ns.max_queued_requests,
-        graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
-        log_level=ns.log_level,
-        replicas=ns.replicas,
-        ray_address=ns.ray_address,
-        router=ns.router,
-        router_index=ns.router_index,
-        router_abs_threshold=ns.router_abs_threshold,
-        router_rel_threshold=ns.router_rel_threshold,
-        replica_cpus=ns.replica_cpus,
-    )
+    # Every other field is the flag of the same name.
+    renamed: dict[str, Any] = {"engine": engine, "api_keys": tuple(ns.api_key), "shared_prefixes": tuple(ns.shared_prefix),
+                               "shared_system_prompts": tuple(ns.shared_system_prompt)}  # fmt: skip
+    same = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if f.name not in renamed}
+    return ServerArgs(**same, **renamed)
