@@ -85,6 +85,10 @@ class EngineConfig:
 
 
 class Engine:
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
     def __init__(self, **options: Any) -> None:
         self.config = config = EngineConfig(**options)
         torch.set_num_threads(config.num_threads)

@@ -79,7 +79,7 @@ class EngineReplica:
             args = dataclasses.replace(args, kv_events_endpoint=f"tcp://{ray.util.get_node_ip_address()}:*",
                                        kv_events_replay_endpoint=None,
                                        engine=dataclasses.replace(args.engine, enable_kv_events=True))  # fmt: skip
-        engine = Engine(**{f.name: getattr(args.engine, f.name) for f in dataclasses.fields(args.engine)})
+        engine = Engine.from_config(args.engine)
         self.app = create_app(engine, args)
         self.state = self.app.state.radixserve
         self.bridge = ASGIBridge(self.app)
