@@ -184,15 +184,12 @@ def make_front(args: ServerArgs) -> type:
         @app.get("/metrics")
         async def metrics(self, request: Request) -> Response:
             """Every replica's metrics in one exposition, each sample labelled with its ``replica``."""
-            call = await http_call(request)
-            router = await self.router()
-            replicas = [entry["replica"] for entry in router.describe()["replicas"]]
-            answers = await asyncio.gather(*(self.collect(call, RouteKey(target=r)) for r in replicas))
-            failed = [status for status, _ in answers if status != 200]
+            answers = await self.fan_out(request)
+            failed = [(status, data) for status, data in answers.values() if status != 200]
             if failed:  # metrics off (404), or a replica unwell: its own answer says why
-                return Response(answers[0][1] if answers else b"", status_code=max(failed),
-                                media_type="application/json")  # fmt: skip
-            return Response(merge_metrics(dict(zip(replicas, (data.decode() for _, data in answers)))),
+                status, data = max(failed)
+                return Response(data, status_code=status, media_type="application/json")
+            return Response(merge_metrics({replica: data.decode() for replica, (_, data) in answers.items()}),
                             media_type=CONTENT_TYPE_LATEST)  # fmt: skip
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
@@ -256,19 +253,23 @@ def make_front(args: ServerArgs) -> type:
 
             return await asyncio.create_task(run(), context=contextvars.Context())
 
+        async def fan_out(self, request: Request) -> dict[str, tuple[int, bytes]]:
+            """The call sent to every replica: each one's status and body, by replica id."""
+            call = await http_call(request)
+            replicas = (await self.router()).replicas()
+            answers = await asyncio.gather(*(self.collect(call, RouteKey(target=r)) for r in replicas))
+            return dict(zip(replicas, answers))
+
         async def everywhere(self, request: Request) -> Response:
             """Send the call to every replica; one JSON answer, keyed by replica id (the worst status)."""
-            call = await http_call(request)
-            router = await self.router()
-            replicas = [entry["replica"] for entry in router.describe()["replicas"]]
-            answers = await asyncio.gather(*(self.collect(call, RouteKey(target=r)) for r in replicas))
+            answers = await self.fan_out(request)
             out: dict[str, Any] = {}
-            for replica, (status, data) in zip(replicas, answers):
+            for replica, (status, data) in answers.items():
                 try:
                     out[replica] = json.loads(data)
                 except ValueError:
                     out[replica] = {"status": status, "body": data.decode(errors="replace")}
-            worst = max((status for status, _ in answers), default=200)
+            worst = max((status for status, _ in answers.values()), default=200)
             return JSONResponse({"replicas": out}, status_code=worst)
 
     return Front

@@ -188,6 +188,10 @@ class RoutingTable:
                 elif view.index is not None and self.index_kind == "precise":
                     self._follow(view, metadata)  # its KV-event endpoints may be known only now
 
+    def replicas(self) -> list[str]:
+        with self._lock:
+            return sorted(self.views)
+
     def remove(self, replica: str) -> None:
         with self._lock:
             self._drop(replica)

@@ -185,6 +185,13 @@ def test_bad_input_gets_the_single_server_errors_and_changes_nothing(front: str)
             assert after[replica][field] == state[field], (replica, field)
 
 
+def test_fanned_out_endpoints_answer_for_every_replica(front: str) -> None:
+    info = httpx.get(front + "/server_info", timeout=30).json()["replicas"]
+    assert len(info) == 2 and all(answer["engine"]["vocab_size"] > 0 for answer in info.values())
+    metrics = httpx.get(front + "/metrics", timeout=30)  # the fixture's replicas run without --enable-metrics
+    assert metrics.status_code == 404 and metrics.json()["error"]["code"] == "metrics_disabled"
+
+
 def test_a_restarted_front_rebuilds_the_index_from_snapshots(front: str) -> None:
     flush(front)
     home, _ = went_to(front, lambda: complete(front, f"{WORDS} before the restart"))
@@ -223,3 +230,4 @@ def test_a_restarted_replica_is_survived(front: str) -> None:
         assert out["choices"][0]["finish_reason"] == "length"
     wait_for(lambda: idle(front), "idle after the restart")
     assert len(caches(front)) == 2
+
