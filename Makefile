@@ -32,6 +32,8 @@ demo: $(STAMP)
 	$(PY) -m radixserve demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	$(PY) -m mypy radixserve
 	$(PY) -m pytest -q -p no:cacheprovider
 

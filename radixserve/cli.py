@@ -1,9 +1,9 @@
 """The ``radixserve`` command.
 
-    radixserve serve [flags]                      the HTTP server (OpenAI-compatible + native); --help lists flags
-    radixserve chat "question" ["question" ...]   offline chat on the embedded model (or --model-path)
-    radixserve demo                               the radix tree demo: inserts, splits, a match
-    radixserve bench NAME [...]                   benchmarks (each prints its figures; see BENCHMARKS)
+radixserve serve [flags]                      the HTTP server (OpenAI-compatible + native); --help lists flags
+radixserve chat "question" ["question" ...]   offline chat on the embedded model (or --model-path)
+radixserve demo                               the radix tree demo: inserts, splits, a match
+radixserve bench NAME [...]                   benchmarks (each prints its figures; see BENCHMARKS)
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def chat(argv: list[str]) -> None:
         out = engine.chat([{"role": "user", "content": question}], params)
         meta = out["meta_info"]  # type: ignore[call-overload]
         print(f"\n> {question}\n{out['text']}")  # type: ignore[call-overload]
-        print(f"  [{meta['prompt_tokens']} prompt tokens, {meta['cached_tokens']} from the cache, "
-              f"{meta['completion_tokens']} generated, {meta['e2e_latency'] * 1000:.0f} ms]")  # fmt: skip
+        print(
+            f"  [{meta['prompt_tokens']} prompt tokens, {meta['cached_tokens']} from the cache, "
+            f"{meta['completion_tokens']} generated, {meta['e2e_latency'] * 1000:.0f} ms]"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -104,8 +104,11 @@ def _type_problems(params: SamplingParams) -> list[str]:
     seed = params.seed
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64):
         problems.append(f"seed must be an integer in [0, 2^64), got {seed!r}")
-    if isinstance(params.stop, str) or not isinstance(params.stop, (list, tuple)) \
-            or not all(isinstance(s, str) for s in params.stop):  # fmt: skip
+    if (
+        isinstance(params.stop, str)
+        or not isinstance(params.stop, (list, tuple))
+        or not all(isinstance(s, str) for s in params.stop)
+    ):
         problems.append(f"stop must be a list of strings, got {params.stop!r}")
     ids = params.stop_token_ids
     if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):

@@ -16,8 +16,9 @@ import dataclasses
 import itertools
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ from radixserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
-Params = Union[SamplingParams, dict[str, Any], None]
+Params = SamplingParams | dict[str, Any] | None
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -60,7 +61,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.prefix_cache in PREFIX_CACHES, f"prefix_cache must be one of {PREFIX_CACHES}"),
-            (self.radix_eviction_policy in EVICTION_POLICIES, f"radix_eviction_policy: one of {sorted(EVICTION_POLICIES)}"),
+            (
+                self.radix_eviction_policy in EVICTION_POLICIES,
+                f"radix_eviction_policy: one of {sorted(EVICTION_POLICIES)}",
+            ),
             (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}"),
             (self.page_size >= 1, "page_size must be >= 1"),
             (self.max_total_tokens is None or self.max_total_tokens >= 16, "max_total_tokens must be >= 16"),
@@ -98,19 +102,34 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.config
         page = config.page_size if config.prefix_cache == "radix" else 1
-        size = config.max_total_tokens or default_pool_tokens(model_config.num_layers * model_config.num_kv_heads
-                                                              * model_config.head_dim * 2 * dtype.itemsize, self.device)  # fmt: skip
+        size = config.max_total_tokens or default_pool_tokens(
+            model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * 2 * dtype.itemsize,
+            self.device,
+        )
         size -= size % max(page, 16)
         self.allocator = TokenAllocator(size, page)
-        self.kv_pool = KVPool(model_config.num_layers, size + page, model_config.num_kv_heads,
-                              model_config.head_dim, dtype, self.device)  # fmt: skip
-        self.cache = create_prefix_cache(config.prefix_cache, self.allocator, config.page_size,
-                                         config.radix_eviction_policy, enable_kv_events=config.enable_kv_events)  # fmt: skip
+        self.kv_pool = KVPool(
+            model_config.num_layers, size + page, model_config.num_kv_heads, model_config.head_dim, dtype, self.device
+        )
+        self.cache = create_prefix_cache(
+            config.prefix_cache,
+            self.allocator,
+            config.page_size,
+            config.radix_eviction_policy,
+            enable_kv_events=config.enable_kv_events,
+        )
         runner = ModelRunner(self.loaded.model, model_config, self.kv_pool, self.device)
         eos = tuple(model_config.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
         policy = create_schedule_policy(config.schedule_policy, in_batch_dedup=config.in_batch_dedup)
-        self.scheduler = Scheduler(runner, self.cache, self.tokenizer.decode_continuation, eos,
-                                   config.max_running_requests, config.chunked_prefill_size, policy)  # fmt: skip
+        self.scheduler = Scheduler(
+            runner,
+            self.cache,
+            self.tokenizer.decode_continuation,
+            eos,
+            config.max_running_requests,
+            config.chunked_prefill_size,
+            policy,
+        )
         self._rids = itertools.count()
         logger.info("engine ready: %s, %d KV slots, %s on %s", config, size, dtype, self.device)
 
@@ -140,9 +159,11 @@ class Engine:
         return results[0] if single else results
 
     def chat(
-        self, messages: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: Params | list[Params] = None,
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: Params | list[Params] = None,
         extra_key: str | None = None,
-    ) -> dict[str, Any] | list[dict[str, Any]]:  # fmt: skip
+    ) -> dict[str, Any] | list[dict[str, Any]]:
         """Apply the model's chat template, then ``generate``. A list of conversations gives a list."""
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else list(messages)
@@ -164,7 +185,9 @@ class Engine:
 
     # ---- internals --------------------------------------------------------------------------------
 
-    def _run(self, prompts: list[Sequence[int]], params: Params | list[Params], extra_key: str | None) -> list[dict[str, Any]]:
+    def _run(
+        self, prompts: list[Sequence[int]], params: Params | list[Params], extra_key: str | None
+    ) -> list[dict[str, Any]]:
         per_request = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_request) != len(prompts):
             raise ValueError(f"{len(per_request)} sampling_params for {len(prompts)} prompts")
@@ -181,9 +204,13 @@ class Engine:
         return self.loaded.config.max_position_embeddings
 
     def make_request(
-        self, prompt: Sequence[int], params: Params, extra_key: str | None = None, arrival_time: float | None = None,
+        self,
+        prompt: Sequence[int],
+        params: Params,
+        extra_key: str | None = None,
+        arrival_time: float | None = None,
         shared_len: int = 0,
-    ) -> Request:  # fmt: skip
+    ) -> Request:
         """A validated request (not yet queued); ValueError says what is wrong with the input.
 
         ``max_new_tokens`` is clipped to what the context leaves after the prompt.
@@ -225,7 +252,9 @@ class Engine:
             "context_length": self.context_length,
             "vocab_size": model.vocab_size,
             "num_layers": model.num_layers,
-            "kv_bytes_per_token": KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_pool.dtype),
+            "kv_bytes_per_token": KVPool.bytes_per_token(
+                model.num_layers, model.num_kv_heads, model.head_dim, self.kv_pool.dtype
+            ),
         }
 
 

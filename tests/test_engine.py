@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-from radixserve import Engine
-from tests.model.tiny import EOS, VOCAB
-GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
+from radixserve import Engine
+from tests.model.tiny import VOCAB
+
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
 def make_engine(tiny_model_dir: Path, **options: Any) -> Engine:
@@ -48,7 +49,9 @@ def test_greedy_output_equals_transformers_generate(tiny_model_dir: Path) -> Non
 
 
 @pytest.mark.parametrize("prefix_cache,page_size", [("radix", 1), ("radix", 16), ("block", 16)])
-def test_shared_prefix_hits_and_gives_the_same_tokens_as_no_cache(tiny_model_dir: Path, prefix_cache: str, page_size: int) -> None:
+def test_shared_prefix_hits_and_gives_the_same_tokens_as_no_cache(
+    tiny_model_dir: Path, prefix_cache: str, page_size: int
+) -> None:
     control = make_engine(tiny_model_dir, prefix_cache="none")
     cached = make_engine(tiny_model_dir, prefix_cache=prefix_cache, page_size=page_size)
     for prompt in PROMPTS[:2]:

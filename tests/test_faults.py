@@ -8,8 +8,9 @@ run's, and the engine is idle with no lock held and no slot leaked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +23,6 @@ from radixserve.cache import RadixKey
 PARAMS = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 POISON = 77  # the token that marks the faulty request's prompt
 PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 9, 10], [5, 6, POISON, 11], [20, 21, 22]]
-
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,9 @@ def test_nan_logits_for_one_request(tiny_model_dir: Path, clean: list[list[int]]
     check_contained(engine, outs, clean, "non-finite logits")
 
 
-def test_a_sampler_error_for_one_request(tiny_model_dir: Path, clean: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sampler_error_for_one_request(
+    tiny_model_dir: Path, clean: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = loop.sample
 
     def picky(logits: torch.Tensor, states: Any) -> Any:

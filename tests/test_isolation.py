@@ -23,9 +23,10 @@ GUESSES = [[60, 61, 62, 63], SECRETS[1] + [13], [70, 71, 72], SECRETS[0] + [14],
 PARAMS = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
-
 def tenant_b_view(tiny_model_dir: Path, a_cached: bool, isolated: bool, policy: str) -> tuple[list[int], list[int]]:
-    engine = Engine(model_path=str(tiny_model_dir), schedule_policy=policy, max_running_requests=1, max_total_tokens=2048)
+    engine = Engine(
+        model_path=str(tiny_model_dir), schedule_policy=policy, max_running_requests=1, max_total_tokens=2048
+    )
     ns_a, ns_b = (tenant_namespace("A"), tenant_namespace("B")) if isolated else (None, None)
     if a_cached:
         engine.generate(input_ids=SECRETS, sampling_params=PARAMS, extra_key=ns_a)
@@ -41,8 +42,9 @@ def tenant_b_view(tiny_model_dir: Path, a_cached: bool, isolated: bool, policy: 
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
 def test_tenant_b_learns_nothing_from_tenant_a_cache(tiny_model_dir: Path, policy: str) -> None:
-    assert tenant_b_view(tiny_model_dir, True, isolated=True, policy=policy) == \
-        tenant_b_view(tiny_model_dir, False, isolated=True, policy=policy)  # fmt: skip
+    assert tenant_b_view(tiny_model_dir, True, isolated=True, policy=policy) == tenant_b_view(
+        tiny_model_dir, False, isolated=True, policy=policy
+    )
 
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])

@@ -38,8 +38,9 @@ def transformers_greedy(prompt_ids: list[int], num_tokens: int) -> list[int]:
     # An explicit mask: pad_token_id is <|im_end|> here, which the ChatML prompt contains, and
     # generate would otherwise mask those tokens out as padding.
     ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, do_sample=False,
-                         eos_token_id=None)  # fmt: skip
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, do_sample=False, eos_token_id=None
+    )
     return out[0, len(prompt_ids) :].tolist()
 
 
@@ -51,7 +52,9 @@ def test_chat_template_is_chatml_with_the_default_system_message(engine: Engine)
 
 def test_greedy_chat_equals_transformers_on_the_same_gguf(engine: Engine) -> None:
     prompt = engine.tokenizer.apply_chat_template(QUESTION)
-    ours = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    ours = engine.generate(
+        input_ids=prompt, sampling_params={"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    )
     assert ours["output_ids"] == transformers_greedy(prompt, 16)
     assert ours["text"].strip()
 

@@ -147,4 +147,3 @@ class BeladyCache(RadixCache):
             self.allocator.free(np.concatenate(freed))
         self.evicted_tokens += evicted
         return evicted
-

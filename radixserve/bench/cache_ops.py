@@ -20,7 +20,6 @@ import argparse
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -70,7 +69,10 @@ def _serve(cache: BasePrefixCache, prompt: np.ndarray) -> None:
 
 def measure_growth(variant: str, num_requests: int, repeat: int, seed: int = 0) -> GrowthResult:
     rng = np.random.default_rng(seed)
-    fresh: Callable[[int], np.ndarray] = lambda n: rng.integers(1, VOCAB_SIZE, size=n, dtype=np.int64)
+
+    def fresh(n: int) -> np.ndarray:
+        return rng.integers(1, VOCAB_SIZE, size=n, dtype=np.int64)
+
     prefix = fresh(PREFIX_LEN)
     cache = make_cache(variant, PREFIX_LEN + (num_requests + 40 * repeat) * TAIL_LEN + 2100 * repeat)
     for _ in range(num_requests):

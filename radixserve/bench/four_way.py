@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-
 from radixserve.bench.serve import BenchResult, run_benchmark, server_vocab_size
 from radixserve.bench.server_process import ServerProcess
 from radixserve.bench.tiny_model import build_engine_folder
@@ -60,8 +59,10 @@ class WorkloadSizes:
 
     def describe(self) -> str:
         order = "grouped" if self.grouped else "interleaved"
-        return (f"{self.num_groups} groups x {self.prompts_per_group} prompts ({order}), {self.system_prompt_len}-token "
-                f"preamble + {self.question_len}-token question, {self.output_len} output tokens")  # fmt: skip
+        return (
+            f"{self.num_groups} groups x {self.prompts_per_group} prompts ({order}), {self.system_prompt_len}-token "
+            f"preamble + {self.question_len}-token question, {self.output_len} output tokens"
+        )
 
     def trace(self, vocab_size: int, seed: int = 0) -> list[TraceRequest]:
         return generated_shared_prefix(**asdict(self), seed=seed, vocab_size=vocab_size)
@@ -81,9 +82,14 @@ class RunResult:
     result: BenchResult
 
 
-def run_one(name: str, flags: tuple[str, ...], model_path: str | None,
-            trace_for: Callable[[int], list[TraceRequest]], max_concurrency: int | None,
-            request_rate: float) -> RunResult:  # fmt: skip
+def run_one(
+    name: str,
+    flags: tuple[str, ...],
+    model_path: str | None,
+    trace_for: Callable[[int], list[TraceRequest]],
+    max_concurrency: int | None,
+    request_rate: float,
+) -> RunResult:
     """Start a server with ``flags``, replay ``trace_for(vocab_size)`` against it, stop it."""
     t0 = time.perf_counter()
     server = ServerProcess("--enable-metrics", "--log-level", "warning", *flags, model_path=model_path)
@@ -93,23 +99,30 @@ def run_one(name: str, flags: tuple[str, ...], model_path: str | None,
         vocab = server_vocab_size(server.url, None)
         if vocab is None:
             raise RuntimeError(f"no vocabulary size from {server.url}/server_info")
-        result = asyncio.run(run_benchmark(server.url, trace_for(vocab), max_concurrency=max_concurrency,
-                                           request_rate=request_rate, progress=True))  # fmt: skip
+        result = asyncio.run(
+            run_benchmark(
+                server.url, trace_for(vocab), max_concurrency=max_concurrency, request_rate=request_rate, progress=True
+            )
+        )
     finally:
         server.stop()
     return RunResult(name, flags, startup, result)
 
 
 def format_table(runs: list[RunResult]) -> str:
-    header = (f"{'run':<10} {'hit rate':>9} {'prefill tokens':>15} {'req/s':>7} {'out tok/s':>10} "
-              f"{'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'failed':>7}")  # fmt: skip
+    header = (
+        f"{'run':<10} {'hit rate':>9} {'prefill tokens':>15} {'req/s':>7} {'out tok/s':>10} "
+        f"{'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'failed':>7}"
+    )
     lines = [header, "-" * len(header)]
     for run in runs:
         r = run.result
         prefill = "n/a" if r.prefill_tokens is None else f"{r.prefill_tokens:,}"
-        lines.append(f"{run.name:<10} {r.cache_hit_rate:>9.1%} {prefill:>15} {r.request_throughput:>7.2f} "
-                     f"{r.output_throughput:>10.1f} {r.ttft.p50_ms:>12.0f} {r.ttft.p90_ms:>12.0f} "
-                     f"{r.failed:>7}")  # fmt: skip
+        lines.append(
+            f"{run.name:<10} {r.cache_hit_rate:>9.1%} {prefill:>15} {r.request_throughput:>7.2f} "
+            f"{r.output_throughput:>10.1f} {r.ttft.p50_ms:>12.0f} {r.ttft.p90_ms:>12.0f} "
+            f"{r.failed:>7}"
+        )
     return "\n".join(lines)
 
 
@@ -140,37 +153,59 @@ def plot(runs: list[RunResult], path: Path, title: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def run_four_way(model_path: str | None, names: list[str], sizes: WorkloadSizes, *,
-                 max_concurrency: int | None = None, request_rate: float = math.inf,
-                 max_total_tokens: int | None = None, seed: int = 0) -> list[RunResult]:  # fmt: skip
+def run_four_way(
+    model_path: str | None,
+    names: list[str],
+    sizes: WorkloadSizes,
+    *,
+    max_concurrency: int | None = None,
+    request_rate: float = math.inf,
+    max_total_tokens: int | None = None,
+    seed: int = 0,
+) -> list[RunResult]:
     extra = ("--max-total-tokens", str(max_total_tokens)) if max_total_tokens else ()
     runs = []
     for name in names:
         print(f"[{name}] starting radixserve serve {' '.join(RUNS[name] + extra)}", flush=True)
-        run = run_one(name, RUNS[name] + extra, model_path, functools.partial(sizes.trace, seed=seed),
-                      max_concurrency, request_rate)  # fmt: skip
+        run = run_one(
+            name,
+            RUNS[name] + extra,
+            model_path,
+            functools.partial(sizes.trace, seed=seed),
+            max_concurrency,
+            request_rate,
+        )
         print(f"[{name}] server up in {run.startup_s:.1f} s; benchmark {run.result.duration_s:.1f} s", flush=True)
         runs.append(run)
     return runs
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="radixserve bench four-way", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="radixserve bench four-way", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-path", default=None, help="HF folder or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--tiny", action="store_true", help="a random tiny Llama (4k context) and sizes for it")
     names = [f.name for f in fields(WorkloadSizes) if f.type == "int"]
     for name in names:
         smol, tiny = getattr(SMOLLM2_SIZES, name), getattr(TINY_SIZES, name)
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
-                            help=f"default {smol} ({tiny} with --tiny)")  # fmt: skip
-    parser.add_argument("--grouped", action="store_true",
-                        help="send each group's requests together (default: groups interleaved, LPM's best case)")  # fmt: skip
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=None, help=f"default {smol} ({tiny} with --tiny)"
+        )
+    parser.add_argument(
+        "--grouped",
+        action="store_true",
+        help="send each group's requests together (default: groups interleaved, LPM's best case)",
+    )
     parser.add_argument("--max-concurrency", type=int, default=None, help="default: no cap")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals (default: all at once)")
-    parser.add_argument("--max-total-tokens", type=int, default=None,
-                        help=f"KV pool of every server (default {SMOLLM2_POOL}, {TINY_POOL} with --tiny; 0: the "
-                             "server's own default, room for everything)")  # fmt: skip
+    parser.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help=f"KV pool of every server (default {SMOLLM2_POOL}, {TINY_POOL} with --tiny; 0: the "
+        "server's own default, room for everything)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--runs", default=",".join(RUNS), help=f"a subset of {','.join(RUNS)}")
@@ -179,9 +214,11 @@ def main(argv: list[str]) -> None:
     unknown = [n for n in selected if n not in RUNS]
     if unknown or not selected:
         parser.error(f"--runs: unknown {unknown}; choose from {', '.join(RUNS)}")
-    sizes = replace(TINY_SIZES if args.tiny else SMOLLM2_SIZES,
-                    **{n: getattr(args, n) for n in names if getattr(args, n) is not None},
-                    grouped=args.grouped)  # fmt: skip
+    sizes = replace(
+        TINY_SIZES if args.tiny else SMOLLM2_SIZES,
+        **{n: getattr(args, n) for n in names if getattr(args, n) is not None},
+        grouped=args.grouped,
+    )
 
     pool = args.max_total_tokens if args.max_total_tokens is not None else (TINY_POOL if args.tiny else SMOLLM2_POOL)
     started = time.perf_counter()
@@ -189,8 +226,15 @@ def main(argv: list[str]) -> None:
         model_path = args.model_path
         if args.tiny and model_path is None:
             model_path = str(build_engine_folder(Path(tmp) / "tiny-llama", max_position_embeddings=4096))
-        runs = run_four_way(model_path, selected, sizes, max_concurrency=args.max_concurrency,
-                            request_rate=args.request_rate, max_total_tokens=pool or None, seed=args.seed)  # fmt: skip
+        runs = run_four_way(
+            model_path,
+            selected,
+            sizes,
+            max_concurrency=args.max_concurrency,
+            request_rate=args.request_rate,
+            max_total_tokens=pool or None,
+            seed=args.seed,
+        )
     wall = time.perf_counter() - started
     model_name = "tiny random Llama" if args.tiny and args.model_path is None else (args.model_path or "SmolLM2-135M")
     workload = f"{sizes.describe()}; KV pool {pool or 'server default'}"
@@ -199,9 +243,16 @@ def main(argv: list[str]) -> None:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     png, out_json = args.output_dir / "four-way.png", args.output_dir / "four-way.json"
     plot(runs, png, f"{model_name}: {workload}")
-    report = {"model": model_name, "workload": asdict(sizes), "max_concurrency": args.max_concurrency,
-              "request_rate": str(args.request_rate), "max_total_tokens": pool or None, "wall_s": wall,
-              "runs": {run.name: {"flags": list(run.flags), "startup_s": run.startup_s, **run.result.to_dict()}
-                       for run in runs}}  # fmt: skip
+    report = {
+        "model": model_name,
+        "workload": asdict(sizes),
+        "max_concurrency": args.max_concurrency,
+        "request_rate": str(args.request_rate),
+        "max_total_tokens": pool or None,
+        "wall_s": wall,
+        "runs": {
+            run.name: {"flags": list(run.flags), "startup_s": run.startup_s, **run.result.to_dict()} for run in runs
+        },
+    }
     out_json.write_text(json.dumps(report, indent=1))
     print(f"wrote {png} and {out_json}")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,11 +28,19 @@ def hf_reference(engine: Engine) -> Any:
 
     c: ModelConfig = engine.loaded.config
     options: dict[str, Any] = dict(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-    )  # fmt: skip
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        rope_scaling=c.rope_scaling,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )
     model = LlamaForCausalLM(LlamaConfig(**options))
     model.eval()  # type: ignore[no-untyped-call]
     _, _, weights = read_checkpoint(engine.loaded.path)
@@ -125,7 +134,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'fp32, ' + str(args.num_threads) + ' thread(s)':<34} {'radixserve':>12} {'transformers':>14}")
     for n in (512, 2048):
         ids = rng.integers(0, vocab, n)
-        row(f"prefill tok/s, {n}-token prompt", n / ttft(engine, ids, cold=True), n / hf_prefill(hf, ids) if hf else None)
+        row(
+            f"prefill tok/s, {n}-token prompt",
+            n / ttft(engine, ids, cold=True),
+            n / hf_prefill(hf, ids) if hf else None,
+        )
     for b in (int(x) for x in args.batches.split(",")):
         ours = b / ours_decode(engine, b, 128, args.decode_steps, rng)
         row(f"decode tok/s, batch {b}", ours, b / hf_decode(hf, b, 128, args.decode_steps, rng) if hf else None)
@@ -133,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     cold = ttft(engine, np.concatenate([shared, rng.integers(0, vocab, 80)]), cold=True)
     engine.generate(input_ids=shared.tolist(), sampling_params={"max_new_tokens": 1})
     warm = ttft(engine, np.concatenate([shared, rng.integers(0, vocab, 80)]), cold=False)
-    print(f"TTFT 2,135 tokens: cold {cold * 1000:.0f} ms, 2,055 cached {warm * 1000:.0f} ms ({cold / warm:.1f}x faster)")
+    print(
+        f"TTFT 2,135 tokens: cold {cold * 1000:.0f} ms, 2,055 cached {warm * 1000:.0f} ms ({cold / warm:.1f}x faster)"
+    )
 
 
 if __name__ == "__main__":

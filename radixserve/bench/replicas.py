@@ -47,9 +47,18 @@ class ReplicaResult(TokenCounts):
         return {**asdict(self), "hit_rate": self.hit_rate, "prefill_tokens": self.prefill_tokens}
 
 
-def simulate_replicas(requests: Sequence[TraceRequest], num_replicas: int, router: str, capacity: int, *,
-                      utilization: float = 0.8, prefill_rate: float = 5000.0, decode_rate: float = 50.0,
-                      config: RouterConfig = RouterConfig(), seed: int = 0) -> ReplicaResult:  # fmt: skip
+def simulate_replicas(
+    requests: Sequence[TraceRequest],
+    num_replicas: int,
+    router: str,
+    capacity: int,
+    *,
+    utilization: float = 0.8,
+    prefill_rate: float = 5000.0,
+    decode_rate: float = 50.0,
+    config: RouterConfig = RouterConfig(),
+    seed: int = 0,
+) -> ReplicaResult:
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose from {ROUTERS}")
     caches = [RadixCache(TokenAllocator(capacity)) for _ in range(num_replicas)]
@@ -74,8 +83,11 @@ def simulate_replicas(requests: Sequence[TraceRequest], num_replicas: int, route
             target = a if loads[a] <= loads[b] else b
         else:
             key = RadixKey(request.prompt, request.extra_key)
-            matches = ([entry.match(request.prompt, request.extra_key) for entry in index] if index
-                       else [len(cache.match_prefix(key).indices) for cache in caches])  # fmt: skip
+            matches = (
+                [entry.match(request.prompt, request.extra_key) for entry in index]
+                if index
+                else [len(cache.match_prefix(key).indices) for cache in caches]
+            )
             target = choose_replica(matches, loads, len(request.prompt), config, turn=i)
         hit = _serve(caches[target], request)
         if index:
@@ -103,10 +115,14 @@ def _serve(cache: RadixCache, request: TraceRequest) -> int:
 
 
 def format_replica_table(results: Sequence[ReplicaResult]) -> str:
-    lines = [f"{'replicas':>8} {'router':<20} {'hit rate':>8} {'prefill tokens':>15} {'imbalance':>9} {'peak queue':>10}"]
+    lines = [
+        f"{'replicas':>8} {'router':<20} {'hit rate':>8} {'prefill tokens':>15} {'imbalance':>9} {'peak queue':>10}"
+    ]
     for r in results:
-        lines.append(f"{r.replicas:>8} {r.router:<20} {r.hit_rate:>8.1%} {r.prefill_tokens:>15,} "
-                     f"{r.load_imbalance:>9.2f} {r.peak_queue:>10}")  # fmt: skip
+        lines.append(
+            f"{r.replicas:>8} {r.router:<20} {r.hit_rate:>8.1%} {r.prefill_tokens:>15,} "
+            f"{r.load_imbalance:>9.2f} {r.peak_queue:>10}"
+        )
     return "\n".join(lines)
 
 

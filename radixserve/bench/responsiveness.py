@@ -30,13 +30,13 @@ def probe(base_url: str, prompt_tokens: int, rounds: int) -> None:
             done = threading.Event()
             timing: dict[str, float] = {}
 
-            def long_request() -> None:
+            def long_request(body: dict[str, object], timing: dict[str, float], done: threading.Event) -> None:
                 start = time.perf_counter()
                 client.post(base_url + "/generate", json=body).raise_for_status()
                 timing["prefill"] = time.perf_counter() - start
                 done.set()
 
-            worker = threading.Thread(target=long_request)
+            worker = threading.Thread(target=long_request, args=(body, timing, done))
             worker.start()
             health: list[float] = []
             metrics: list[float] = []
@@ -52,15 +52,20 @@ def probe(base_url: str, prompt_tokens: int, rounds: int) -> None:
             for name, values in (("/health", health), ("/metrics", metrics)):
                 if values:
                     ms = sorted(v * 1000 for v in values)
-                    print(f"  {name:9s} {len(ms):4d} answers during it: median {statistics.median(ms):6.1f} ms, "
-                          f"p99 {ms[int(0.99 * (len(ms) - 1))]:6.1f} ms, max {ms[-1]:6.1f} ms")  # fmt: skip
+                    print(
+                        f"  {name:9s} {len(ms):4d} answers during it: median {statistics.median(ms):6.1f} ms, "
+                        f"p99 {ms[int(0.99 * (len(ms) - 1))]:6.1f} ms, max {ms[-1]:6.1f} ms"
+                    )
                 else:
                     print(f"  {name:9s} no answer while the prefill ran")
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="radixserve bench responsiveness", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="radixserve bench responsiveness",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--base-url", default=None, help="a running radixserve (with --enable-metrics); else start one")
     parser.add_argument("--model-path", default=None, help="model for the server this command starts")
     parser.add_argument("--prompt-tokens", type=int, default=2000)

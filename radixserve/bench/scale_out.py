@@ -42,8 +42,9 @@ POOL = 4096  # tokens per replica: about half of the 8 x 1,024-token preambles
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="radixserve bench scale-out", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="radixserve bench scale-out", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-path", default=None, help="HF folder or .gguf (default: a random tiny Llama)")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--num-groups", type=int, default=SIZES.num_groups)
@@ -67,22 +68,32 @@ def main(argv: list[str]) -> None:
         for name in selected:
             flags = common + RUNS[name]
             print(f"[{name}] starting radixserve serve {' '.join(flags)}", flush=True)
-            run = run_one(name, flags, model_path, functools.partial(sizes.trace, seed=args.seed),
-                          args.max_concurrency, math.inf)  # fmt: skip
+            run = run_one(
+                name, flags, model_path, functools.partial(sizes.trace, seed=args.seed), args.max_concurrency, math.inf
+            )
             print(f"[{name}] up in {run.startup_s:.1f} s; benchmark {run.result.duration_s:.1f} s", flush=True)
             runs.append(run)
     wall = time.perf_counter() - started
     model_name = args.model_path or "tiny random Llama"
-    workload = (f"{args.replicas} replicas x {args.max_total_tokens}-token pool; {sizes.describe()}; "
-                f"concurrency {args.max_concurrency}")  # fmt: skip
+    workload = (
+        f"{args.replicas} replicas x {args.max_total_tokens}-token pool; {sizes.describe()}; "
+        f"concurrency {args.max_concurrency}"
+    )
     print(f"\n{model_name}: {workload}; {len(runs)} runs in {wall:.0f} s (start-ups included)")
     print(format_table(runs))
     args.output_dir.mkdir(parents=True, exist_ok=True)
     png, out_json = args.output_dir / "scale-out.png", args.output_dir / "scale-out.json"
     plot(runs, png, f"{model_name}: {workload}")
-    report = {"model": model_name, "replicas": args.replicas, "workload": asdict(sizes),
-              "max_total_tokens": args.max_total_tokens, "max_concurrency": args.max_concurrency, "wall_s": wall,
-              "runs": {run.name: {"flags": list(run.flags), "startup_s": run.startup_s, **run.result.to_dict()}
-                       for run in runs}}  # fmt: skip
+    report = {
+        "model": model_name,
+        "replicas": args.replicas,
+        "workload": asdict(sizes),
+        "max_total_tokens": args.max_total_tokens,
+        "max_concurrency": args.max_concurrency,
+        "wall_s": wall,
+        "runs": {
+            run.name: {"flags": list(run.flags), "startup_s": run.startup_s, **run.result.to_dict()} for run in runs
+        },
+    }
     out_json.write_text(json.dumps(report, indent=1))
     print(f"wrote {png} and {out_json}")

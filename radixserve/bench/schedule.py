@@ -32,8 +32,14 @@ POLICIES = ("fcfs", "lpm", "dfs-weight", "hrrn", "fcfs/no-dedup")  # the last: i
 
 def run_workload(model_path: str, label: str, trace: list[TraceRequest], max_new_tokens: int) -> str:
     policy, _, no_dedup = label.partition("/")
-    engine = Engine(model_path=model_path, schedule_policy=policy, max_total_tokens=160_000,
-                    chunked_prefill_size=200_000, max_running_requests=64, in_batch_dedup=not no_dedup)  # fmt: skip
+    engine = Engine(
+        model_path=model_path,
+        schedule_policy=policy,
+        max_total_tokens=160_000,
+        chunked_prefill_size=200_000,
+        max_running_requests=64,
+        in_batch_dedup=not no_dedup,
+    )
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     results = engine.generate(input_ids=[r.prompt.tolist() for r in trace], sampling_params=params)
@@ -42,8 +48,10 @@ def run_workload(model_path: str, label: str, trace: list[TraceRequest], max_new
     prompt_tokens = sum(len(r.prompt) for r in trace)
     cached = sum(int(r["meta_info"]["cached_tokens"]) for r in results if isinstance(r, dict))
     hit_rate = cached / prompt_tokens
-    return (f"{label:<14} {stats.prefill_tokens:>15,} {hit_rate:>9.1%} {len(trace) / elapsed:>8.2f} "
-            f"{len(trace) * max_new_tokens / elapsed:>10.1f}")  # fmt: skip
+    return (
+        f"{label:<14} {stats.prefill_tokens:>15,} {hit_rate:>9.1%} {len(trace) / elapsed:>8.2f} "
+        f"{len(trace) * max_new_tokens / elapsed:>10.1f}"
+    )
 
 
 def lpm_round_seconds(num_waiting: int, prompt_len: int = 2000, groups: int = 8, seed: int = 0) -> float:
@@ -56,8 +64,10 @@ def lpm_round_seconds(num_waiting: int, prompt_len: int = 2000, groups: int = 8,
         assert cache.extend_request(req, prefix)
         cache.cache_finished_req(req)
     params = SamplingParams(max_new_tokens=16)
-    waiting = [Request(i, np.concatenate([prefixes[i % groups], rng.integers(1, 49_000, 64)]), params)
-               for i in range(num_waiting)]  # fmt: skip
+    waiting = [
+        Request(i, np.concatenate([prefixes[i % groups], rng.integers(1, 49_000, 64)]), params)
+        for i in range(num_waiting)
+    ]
     policy = create_schedule_policy("lpm")
     t0 = time.perf_counter()
     policy.order(waiting, cache, [], time.perf_counter())

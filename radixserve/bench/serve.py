@@ -181,8 +181,9 @@ def _error_message(status: int, body: bytes) -> str:
     return f"HTTP {status}: {message}"
 
 
-async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord,
-                       t0: float) -> None:  # fmt: skip
+async def send_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord, t0: float
+) -> None:
     """Stream one completion into ``record``; every failure is recorded, none raised."""
     start = time.perf_counter()
     record.start_s = start - t0
@@ -232,8 +233,9 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
 # ---- the run -------------------------------------------------------------------------------------
 
 
-def arrival_offsets(requests: list[TraceRequest], request_rate: float, use_trace_timestamps: bool,
-                    seed: int) -> list[float]:  # fmt: skip
+def arrival_offsets(
+    requests: list[TraceRequest], request_rate: float, use_trace_timestamps: bool, seed: int
+) -> list[float]:
     """Seconds after the start at which each request is sent."""
     if use_trace_timestamps:
         if any(r.timestamp is None for r in requests):
@@ -252,8 +254,15 @@ def request_body(model: str, request: TraceRequest, prompt_format: str) -> dict[
     if prompt_format not in ("tokens", "text"):
         raise ValueError(f"prompt_format must be 'tokens' or 'text', not {prompt_format!r}")
     prompt: Any = request.prompt.tolist() if prompt_format == "tokens" else text_of(request.prompt)
-    body = {"model": model, "prompt": prompt, "max_tokens": max(1, len(request.output)), "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max(1, len(request.output)),
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if request.extra_key is not None:  # the request's cache namespace (radixserve, vLLM: cache_salt)
         body["cache_salt"] = request.extra_key
     return body
@@ -304,8 +313,16 @@ async def run_benchmark(
         bar.close()
         after = await server_counters(client, base_url)
     delta = {k: after[k] - before[k] for k in after if k in before}
-    return summarize(records, duration, delta, base_url=base_url, model=model_id, prompt_format=prompt_format,
-                     request_rate=request_rate, max_concurrency=max_concurrency)  # fmt: skip
+    return summarize(
+        records,
+        duration,
+        delta,
+        base_url=base_url,
+        model=model_id,
+        prompt_format=prompt_format,
+        request_rate=request_rate,
+        max_concurrency=max_concurrency,
+    )
 
 
 def summarize(records: list[RequestRecord], duration: float, delta: dict[str, int], **settings: Any) -> BenchResult:
@@ -318,17 +335,28 @@ def summarize(records: list[RequestRecord], duration: float, delta: dict[str, in
     metrics_hit = metrics_cached / metrics_prompt if metrics_prompt and metrics_cached is not None else None
     per_second = 1.0 / duration if duration > 0 else 0.0
     return BenchResult(
-        **settings, duration_s=duration, completed=len(done), failed=len(records) - len(done),
-        request_throughput=len(done) * per_second, input_throughput=prompt * per_second,
-        output_throughput=completion * per_second, total_prompt_tokens=prompt, total_completion_tokens=completion,
-        total_cached_tokens=cached, cache_hit_rate=cached / prompt if prompt else 0.0,
+        **settings,
+        duration_s=duration,
+        completed=len(done),
+        failed=len(records) - len(done),
+        request_throughput=len(done) * per_second,
+        input_throughput=prompt * per_second,
+        output_throughput=completion * per_second,
+        total_prompt_tokens=prompt,
+        total_completion_tokens=completion,
+        total_cached_tokens=cached,
+        cache_hit_rate=cached / prompt if prompt else 0.0,
         ttft=LatencyStats.of([r.ttft_s for r in done if r.ttft_s is not None]),
         itl=LatencyStats.of([gap for r in done for gap in r.itl_s]),
         e2e=LatencyStats.of([r.e2e_s for r in done if r.e2e_s is not None]),
-        metrics_hit_rate=metrics_hit, metrics_prompt_tokens=metrics_prompt, metrics_cached_tokens=metrics_cached,
-        metrics_generation_tokens=delta.get("generation_tokens"), prefill_tokens=delta.get("prefill_tokens"),
-        errors=[r.error for r in records if r.error is not None], records=records,
-    )  # fmt: skip
+        metrics_hit_rate=metrics_hit,
+        metrics_prompt_tokens=metrics_prompt,
+        metrics_cached_tokens=metrics_cached,
+        metrics_generation_tokens=delta.get("generation_tokens"),
+        prefill_tokens=delta.get("prefill_tokens"),
+        errors=[r.error for r in records if r.error is not None],
+        records=records,
+    )
 
 
 # ---- the command ---------------------------------------------------------------------------------
@@ -349,8 +377,9 @@ def server_vocab_size(base_url: str, api_key: str | None) -> int | None:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="radixserve bench serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="radixserve bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (OpenAI-compatible)")
     parser.add_argument("--model", default=None, help="default: the first id from /v1/models")
     parser.add_argument("--api-key", default=None)
@@ -358,8 +387,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="default: the workload's own size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", type=Path, default=None, help="replay a trace file instead (load_trace)")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help=f"token ids stay below it (default: /server_info's, else {VOCAB_SIZE})")  # fmt: skip
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"token ids stay below it (default: /server_info's, else {VOCAB_SIZE})",
+    )
     parser.add_argument("--prompt-format", default="tokens", choices=["tokens", "text"])
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals (default: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=None)
@@ -372,11 +405,19 @@ def main(argv: list[str]) -> None:
         requests = load_trace(args.trace, vocab_size=vocab, limit=args.num_requests)
     else:
         requests = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed, vocab_size=vocab)
-    result = asyncio.run(run_benchmark(
-        args.base_url, requests, model=args.model, request_rate=args.request_rate,
-        max_concurrency=args.max_concurrency, prompt_format=args.prompt_format,
-        use_trace_timestamps=args.use_trace_timestamps, seed=args.seed, api_key=args.api_key,
-    ))  # fmt: skip
+    result = asyncio.run(
+        run_benchmark(
+            args.base_url,
+            requests,
+            model=args.model,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            prompt_format=args.prompt_format,
+            use_trace_timestamps=args.use_trace_timestamps,
+            seed=args.seed,
+            api_key=args.api_key,
+        )
+    )
     print(result.table())
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)

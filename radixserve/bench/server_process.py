@@ -27,15 +27,23 @@ class ServerProcess:
     def __init__(self, *flags: str, model_path: str | Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.flags = [*(["--model-path", str(model_path)] if model_path is not None else []), *flags,
-                      "--port", str(self.port)]  # fmt: skip
+        self.flags = [
+            *(["--model-path", str(model_path)] if model_path is not None else []),
+            *flags,
+            "--port",
+            str(self.port),
+        ]
         self._log = tempfile.NamedTemporaryFile("w+", prefix="radixserve-", suffix=".log", delete=False)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", *self.flags],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "radixserve", "serve", *self.flags],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -76,8 +76,12 @@ class SimResult(TokenCounts):
         return self.cache_seconds / max(self.requests, 1) * 1e6
 
     def to_dict(self) -> dict[str, object]:
-        return {**asdict(self), "hit_rate": self.hit_rate, "prefill_tokens": self.prefill_tokens,
-                "us_per_request": self.us_per_request}  # fmt: skip
+        return {
+            **asdict(self),
+            "hit_rate": self.hit_rate,
+            "prefill_tokens": self.prefill_tokens,
+            "us_per_request": self.us_per_request,
+        }
 
 
 def make_cache(name: str, capacity: int, clock: list[int], index: FutureIndex | None) -> BasePrefixCache:
@@ -101,8 +105,14 @@ def make_cache(name: str, capacity: int, clock: list[int], index: FutureIndex | 
     raise ValueError(f"unknown cache {name!r}: radix-<policy>-p<page>, block-<size>, none or belady")
 
 
-def replay(requests: Sequence[TraceRequest], cache_name: str, capacity: int, concurrency: int = 16,
-           index: FutureIndex | None = None, working_set: int | None = None) -> SimResult:  # fmt: skip
+def replay(
+    requests: Sequence[TraceRequest],
+    cache_name: str,
+    capacity: int,
+    concurrency: int = 16,
+    index: FutureIndex | None = None,
+    working_set: int | None = None,
+) -> SimResult:
     clock = [0]
     cache = make_cache(cache_name, capacity, clock, index)
     window: deque[CacheReq] = deque()
@@ -136,20 +146,32 @@ def replay(requests: Sequence[TraceRequest], cache_name: str, capacity: int, con
     assert cache.protected_size() == 0
     assert cache.allocator.free_size() + cache.total_size() == cache.allocator.size, f"{cache_name} leaked slots"
     fraction = capacity / working_set if working_set else float("nan")
-    return SimResult(cache_name, capacity, fraction, len(requests), rejected, prompt_tokens, cached_tokens,
-                     cache.evicted_tokens, elapsed)  # fmt: skip
+    return SimResult(
+        cache_name,
+        capacity,
+        fraction,
+        len(requests),
+        rejected,
+        prompt_tokens,
+        cached_tokens,
+        cache.evicted_tokens,
+        elapsed,
+    )
 
 
 def future_index(requests: Sequence[TraceRequest]) -> FutureIndex:
     return FutureIndex([(r.extra_key, r.prompt) for r in requests])
 
 
-def simulate(requests: Sequence[TraceRequest], caches: Sequence[str], capacities: Sequence[int],
-             concurrency: int = 16) -> list[SimResult]:  # fmt: skip
+def simulate(
+    requests: Sequence[TraceRequest], caches: Sequence[str], capacities: Sequence[int], concurrency: int = 16
+) -> list[SimResult]:
     """Every cache at every capacity; the future index is built once, only if belady is asked."""
     working_set = working_set_tokens(list(requests))
     index = future_index(requests) if "belady" in caches else None
-    return [replay(requests, name, capacity, concurrency, index, working_set) for capacity in capacities for name in caches]
+    return [
+        replay(requests, name, capacity, concurrency, index, working_set) for capacity in capacities for name in caches
+    ]
 
 
 def format_table(results: Sequence[SimResult]) -> str:
@@ -157,15 +179,21 @@ def format_table(results: Sequence[SimResult]) -> str:
     for capacity in sorted({r.capacity for r in results}):
         rows = [r for r in results if r.capacity == capacity]
         bound = next((r.hit_rate for r in rows if r.cache == "belady"), None)
-        lines.append(f"\ncapacity {capacity:,} tokens ({rows[0].capacity_fraction:.0%} of the working set), "
-                     f"{rows[0].requests:,} requests")  # fmt: skip
-        lines.append(f"{'cache':<18} {'hit rate':>8} {'prefill tokens':>15} {'evicted':>12} {'µs/req':>8} "
-                     f"{'gap to bound':>12} {'rejected':>8}")  # fmt: skip
+        lines.append(
+            f"\ncapacity {capacity:,} tokens ({rows[0].capacity_fraction:.0%} of the working set), "
+            f"{rows[0].requests:,} requests"
+        )
+        lines.append(
+            f"{'cache':<18} {'hit rate':>8} {'prefill tokens':>15} {'evicted':>12} {'µs/req':>8} "
+            f"{'gap to bound':>12} {'rejected':>8}"
+        )
         for r in sorted(rows, key=lambda r: -r.hit_rate):
             gap = "" if bound is None or r.cache == "belady" else f"{(bound - r.hit_rate) * 100:+.1f} pt"
             name = "belady (bound)" if r.cache == "belady" else r.cache
-            lines.append(f"{name:<18} {r.hit_rate:>8.1%} {r.prefill_tokens:>15,} {r.evicted_tokens:>12,} "
-                         f"{r.us_per_request:>8.0f} {gap:>12} {r.rejected:>8}")  # fmt: skip
+            lines.append(
+                f"{name:<18} {r.hit_rate:>8.1%} {r.prefill_tokens:>15,} {r.evicted_tokens:>12,} "
+                f"{r.us_per_request:>8.0f} {gap:>12} {r.rejected:>8}"
+            )
     return "\n".join(lines)
 
 
@@ -201,8 +229,14 @@ def plot(results: Sequence[SimResult], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def simulate_cluster(requests: Sequence[TraceRequest], label: str, replica_counts: list[int], routers: list[str],
-                     capacity: int, out: Path) -> None:  # fmt: skip
+def simulate_cluster(
+    requests: Sequence[TraceRequest],
+    label: str,
+    replica_counts: list[int],
+    routers: list[str],
+    capacity: int,
+    out: Path,
+) -> None:
     from radixserve.bench.replicas import format_replica_table, plot_replicas, simulate_replicas
 
     start = time.perf_counter()
@@ -211,7 +245,9 @@ def simulate_cluster(requests: Sequence[TraceRequest], label: str, replica_count
     print(format_replica_table(results))
     out.mkdir(parents=True, exist_ok=True)
     stem = f"replicas-{label}"
-    plot_replicas(results, str(out / f"{stem}.png"), f"{label}: {len(requests):,} requests, {capacity:,} tokens a replica")
+    plot_replicas(
+        results, str(out / f"{stem}.png"), f"{label}: {len(requests):,} requests, {capacity:,} tokens a replica"
+    )
     (out / f"{stem}.json").write_text(json.dumps([r.to_dict() for r in results], indent=1))
     print(f"{len(results)} runs in {time.perf_counter() - start:.1f} s; wrote {out / stem}.png and .json")
 
@@ -221,24 +257,34 @@ def _floats(text: str) -> list[float]:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="radixserve bench simulate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="radixserve bench simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workload", default="support-agent", help="a workload name (see bench/workloads.py)")
-    parser.add_argument("--trace", default=None, help="a JSONL trace file instead (Mooncake-style hash_ids or input_ids)")
+    parser.add_argument(
+        "--trace", default=None, help="a JSONL trace file instead (Mooncake-style hash_ids or input_ids)"
+    )
     parser.add_argument("--block-size", type=int, default=512, help="tokens per hash id in a trace file")
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--caches", default=",".join(DEFAULT_CACHES), help="comma-separated cache names")
-    parser.add_argument("--capacity-fraction", default=",".join(map(str, DEFAULT_FRACTIONS)),
-                        help="capacities as fractions of the working set")  # fmt: skip
+    parser.add_argument(
+        "--capacity-fraction",
+        default=",".join(map(str, DEFAULT_FRACTIONS)),
+        help="capacities as fractions of the working set",
+    )
     parser.add_argument("--capacity-tokens", default=None, help="capacities in tokens (overrides the fractions)")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (their tokens are locked)")
     parser.add_argument("--output-dir", default="bench-results", help="where the PNG and JSON go")
-    parser.add_argument("--replicas", default=None,
-                        help="simulate this many replicas behind each --router instead (e.g. 8,32,128); "
-                             "--capacity-fraction is then per replica (default 0.1)")  # fmt: skip
-    parser.add_argument("--router", default="round-robin,power-of-two,cache-aware,cache-aware-precise",
-                        help="routers for --replicas")  # fmt: skip
+    parser.add_argument(
+        "--replicas",
+        default=None,
+        help="simulate this many replicas behind each --router instead (e.g. 8,32,128); "
+        "--capacity-fraction is then per replica (default 0.1)",
+    )
+    parser.add_argument(
+        "--router", default="round-robin,power-of-two,cache-aware,cache-aware-precise", help="routers for --replicas"
+    )
     args = parser.parse_args(argv)
 
     if args.trace:
@@ -249,25 +295,39 @@ def main(argv: list[str]) -> None:
         label = args.workload
     working_set = working_set_tokens(requests)
     if args.replicas:
-        fraction = 0.1 if args.capacity_fraction == parser.get_default("capacity_fraction") else \
-            _floats(args.capacity_fraction)[0]  # fmt: skip
-        simulate_cluster(requests, label, [int(n) for n in _floats(args.replicas)],
-                         [r for r in args.router.split(",") if r], int(fraction * working_set), Path(args.output_dir))
+        fraction = (
+            0.1
+            if args.capacity_fraction == parser.get_default("capacity_fraction")
+            else _floats(args.capacity_fraction)[0]
+        )
+        simulate_cluster(
+            requests,
+            label,
+            [int(n) for n in _floats(args.replicas)],
+            [r for r in args.router.split(",") if r],
+            int(fraction * working_set),
+            Path(args.output_dir),
+        )
         return
     caches = [c for c in args.caches.split(",") if c]
     if args.capacity_tokens:
         capacities = [int(c) for c in _floats(args.capacity_tokens)]
     else:
         capacities = [max(int(f * working_set), 16) for f in _floats(args.capacity_fraction)]
-    print(f"{label}: {len(requests):,} requests, {sum(len(r.prompt) for r in requests):,} prompt tokens, "
-          f"working set {working_set:,} tokens, concurrency {args.concurrency}")  # fmt: skip
+    print(
+        f"{label}: {len(requests):,} requests, {sum(len(r.prompt) for r in requests):,} prompt tokens, "
+        f"working set {working_set:,} tokens, concurrency {args.concurrency}"
+    )
     start = time.perf_counter()
     results = simulate(requests, caches, capacities, args.concurrency)
     print(format_table(results))
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"simulate-{label}"
-    plot(results, out / f"{stem}.png", f"{label}: {len(requests):,} requests, concurrency {args.concurrency} "
-         "(no cache: 0% everywhere)")
+    plot(
+        results,
+        out / f"{stem}.png",
+        f"{label}: {len(requests):,} requests, concurrency {args.concurrency} (no cache: 0% everywhere)",
+    )
     (out / f"{stem}.json").write_text(json.dumps([r.to_dict() for r in results], indent=1))
     print(f"\n{len(results)} replays in {time.perf_counter() - start:.1f} s; wrote {out / stem}.png and .json")

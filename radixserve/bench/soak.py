@@ -76,9 +76,13 @@ class OutcomeCounts:
         for r in results:
             accepted[r.accepted] += r.num_requests
         details = Counter(r.detail for r in results if r.outcome == "unexpected")
-        return OutcomeCounts(sent, **{name: outcomes[name] for name in OUTCOMES},
-                             accepted_min=accepted["yes"], accepted_max=accepted["yes"] + accepted["maybe"],
-                             unexpected_details=tuple(f"{n} x {d}" for d, n in details.most_common()))  # fmt: skip
+        return OutcomeCounts(
+            sent,
+            **{name: outcomes[name] for name in OUTCOMES},
+            accepted_min=accepted["yes"],
+            accepted_max=accepted["yes"] + accepted["maybe"],
+            unexpected_details=tuple(f"{n} x {d}" for d, n in details.most_common()),
+        )
 
 
 # ---- the checks: pure functions of what was measured ----------------------------------------------
@@ -95,8 +99,11 @@ def check_outcomes(counts: OutcomeCounts, server_finished: int | None) -> list[s
     if server_finished is None:
         problems.append("no radixserve:requests_total from /metrics (start the server with --enable-metrics)")
     elif not counts.accepted_min <= server_finished <= counts.accepted_max:
-        expected = (f"{counts.accepted_min}" if counts.accepted_min == counts.accepted_max
-                    else f"{counts.accepted_min}..{counts.accepted_max}")  # fmt: skip
+        expected = (
+            f"{counts.accepted_min}"
+            if counts.accepted_min == counts.accepted_max
+            else f"{counts.accepted_min}..{counts.accepted_max}"
+        )
         problems.append(f"requests_total grew by {server_finished}, but the server accepted {expected} requests")
     return problems
 
@@ -107,8 +114,9 @@ def check_leaks(cache: Mapping[str, Any] | None, rss_warm_bytes: int | None, rss
         return ["/cache did not answer"]
     problems = []
     if cache.get("running_requests") or cache.get("waiting_requests"):
-        problems.append(f"server not idle: {cache.get('running_requests')} running, "
-                        f"{cache.get('waiting_requests')} waiting")  # fmt: skip
+        problems.append(
+            f"server not idle: {cache.get('running_requests')} running, {cache.get('waiting_requests')} waiting"
+        )
     if cache.get("protected_tokens") != 0:
         problems.append(f"protected_tokens = {cache.get('protected_tokens')}: a lock is still held")
     if cache.get("live_request_tokens") != 0:
@@ -121,8 +129,10 @@ def check_leaks(cache: Mapping[str, Any] | None, rss_warm_bytes: int | None, rss
     if rss_warm_bytes and rss_end_bytes:
         limit = rss_warm_bytes + max(RSS_GROWTH_FRACTION * rss_warm_bytes, RSS_GROWTH_BYTES)
         if rss_end_bytes > limit:
-            problems.append(f"RSS grew from {rss_warm_bytes / MiB:.0f} MiB after warm-up to "
-                            f"{rss_end_bytes / MiB:.0f} MiB at the end (limit {limit / MiB:.0f} MiB)")  # fmt: skip
+            problems.append(
+                f"RSS grew from {rss_warm_bytes / MiB:.0f} MiB after warm-up to "
+                f"{rss_end_bytes / MiB:.0f} MiB at the end (limit {limit / MiB:.0f} MiB)"
+            )
     return problems
 
 
@@ -146,8 +156,9 @@ async def send_call(client: httpx.AsyncClient, base_url: str, call: SoakCall) ->
     """Send ``call`` and classify what happened; never raises."""
     content = call.body if isinstance(call.body, bytes) else json.dumps(call.body).encode()
     timeout = httpx.USE_CLIENT_DEFAULT if call.client_timeout_s is None else httpx.Timeout(call.client_timeout_s)
-    request = client.build_request("POST", base_url + call.path, content=content, timeout=timeout,
-                                   headers={"content-type": "application/json"})  # fmt: skip
+    request = client.build_request(
+        "POST", base_url + call.path, content=content, timeout=timeout, headers={"content-type": "application/json"}
+    )
     try:
         response = await client.send(request, stream=True)
     except (httpx.PoolTimeout, httpx.ConnectTimeout):
@@ -225,15 +236,27 @@ class SoakReport:
             return "n/a" if not value else f"{value / MiB:.0f} MiB"
 
         accepted = str(c.accepted_min) if c.accepted_min == c.accepted_max else f"{c.accepted_min}..{c.accepted_max}"
-        rows = [("Requests sent", c.sent), ("Completed", c.completed), ("Disconnects", c.disconnected),
-                ("Aborts", c.aborted), ("Bad (4xx as expected)", c.bad_rejected), ("503 (overloaded)", c.overloaded),
-                ("Unexpected errors", c.unexpected),
-                ("Server requests_total delta", f"{self.server_finished} (accepted {accepted}; "
-                 + ", ".join(f"{k} {v}" for k, v in sorted(self.finish_reasons.items())) + ")"),
-                ("Pool pressure", f"{self.evicted_tokens} tokens evicted, {self.retractions} retractions"),
-                ("Leaks found", self.leaks), ("RSS after warm-up", mib(self.rss_warm_bytes)),
-                ("RSS at end (idle)", mib(self.rss_end_bytes)), ("Duration", f"{self.duration_s:.1f} s"),
-                ("Requests/s", f"{c.sent / self.duration_s:.1f}" if self.duration_s else "n/a")]  # fmt: skip
+        rows = [
+            ("Requests sent", c.sent),
+            ("Completed", c.completed),
+            ("Disconnects", c.disconnected),
+            ("Aborts", c.aborted),
+            ("Bad (4xx as expected)", c.bad_rejected),
+            ("503 (overloaded)", c.overloaded),
+            ("Unexpected errors", c.unexpected),
+            (
+                "Server requests_total delta",
+                f"{self.server_finished} (accepted {accepted}; "
+                + ", ".join(f"{k} {v}" for k, v in sorted(self.finish_reasons.items()))
+                + ")",
+            ),
+            ("Pool pressure", f"{self.evicted_tokens} tokens evicted, {self.retractions} retractions"),
+            ("Leaks found", self.leaks),
+            ("RSS after warm-up", mib(self.rss_warm_bytes)),
+            ("RSS at end (idle)", mib(self.rss_end_bytes)),
+            ("Duration", f"{self.duration_s:.1f} s"),
+            ("Requests/s", f"{c.sent / self.duration_s:.1f}" if self.duration_s else "n/a"),
+        ]
         lines = ["=" * 20 + " Soak " + "=" * 20, *(f"{name:<32}{value}" for name, value in rows)]
         lines.append("Result: " + ("OK" if self.ok else "FAILED"))
         lines += [f"  problem: {p}" for p in self.problems]
@@ -310,8 +333,9 @@ async def server_facts(control: httpx.AsyncClient, base_url: str) -> ServerFacts
     return ServerFacts(str(model), int(info["engine"]["vocab_size"]), int(info["engine"]["context_length"]))
 
 
-async def drive(base_url: str, calls: list[SoakCall], concurrency: int, duration: float,
-                on_done: list[CallResult]) -> int:  # fmt: skip
+async def drive(
+    base_url: str, calls: list[SoakCall], concurrency: int, duration: float, on_done: list[CallResult]
+) -> int:
     """Send ``calls`` from ``concurrency`` tasks, none new after ``duration`` s; results into ``on_done``."""
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
     deadline, pending, sent = time.monotonic() + duration, iter(calls), 0
@@ -329,15 +353,31 @@ async def drive(base_url: str, calls: list[SoakCall], concurrency: int, duration
     return sent
 
 
-async def run_soak(base_url: str, *, requests: int, concurrency: int, duration: float, disconnect_fraction: float,
-                   bad_fraction: float, abort_fraction: float, seed: int = 0, server_pid: int | None = None,
-                   idle_timeout: float = 60.0) -> SoakReport:  # fmt: skip
+async def run_soak(
+    base_url: str,
+    *,
+    requests: int,
+    concurrency: int,
+    duration: float,
+    disconnect_fraction: float,
+    bad_fraction: float,
+    abort_fraction: float,
+    seed: int = 0,
+    server_pid: int | None = None,
+    idle_timeout: float = 60.0,
+) -> SoakReport:
     """Load ``base_url`` (a radixserve with --enable-metrics), wait for it to go idle, check for leaks."""
     base_url = base_url.rstrip("/")
     async with httpx.AsyncClient(timeout=60.0) as control:
         facts = await server_facts(control, base_url)
-        calls = plan_calls(requests, facts, disconnect_fraction=disconnect_fraction, bad_fraction=bad_fraction,
-                           abort_fraction=abort_fraction, seed=seed)  # fmt: skip
+        calls = plan_calls(
+            requests,
+            facts,
+            disconnect_fraction=disconnect_fraction,
+            bad_fraction=bad_fraction,
+            abort_fraction=abort_fraction,
+            seed=seed,
+        )
         before = await server_counters(control, base_url)
         results: list[CallResult] = []
         rss_warm: list[int | None] = []
@@ -360,13 +400,26 @@ async def run_soak(base_url: str, *, requests: int, concurrency: int, duration: 
     counts = OutcomeCounts.of(sent, results)
     leaks = check_leaks(end.cache, rss_warm[0], end.rss_bytes)
     problems = check_outcomes(counts, finished) + leaks + ([end.error] if end.error else [])
-    return SoakReport(not problems, problems, counts, len(leaks), finished, reasons, delta.get("evicted_tokens"),
-                      delta.get("retractions"), rss_warm[0], end.rss_bytes, elapsed, end.cache or {})  # fmt: skip
+    return SoakReport(
+        not problems,
+        problems,
+        counts,
+        len(leaks),
+        finished,
+        reasons,
+        delta.get("evicted_tokens"),
+        delta.get("retractions"),
+        rss_warm[0],
+        end.rss_bytes,
+        elapsed,
+        end.cache or {},
+    )
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="radixserve bench soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="radixserve bench soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", default=None, help="a running radixserve with --enable-metrics; else start one")
     parser.add_argument("--model-path", default=None, help="model for the server started here (default: tiny, 4k)")
     parser.add_argument("--max-total-tokens", type=int, default=8192, help="KV pool of the server started here")
@@ -379,9 +432,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the report as JSON")
     args = parser.parse_args(argv)
-    load: dict[str, Any] = dict(requests=args.requests, concurrency=args.concurrency, duration=args.duration,
-                disconnect_fraction=args.disconnect_fraction, bad_fraction=args.bad_fraction,
-                abort_fraction=args.abort_fraction, seed=args.seed)  # fmt: skip
+    load: dict[str, Any] = dict(
+        requests=args.requests,
+        concurrency=args.concurrency,
+        duration=args.duration,
+        disconnect_fraction=args.disconnect_fraction,
+        bad_fraction=args.bad_fraction,
+        abort_fraction=args.abort_fraction,
+        seed=args.seed,
+    )
     if args.base_url:
         report = asyncio.run(run_soak(args.base_url, **load))
     else:
@@ -397,8 +456,9 @@ def soak_own_server(model_path: str | None, max_total_tokens: int, load: dict[st
     """Start a server (tiny 4k-context model by default), soak it, stop it: it must exit 0."""
     with tempfile.TemporaryDirectory(prefix="radixserve-soak-") as tmp:
         model = model_path or build_engine_folder(Path(tmp) / "tiny-llama-4k", max_position_embeddings=4096)
-        server = ServerProcess("--enable-metrics", "--max-total-tokens", str(max_total_tokens),
-                               "--log-level", "warning", model_path=model).start(timeout=600)  # fmt: skip
+        server = ServerProcess(
+            "--enable-metrics", "--max-total-tokens", str(max_total_tokens), "--log-level", "warning", model_path=model
+        ).start(timeout=600)
         assert server.proc is not None
         try:
             report = asyncio.run(run_soak(server.url, server_pid=server.proc.pid, **load))

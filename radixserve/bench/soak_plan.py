@@ -29,8 +29,9 @@ class ServerFacts:
     context_len: int
 
 
-def plan_calls(n: int, facts: ServerFacts, *, disconnect_fraction: float, bad_fraction: float,
-               abort_fraction: float, seed: int) -> list[SoakCall]:  # fmt: skip
+def plan_calls(
+    n: int, facts: ServerFacts, *, disconnect_fraction: float, bad_fraction: float, abort_fraction: float, seed: int
+) -> list[SoakCall]:
     """``n`` calls, the kinds in the given shares (rounded), shuffled; the same for the same seed."""
     rng = random.Random(seed)
     groups = [token_ids(rng, facts, facts.context_len // 8) for _ in range(NUM_PREFIX_GROUPS)]
@@ -65,8 +66,7 @@ def words(ids: list[int]) -> str:
     return " ".join(f"w{i}" for i in ids)  # the tiny model's tokenizer: one token a word
 
 
-def normal_call(rng: random.Random, facts: ServerFacts, groups: list[list[int]], stream: bool,
-                long: bool) -> SoakCall:  # fmt: skip
+def normal_call(rng: random.Random, facts: ServerFacts, groups: list[list[int]], stream: bool, long: bool) -> SoakCall:
     """A well-formed request; ``long``: one that runs long enough to be dropped mid-way (ignores EOS)."""
     ctx = facts.context_len
     if rng.random() < 0.8:
@@ -79,20 +79,25 @@ def normal_call(rng: random.Random, facts: ServerFacts, groups: list[list[int]],
     n = 2 if rng.random() < 0.1 else 1  # several engine requests behind one HTTP request
     if endpoint == "generate":
         prompts = [prefix + question] + [prefix + token_ids(rng, facts, len(question))] * (n - 1)
-        body = {"input_ids": prompts if n > 1 else prompts[0], "stream": stream,
-                "sampling_params": {"max_new_tokens": max_tokens, **sampling}}  # fmt: skip
+        body = {
+            "input_ids": prompts if n > 1 else prompts[0],
+            "stream": stream,
+            "sampling_params": {"max_new_tokens": max_tokens, **sampling},
+        }
         return SoakCall("normal", endpoint, "/generate", body, stream, num_requests=n)
     common = {"model": facts.model, "max_tokens": max_tokens, "n": n, "stream": stream, **sampling}
     if stream and rng.random() < 0.5:
         common["stream_options"] = {"include_usage": True}
     if endpoint == "completions":
-        return SoakCall("normal", endpoint, "/v1/completions", {**common, "prompt": prefix + question}, stream,
-                        num_requests=n)  # fmt: skip
+        return SoakCall(
+            "normal", endpoint, "/v1/completions", {**common, "prompt": prefix + question}, stream, num_requests=n
+        )
     messages = [{"role": "user", "content": words(question)}]
     if prefix:  # half the prefix as words: a real tokenizer may make several tokens of one
         messages.insert(0, {"role": "system", "content": words(prefix[: len(prefix) // 2])})
-    return SoakCall("normal", endpoint, "/v1/chat/completions", {**common, "messages": messages}, stream,
-                    num_requests=n)  # fmt: skip
+    return SoakCall(
+        "normal", endpoint, "/v1/chat/completions", {**common, "messages": messages}, stream, num_requests=n
+    )
 
 
 def bad_call(rng: random.Random, facts: ServerFacts) -> SoakCall:

@@ -14,9 +14,16 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
 
 TINY: dict[str, Any] = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,
-    initializer_range=0.1, rms_norm_eps=1e-6,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
 )
 CONFIG_CLASSES: dict[str, Any] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {

@@ -13,7 +13,8 @@ import functools
 import json
 import math
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,6 @@ from radixserve.bench.workloads import VOCAB_SIZE, TraceRequest, random_tokens
 from radixserve.cache.key import RadixKey, TokenArray
 from radixserve.cache.radix import RadixCache
 from radixserve.memory import TokenAllocator
-
 
 # ---- trace files ---------------------------------------------------------------------------
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -256,7 +257,8 @@ def no_sharing(
     rng = np.random.default_rng(seed)
     return [
         TraceRequest(
-            _fresh(rng, head, _span(rng, prompt_len), vocab_size), random_tokens(rng, _span(rng, output_len), vocab_size)
+            _fresh(rng, head, _span(rng, prompt_len), vocab_size),
+            random_tokens(rng, _span(rng, output_len), vocab_size),
         )
         for head in _distinct_heads(rng, num_requests, vocab_size)
     ]

@@ -1,9 +1,9 @@
 """The prefix cache: radix tree (default), hash-block baseline, and the no-cache control.
 
-    from radixserve.cache import create_prefix_cache
-    from radixserve.memory import TokenAllocator
+from radixserve.cache import create_prefix_cache
+from radixserve.memory import TokenAllocator
 
-    cache = create_prefix_cache("radix", TokenAllocator(4096))
+cache = create_prefix_cache("radix", TokenAllocator(4096))
 """
 
 from __future__ import annotations

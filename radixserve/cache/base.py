@@ -21,8 +21,9 @@ the same but keeps the request running, now locked on its own longer prefix.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -68,9 +69,7 @@ class BasePrefixCache(ABC):
 
     def __init__(self, allocator: TokenAllocator, page_size: int, events: KVEventLog | None) -> None:
         if page_size % allocator.page_size:
-            raise ValueError(
-                f"cache page_size {page_size} must be a multiple of the allocator's {allocator.page_size}"
-            )
+            raise ValueError(f"cache page_size {page_size} must be a multiple of the allocator's {allocator.page_size}")
         self.allocator = allocator
         self.page_size = page_size
         self.events = events
@@ -182,9 +181,12 @@ class BasePrefixCache(ABC):
     # ---- helpers the scheduler, tests and benchmarks share -------------------------------------
 
     def open_request(
-        self, token_ids: Sequence[int] | TokenArray, extra_key: str | None = None, priority: int = 0,
+        self,
+        token_ids: Sequence[int] | TokenArray,
+        extra_key: str | None = None,
+        priority: int = 0,
         shared_len: int = 0,
-    ) -> CacheReq:  # fmt: skip
+    ) -> CacheReq:
         """Match the longest cached prefix of ``token_ids`` and lock it for a new request.
 
         The returned request holds only the cached prefix; call ``extend_request``

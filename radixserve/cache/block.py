@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -56,9 +56,14 @@ class Block:
     __slots__ = ("hash", "parent_hash", "extra_key", "start", "prefix", "slots", "ref_cnt", "reachable")
 
     def __init__(
-        self, block_hash: bytes, parent_hash: bytes, extra_key: str | None, start: int, prefix: TokenArray,
+        self,
+        block_hash: bytes,
+        parent_hash: bytes,
+        extra_key: str | None,
+        start: int,
+        prefix: TokenArray,
         slots: IndexArray,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.hash = block_hash
         self.parent_hash = parent_hash
         self.extra_key = extra_key
@@ -270,9 +275,14 @@ class BlockHashCache(BasePrefixCache):
         return self.root if block.parent_hash == ROOT_HASH else self._blocks[block.parent_hash]
 
     def _store(
-        self, block_hash: bytes, parent: bytes, extra_key: str | None, start: int, prefix: TokenArray,
+        self,
+        block_hash: bytes,
+        parent: bytes,
+        extra_key: str | None,
+        start: int,
+        prefix: TokenArray,
         slots: IndexArray,
-    ) -> Block:  # fmt: skip
+    ) -> Block:
         """Add a block whose ancestors are all resident; its stranded descendants become reachable."""
         block = Block(block_hash, parent, extra_key, start, prefix, slots)
         self._blocks[block_hash] = block

@@ -56,9 +56,13 @@ def check_block_invariants(cache: BlockHashCache) -> None:
 
 def format_blocks(cache: BlockHashCache) -> str:
     """One line per block, reachable ones first, by position."""
-    lines = [f"evictable={cache._evictable_size} protected={cache._protected_size} unreachable={cache._unreachable_size}"]
+    lines = [
+        f"evictable={cache._evictable_size} protected={cache._protected_size} unreachable={cache._unreachable_size}"
+    ]
     for b in sorted(cache._blocks.values(), key=lambda b: (not b.reachable, b.start)):
         ns, mark = f" ns={b.extra_key!r}" * (b.extra_key is not None), " UNREACHABLE" * (not b.reachable)
-        lines.append(f"{b.hash.hex()[:8]}<-{b.parent_hash.hex()[:8]} @{b.start} {b.token_ids[:8].tolist()} "
-                     f"r={b.ref_cnt}{ns}{mark}")  # fmt: skip
+        lines.append(
+            f"{b.hash.hex()[:8]}<-{b.parent_hash.hex()[:8]} @{b.start} {b.token_ids[:8].tolist()} "
+            f"r={b.ref_cnt}{ns}{mark}"
+        )
     return "\n".join(lines)

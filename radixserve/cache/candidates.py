@@ -14,7 +14,8 @@ live ones, which keeps it O(nodes).
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Generic, Hashable, Iterator, TypeVar, cast
+from collections.abc import Callable, Hashable, Iterator
+from typing import Generic, TypeVar, cast
 
 from radixserve.cache.policy import Rank
 

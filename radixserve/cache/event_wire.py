@@ -38,20 +38,39 @@ def event_record(event: KVEvent, block_size: int) -> dict[str, Any] | None:
     if event.kind == "clear":
         return {"type": "cleared"}
     first = event.start // block_size
-    hashes = list(itertools.islice(
-        page_hashes(event.prefix[: event.end], event.extra_key, block_size, shared_len=event.shared_len), first, None))
+    hashes = list(
+        itertools.islice(
+            page_hashes(event.prefix[: event.end], event.extra_key, block_size, shared_len=event.shared_len),
+            first,
+            None,
+        )
+    )
     if not hashes:
         return None
     if event.kind == "remove":
         return {"type": "removed", "block_hashes": hashes}
-    parent = ROOT_HASH if first == 0 else next(itertools.islice(
-        page_hashes(event.prefix[: first * block_size], event.extra_key, block_size, shared_len=event.shared_len),
-        first - 1, None))  # fmt: skip
+    parent = (
+        ROOT_HASH
+        if first == 0
+        else next(
+            itertools.islice(
+                page_hashes(
+                    event.prefix[: first * block_size], event.extra_key, block_size, shared_len=event.shared_len
+                ),
+                first - 1,
+                None,
+            )
+        )
+    )
     return {
-        "type": "stored", "block_hashes": hashes, "parent_block_hash": None if first == 0 else parent,
+        "type": "stored",
+        "block_hashes": hashes,
+        "parent_block_hash": None if first == 0 else parent,
         "token_ids": event.prefix[first * block_size : (first + len(hashes)) * block_size].tolist(),
-        "block_size": block_size, "namespace": event.extra_key, "shared_len": event.shared_len,
-    }  # fmt: skip
+        "block_size": block_size,
+        "namespace": event.extra_key,
+        "shared_len": event.shared_len,
+    }
 
 
 def encode_batch(seq: int, records: list[dict[str, Any]], ts: float | None = None) -> bytes:

@@ -58,7 +58,9 @@ class KVEventLog:
         self._queue: deque[KVEvent] = deque()
         self._seq = 0
 
-    def record(self, kind: EventKind, extra_key: str | None, start: int, prefix: TokenArray, shared_len: int = 0) -> None:
+    def record(
+        self, kind: EventKind, extra_key: str | None, start: int, prefix: TokenArray, shared_len: int = 0
+    ) -> None:
         """Record that tokens ``prefix[start:]`` were stored or removed (``prefix`` is copied)."""
         self._seq += 1
         event = KVEvent(self._seq, kind, extra_key, start, len(prefix), prefix.copy(), self.page_size, shared_len)

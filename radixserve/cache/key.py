@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -36,7 +36,9 @@ class RadixKey:
 
     __slots__ = ("token_ids", "extra_key", "shared_len")
 
-    def __init__(self, token_ids: Sequence[int] | TokenArray, extra_key: str | None = None, shared_len: int = 0) -> None:
+    def __init__(
+        self, token_ids: Sequence[int] | TokenArray, extra_key: str | None = None, shared_len: int = 0
+    ) -> None:
         self.token_ids: TokenArray = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         self.extra_key = extra_key
         # Leading tokens in the shared namespace (only meaningful under a namespace).
@@ -162,4 +164,3 @@ def _namespace_tag(extra_key: str | None) -> bytes:
         return b"\xff\xff\xff\xff"
     ns = extra_key.encode()
     return len(ns).to_bytes(4, "little") + ns
-

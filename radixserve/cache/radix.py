@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -30,9 +30,17 @@ Clock = Callable[[], float]
 
 class TreeNode:
     __slots__ = (
-        "id", "key", "value", "parent", "children", "lock_ref",
-        "last_access_time", "creation_time", "hit_count", "priority",
-    )  # fmt: skip
+        "id",
+        "key",
+        "value",
+        "parent",
+        "children",
+        "lock_ref",
+        "last_access_time",
+        "creation_time",
+        "hit_count",
+        "priority",
+    )
 
     def __init__(self, node_id: int, key: RadixKey, value: IndexArray, parent: TreeNode | None, now: float) -> None:
         self.id = node_id
@@ -164,8 +172,13 @@ class RadixCache(BasePrefixCache):
             if node is None:
                 break
             if self.events is not None:
-                self.events.record("remove", node.key.extra_key, self._depth(node.parent), self._path_tokens(node),
-                                   self._shared_depth(node))  # fmt: skip
+                self.events.record(
+                    "remove",
+                    node.key.extra_key,
+                    self._depth(node.parent),
+                    self._path_tokens(node),
+                    self._shared_depth(node),
+                )
             freed.append(node.value)
             evicted += len(node.value)
             self._delete_leaf(node)

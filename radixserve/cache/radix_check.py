@@ -8,7 +8,8 @@ live requests too: see ``check_slot_conservation``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -78,6 +79,8 @@ def format_tree(cache: RadixCache) -> str:
             lines.append(f"{'  ' * depth}{len(child.key)} {head}{more} r={child.lock_ref}{ns}")
             visit(child, depth + 1)
 
-    lines.append(f"root r={cache.root.lock_ref} (evictable={cache.evictable_size()} protected={cache.protected_size()})")
+    lines.append(
+        f"root r={cache.root.lock_ref} (evictable={cache.evictable_size()} protected={cache.protected_size()})"
+    )
     visit(cache.root, 1)
     return "\n".join(lines)

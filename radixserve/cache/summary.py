@@ -9,7 +9,8 @@ salt) is shown as a short hash, never as the value itself.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from radixserve.cache.base import BasePrefixCache
 from radixserve.cache.block import BlockHashCache
@@ -25,8 +26,9 @@ def namespace_id(extra_key: str | None) -> str | None:
     return hashlib.blake2b(extra_key.encode(), digest_size=6, person=b"rs-ns-id").hexdigest()
 
 
-def summarize(cache: BasePrefixCache, top_k: int = 10, visible: Callable[[str | None], bool] | None = None
-              ) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    cache: BasePrefixCache, top_k: int = 10, visible: Callable[[str | None], bool] | None = None
+) -> dict[str, Any]:
     """Sizes and shape; with ``visible``, only the namespaces it accepts (a tenant's view: no pool-wide figure)."""
     if visible is not None:
         return _namespace_view(cache, top_k, visible)
@@ -58,7 +60,9 @@ def _namespace_view(cache: BasePrefixCache, top_k: int, visible: Callable[[str |
     if isinstance(cache, RadixCache):
         shape = _radix_shape(cache, top_k, visible)
         tokens = sum(len(node.key) for node in cache.nodes() if visible(node.key.extra_key))
-        out.update(cached_tokens=tokens, **{k: shape[k] for k in ("nodes", "leaves", "namespaces", "top_shared_prefixes")})
+        out.update(
+            cached_tokens=tokens, **{k: shape[k] for k in ("nodes", "leaves", "namespaces", "top_shared_prefixes")}
+        )
     elif isinstance(cache, BlockHashCache):
         blocks = [b for b in cache.blocks() if visible(b.extra_key)]
         out.update(blocks=len(blocks), cached_tokens=len(blocks) * cache.block_size)
@@ -95,15 +99,17 @@ def _radix_shape(cache: RadixCache, top_k: int, visible: Callable[[str | None], 
     top = []
     for hits, length, node in shared[:top_k]:
         tokens = cache._path_tokens(node)
-        top.append({
-            "tokens": length,
-            "hit_count": hits,
-            "children": len(node.children),
-            "lock_ref": node.lock_ref,
-            "namespace": namespace_id(node.key.extra_key),
-            "head_token_ids": tokens[:HEAD_TOKENS].tolist(),
-            "tail_token_ids": tokens[max(HEAD_TOKENS, length - TAIL_TOKENS):].tolist(),
-        })  # fmt: skip
+        top.append(
+            {
+                "tokens": length,
+                "hit_count": hits,
+                "children": len(node.children),
+                "lock_ref": node.lock_ref,
+                "namespace": namespace_id(node.key.extra_key),
+                "head_token_ids": tokens[:HEAD_TOKENS].tolist(),
+                "tail_token_ids": tokens[max(HEAD_TOKENS, length - TAIL_TOKENS) :].tolist(),
+            }
+        )
     return {
         "eviction_policy": cache.eviction_policy,
         "nodes": nodes,

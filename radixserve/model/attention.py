@@ -54,8 +54,11 @@ def _ensure_rows(buffer: torch.Tensor | None, pool: torch.Tensor, num_rows: int)
     """``buffer`` [Hkv, >= num_rows, D] matching ``pool`` [Hkv, N, D]; reallocated (doubling) when short."""
     num_heads, head_dim = pool.shape[0], pool.shape[2]
     if (
-        buffer is not None and buffer.shape[1] >= num_rows and buffer.shape[::2] == (num_heads, head_dim)
-        and buffer.dtype == pool.dtype and buffer.device == pool.device
+        buffer is not None
+        and buffer.shape[1] >= num_rows
+        and buffer.shape[::2] == (num_heads, head_dim)
+        and buffer.dtype == pool.dtype
+        and buffer.device == pool.device
     ):
         return buffer
     # Doubling: decode contexts grow by one token a step; do not reallocate every step.
@@ -138,8 +141,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, hidden, bias=o_bias, device=device, dtype=dtype)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
-        plan: AttentionPlan, kv_pool: KVPool,
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out_slots: torch.Tensor,
+        plan: AttentionPlan,
+        kv_pool: KVPool,
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes the new tokens' K/V at ``out_slots`` first."""
         q, k, v = torch.split(self.qkv_proj(x), self.split_sizes, dim=-1)
@@ -160,8 +168,12 @@ class Attention(nn.Module):
         """One request: q [L, H, D] against its context [Hkv, S, D] -> [L, H, D]."""
         k, v = workspace.gather(kv_pool, self.layer_id, span.context_slots)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.to(q.dtype)[None], v.to(q.dtype)[None],
-            attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True,
+            q.transpose(0, 1)[None],
+            k.to(q.dtype)[None],
+            v.to(q.dtype)[None],
+            attn_mask=span.mask,
+            is_causal=span.mask is None,
+            enable_gqa=True,
         )
         return out[0].transpose(0, 1)
 

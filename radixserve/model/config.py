@@ -58,7 +58,11 @@ class ModelConfig:
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"unsupported architectures {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        if arch == "mistral" and hf.get("sliding_window") and hf["sliding_window"] < hf.get("max_position_embeddings", 0):
+        if (
+            arch == "mistral"
+            and hf.get("sliding_window")
+            and hf["sliding_window"] < hf.get("max_position_embeddings", 0)
+        ):
             raise ValueError("Mistral sliding-window attention is not implemented (set sliding_window to null)")
         if hf.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not implemented")

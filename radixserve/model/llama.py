@@ -34,8 +34,13 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLUMLP(config, device, dtype)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
-        plan: AttentionPlan, kv_pool: KVPool,
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out_slots: torch.Tensor,
+        plan: AttentionPlan,
+        kv_pool: KVPool,
     ) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]."""
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, out_slots, plan, kv_pool)

@@ -7,8 +7,9 @@ context (cached prefix first), and get back each request's last-token logits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch

@@ -52,11 +52,7 @@ class SamplingState:
         self.prompt_ids = tuple(prompt_ids)
         # No seed: draw one from the OS so runs differ; kept so that a run can be replayed.
         self.seed: int = params.seed if params.seed is not None else secrets.randbits(63)
-        self.penalized = (
-            params.repetition_penalty != 1
-            or params.frequency_penalty != 0
-            or params.presence_penalty != 0
-        )
+        self.penalized = params.repetition_penalty != 1 or params.frequency_penalty != 0 or params.presence_penalty != 0
         self._pending: list[int] = []
         self._generator: torch.Generator | None = None
         self._seen: torch.Tensor | None = None  # [V] bool
@@ -90,8 +86,7 @@ class SamplingState:
             self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         elif self._seen.shape[0] != vocab_size or self._seen.device != device:
             raise ValueError(
-                f"request's vocab/device was {self._seen.shape[0]} on {self._seen.device}, "
-                f"now {vocab_size} on {device}"
+                f"request's vocab/device was {self._seen.shape[0]} on {self._seen.device}, now {vocab_size} on {device}"
             )
         if self._pending:
             _check_ids(self._pending, vocab_size, "generated")

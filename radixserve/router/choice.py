@@ -48,8 +48,9 @@ def _least_loaded(candidates: Sequence[int], loads: Sequence[int], turn: int) ->
     return ties[turn % len(ties)]
 
 
-def choose_replica(match_lens: Sequence[int], loads: Sequence[int], request_len: int, config: RouterConfig,
-                   turn: int = 0) -> int:  # fmt: skip
+def choose_replica(
+    match_lens: Sequence[int], loads: Sequence[int], request_len: int, config: RouterConfig, turn: int = 0
+) -> int:
     """The replica index for one request (see the module docstring)."""
     if not match_lens or len(match_lens) != len(loads):
         raise ValueError("one match length and one load per replica")

@@ -45,8 +45,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
 
 from radixserve.model.tokenizer import Tokenizer
-from radixserve.router.asgi_bridge import ASGIBridge, HTTPCall
 from radixserve.router import table as tables  # by module: cloudpickle copies a closure's globals
+from radixserve.router.asgi_bridge import ASGIBridge, HTTPCall
 from radixserve.router.ray_serve import CacheAwareRouter
 from radixserve.router.table import RouteKey, RoutingTable
 from radixserve.server.app import build_tenancy, install_error_handlers, shared_heads
@@ -76,9 +76,12 @@ class EngineReplica:
         from radixserve.server.app import create_app
 
         if publish_kv_events:  # any free port on this node's address; the bound one is reported below
-            args = dataclasses.replace(args, kv_events_endpoint=f"tcp://{ray.util.get_node_ip_address()}:*",
-                                       kv_events_replay_endpoint=None,
-                                       engine=dataclasses.replace(args.engine, enable_kv_events=True))  # fmt: skip
+            args = dataclasses.replace(
+                args,
+                kv_events_endpoint=f"tcp://{ray.util.get_node_ip_address()}:*",
+                kv_events_replay_endpoint=None,
+                engine=dataclasses.replace(args.engine, enable_kv_events=True),
+            )
         engine = Engine.from_config(args.engine)
         self.app = create_app(engine, args)
         self.state = self.app.state.radixserve
@@ -94,8 +97,12 @@ class EngineReplica:
         events = self.state.worker.events
         if events is None:
             return {"pid": os.getpid()}
-        return {"pid": os.getpid(), "kv_events_endpoint": events.endpoint,
-                "kv_events_replay_endpoint": events.replay_endpoint, "kv_events_block_size": events.block_size}  # fmt: skip
+        return {
+            "pid": os.getpid(),
+            "kv_events_endpoint": events.endpoint,
+            "kv_events_replay_endpoint": events.replay_endpoint,
+            "kv_events_block_size": events.block_size,
+        }
 
     def record_routing_stats(self) -> dict[str, Any]:
         return {"requests": self.state.worker.in_flight()}
@@ -111,8 +118,9 @@ class EngineReplica:
 # ---- the front ------------------------------------------------------------------------------------
 
 
-def route_key_for(path: str, body: bytes, headers: Headers, tokenizer: Tokenizer, tenancy: Tenancy,
-                  heads: Sequence[Sequence[int]]) -> RouteKey | None:  # fmt: skip
+def route_key_for(
+    path: str, body: bytes, headers: Headers, tokenizer: Tokenizer, tenancy: Tenancy, heads: Sequence[Sequence[int]]
+) -> RouteKey | None:
     """The routing key of a generation call: its first prompt's tokens in its cache namespace.
 
     Exactly what the replica will compute (same schemas, tokenizer, chat template,
@@ -189,23 +197,35 @@ def make_front(args: ServerArgs) -> type:
             if failed:  # metrics off (404), or a replica unwell: its own answer says why
                 status, data = max(failed)
                 return Response(data, status_code=status, media_type="application/json")
-            return Response(merge_metrics({replica: data.decode() for replica, (_, data) in answers.items()}),
-                            media_type=CONTENT_TYPE_LATEST)  # fmt: skip
+            return Response(
+                merge_metrics({replica: data.decode() for replica, (_, data) in answers.items()}),
+                media_type=CONTENT_TYPE_LATEST,
+            )
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
         async def forward(self, request: Request) -> Response:
             call = await http_call(request)
             key = await asyncio.get_running_loop().run_in_executor(
-                self.pool, route_key_for, call.path, call.body, request.headers, self.tokenizer, self.tenancy,
-                self.heads)  # fmt: skip
+                self.pool,
+                route_key_for,
+                call.path,
+                call.body,
+                request.headers,
+                self.tokenizer,
+                self.tenancy,
+                self.heads,
+            )
             stream = self.engine.options(stream=True).forward.remote(call, key)
             try:
                 head = await stream.__anext__()
             except Exception as exc:  # the replica died or is gone: the client may retry
                 stream.cancel()
                 logger.warning("no replica answered %s: %s", call.path, exc)
-                return JSONResponse(error_body(503, f"no engine replica answered: {type(exc).__name__}",
-                                               "replica_unavailable"), 503, {"Retry-After": "1"})  # fmt: skip
+                return JSONResponse(
+                    error_body(503, f"no engine replica answered: {type(exc).__name__}", "replica_unavailable"),
+                    503,
+                    {"Retry-After": "1"},
+                )
             assert isinstance(head, dict)
 
             async def body() -> AsyncIterator[bytes]:
@@ -293,8 +313,14 @@ def merge_metrics(expositions: dict[str, str]) -> str:
 
 async def http_call(request: Request) -> HTTPCall:
     client = (request.client.host, request.client.port) if request.client else None
-    return HTTPCall(request.method, request.url.path, request.url.query,
-                    tuple((k.lower(), v) for k, v in request.headers.items()), await request.body(), client)  # fmt: skip
+    return HTTPCall(
+        request.method,
+        request.url.path,
+        request.url.query,
+        tuple((k.lower(), v) for k, v in request.headers.items()),
+        await request.body(),
+        client,
+    )
 
 
 # ---- the application and the launcher -------------------------------------------------------------
@@ -305,9 +331,12 @@ def build_application(args: ServerArgs, replica_cpus: float = 1.0) -> serve.Appl
     precise = args.router == "cache-aware" and args.router_index == "precise"
     router = RequestRouterConfig(
         request_router_class=CacheAwareRouter,
-        request_router_kwargs={"policy": args.router, "index": args.router_index,
-                               "abs_threshold": args.router_abs_threshold,
-                               "rel_threshold": args.router_rel_threshold},  # fmt: skip
+        request_router_kwargs={
+            "policy": args.router,
+            "index": args.router_index,
+            "abs_threshold": args.router_abs_threshold,
+            "rel_threshold": args.router_rel_threshold,
+        },
         request_routing_stats_period_s=1.0,
         request_routing_stats_timeout_s=5.0,
     )
@@ -324,8 +353,14 @@ def build_application(args: ServerArgs, replica_cpus: float = 1.0) -> serve.Appl
         health_check_period_s=2.0,
         logging_config=log_config,
     ).bind(args, precise)
-    front = serve.deployment(make_front(args), name="Front", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                             max_ongoing_requests=args.max_queued_requests, logging_config=log_config)  # fmt: skip
+    front = serve.deployment(
+        make_front(args),
+        name="Front",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=args.max_queued_requests,
+        logging_config=log_config,
+    )
     return front.bind(engine, args)
 
 
@@ -350,8 +385,15 @@ def serve_replicas(args: ServerArgs) -> None:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_application(args, replica_cpus), name=APP_NAME, route_prefix="/")
-        logger.info("serving %s on http://%s:%d: %d replicas, %s routing (%s index)", args.model_name(), args.host,
-                    args.port, args.replicas, args.router, args.router_index)  # fmt: skip
+        logger.info(
+            "serving %s on http://%s:%d: %d replicas, %s routing (%s index)",
+            args.model_name(),
+            args.host,
+            args.port,
+            args.replicas,
+            args.router,
+            args.router_index,
+        )
         while not signals:
             time.sleep(0.2)
         logger.info("shutting down: draining replicas for up to %.0f s", args.graceful_shutdown_timeout)

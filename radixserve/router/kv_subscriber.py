@@ -72,7 +72,9 @@ class KVEventSubscriber:
         self._sub.close()
 
     def _request(self, message: dict[str, Any]) -> dict[str, Any]:
-        req: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)  # one per request: a timed-out REQ is stuck for good
+        req: zmq.Socket[bytes] = zmq.Context.instance().socket(
+            zmq.REQ
+        )  # one per request: a timed-out REQ is stuck for good
         req.setsockopt(zmq.LINGER, 0)
         req.connect(self._replay_endpoint)
         try:

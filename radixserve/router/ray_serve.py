@@ -44,9 +44,15 @@ class CacheAwareRouter(RequestRouter):  # type: ignore[misc]  # Ray ships no typ
 
     table: RoutingTable
 
-    def initialize_state(self, policy: str = "cache-aware", index: str = "precise", abs_threshold: int = 8,
-                         rel_threshold: float = 1.5, min_match_fraction: float = 0.1,
-                         index_capacity: int = 1 << 20) -> None:  # fmt: skip
+    def initialize_state(
+        self,
+        policy: str = "cache-aware",
+        index: str = "precise",
+        abs_threshold: int = 8,
+        rel_threshold: float = 1.5,
+        min_match_fraction: float = 0.1,
+        index_capacity: int = 1 << 20,
+    ) -> None:
         config = RouterConfig(abs_threshold, rel_threshold, min_match_fraction)
         self.table = RoutingTable(policy, index, config, index_capacity)
         self.table.reports = self.reported
@@ -64,8 +70,9 @@ class CacheAwareRouter(RequestRouter):  # type: ignore[misc]  # Ray ships no typ
         super().on_replica_actor_died(replica_id)
         self.table.remove(replica_name(replica_id))
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:  # fmt: skip
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         by_name = {replica_name(r.replica_id): r for r in candidate_replicas}
         reported = {name: dict(r.routing_stats or {}) for name, r in by_name.items()}
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else None

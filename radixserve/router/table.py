@@ -150,8 +150,14 @@ class MirrorThread:
 
 
 class RoutingTable:
-    def __init__(self, policy: str = "cache-aware", index: str = "precise", config: RouterConfig | None = None,
-                 index_capacity: int = 1 << 20, seed: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        policy: str = "cache-aware",
+        index: str = "precise",
+        config: RouterConfig | None = None,
+        index_capacity: int = 1 << 20,
+        seed: int | None = None,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}: one of {', '.join(POLICIES)}")
         if index not in INDEXES:
@@ -236,8 +242,13 @@ class RoutingTable:
         theirs = reported.get("requests", 0) if reported else 0
         return max(mine, int(theirs) if isinstance(theirs, (int, float)) else 0)
 
-    def choose(self, candidates: Sequence[str], key: RouteKey | None, reported: Reports | None = None,
-               request_id: str | None = None) -> list[list[str]]:  # fmt: skip
+    def choose(
+        self,
+        candidates: Sequence[str],
+        key: RouteKey | None,
+        reported: Reports | None = None,
+        request_id: str | None = None,
+    ) -> list[list[str]]:
         """Candidates ranked: ``[[pick], [the rest, least loaded first]]`` (``[]``: none fits).
 
         With a ``request_id`` the request counts in flight on the pick at once (until
@@ -335,15 +346,25 @@ class RoutingTable:
                 if view.index is not None:
                     entry["index"] = {"kind": "approximate", "tokens": view.index.cache.total_size()}
                 elif view.mirror is not None:
-                    entry["index"] = {"kind": "precise", "blocks": len(view.mirror.blocks),
-                                      "block_size": view.block_size, "seq": view.mirror.mirror.seq,
-                                      "snapshots": view.mirror.snapshots, "replays": view.mirror.replays}  # fmt: skip
+                    entry["index"] = {
+                        "kind": "precise",
+                        "blocks": len(view.mirror.blocks),
+                        "block_size": view.block_size,
+                        "seq": view.mirror.mirror.seq,
+                        "snapshots": view.mirror.snapshots,
+                        "replays": view.mirror.replays,
+                    }
                 else:
                     entry["index"] = {"kind": "precise", "blocks": 0, "state": "connecting"}
                 replicas.append(entry)
-            return {"policy": self.policy, "index": self.index_kind, "abs_threshold": self.config.abs_threshold,
-                    "rel_threshold": self.config.rel_threshold, "decisions": dict(self.decisions),
-                    "replicas": replicas}  # fmt: skip
+            return {
+                "policy": self.policy,
+                "index": self.index_kind,
+                "abs_threshold": self.config.abs_threshold,
+                "rel_threshold": self.config.rel_threshold,
+                "decisions": dict(self.decisions),
+                "replicas": replicas,
+            }
 
 
 # Every table in this process (a Ray Serve router is unpickled by value, so its own module globals are

@@ -13,7 +13,8 @@ then they match it::
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from radixserve.cache.base import BasePrefixCache, MatchResult
 from radixserve.cache.key import RadixKey
@@ -62,8 +63,8 @@ def hold_in_batch_duplicates(
     ``m`` and end on the same cache node (the cache diverges inside the shared
     part for both). So "shares my match plus a span with a kept request" is the
     equality of one small key, (node the match ended on, the next ``span``
-    tokens): one set lookup per request, no prompt copied or hashed whole. ``matches_fresh``: the policy already matched every
-    request this round (``req.match_len`` is current); otherwise match here.
+    tokens): one set lookup per request, no prompt copied or hashed whole. ``matches_fresh``: the policy
+    already matched every request this round (``req.match_len`` is current); otherwise match here.
     """
     if threshold_len < 1:
         raise ValueError(f"threshold_len must be >= 1, got {threshold_len}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -129,8 +129,12 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Request]:
         """Continue unfinished prefills, then admit waiting requests in policy order."""
         decoding = [r for r in self.running if r.prefill_done]  # a prefill must not be starved by its own reserve
-        adder = PrefillAdder(self.cache, self.chunked_prefill_size,
-                             self.max_running_requests - len(self.running), decode_reserve(decoding))  # fmt: skip
+        adder = PrefillAdder(
+            self.cache,
+            self.chunked_prefill_size,
+            self.max_running_requests - len(self.running),
+            decode_reserve(decoding),
+        )
         batch = []
         for req in self.running:
             if not req.prefill_done and req.kv is not None and adder.add(req, req.kv, len(req.fill_ids)):
@@ -182,8 +186,9 @@ class Scheduler:
             while not self.cache.extend_request(req.kv, req.output_ids[-1:]):
                 prefilling = [r for r in self.running if not r.prefill_done]
                 if prefilling or pending:  # half-prefilled requests step back first
-                    self._retract(max(prefilling, key=lambda r: r.arrival_time) if prefilling
-                                  else max(pending, key=_retract_rank))  # fmt: skip
+                    self._retract(
+                        max(prefilling, key=lambda r: r.arrival_time) if prefilling else max(pending, key=_retract_rank)
+                    )
                     pending = [r for r in pending if r.status is Status.RUNNING]
                     continue
                 if ready:
@@ -274,23 +279,35 @@ class Scheduler:
                 self._fail(req, exc)
         return survivors, (torch.cat(rows) if rows else None)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]
-                ) -> list[tuple[int, float | None, TopLogprobs | None]]:  # fmt: skip
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[Request], rows: list[int]
+    ) -> list[tuple[int, float | None, TopLogprobs | None]]:
         """(token, logprob, top logprobs) per request; if batched sampling fails, row by row."""
         if not reqs:
             return []
         try:
             out = sample(logits[rows], [req.sampling for req in reqs])  # type: ignore[misc]
-            return [(out.token_ids[k], out.logprobs[k] if out.logprobs else None,
-                     out.top_logprobs[k] if out.top_logprobs else None) for k in range(len(reqs))]  # fmt: skip
+            return [
+                (
+                    out.token_ids[k],
+                    out.logprobs[k] if out.logprobs else None,
+                    out.top_logprobs[k] if out.top_logprobs else None,
+                )
+                for k in range(len(reqs))
+            ]
         except Exception as exc:
             logger.warning("sampling a batch of %d failed (%s); sampling each request alone", len(reqs), exc)
         results: list[tuple[int, float | None, TopLogprobs | None]] = []
         for req, row in zip(reqs, rows):
             try:
                 one = sample(logits[row : row + 1], [req.sampling])  # type: ignore[list-item]
-                results.append((one.token_ids[0], one.logprobs[0] if one.logprobs else None,
-                                one.top_logprobs[0] if one.top_logprobs else None))  # fmt: skip
+                results.append(
+                    (
+                        one.token_ids[0],
+                        one.logprobs[0] if one.logprobs else None,
+                        one.top_logprobs[0] if one.top_logprobs else None,
+                    )
+                )
             except Exception as exc:
                 logger.exception("sampling failed for request %d", req.rid)
                 self._fail(req, exc)
@@ -338,8 +355,9 @@ class Scheduler:
         req.text, req.matched_stop = text[:position], stop
         return True
 
-    def _finish(self, req: Request, reason: str, *, error: str | None = None, insert: bool = True,
-                decode: bool = True) -> None:  # fmt: skip
+    def _finish(
+        self, req: Request, reason: str, *, error: str | None = None, insert: bool = True, decode: bool = True
+    ) -> None:
         if req.kv is not None:
             self.cache.cache_finished_req(req.kv, is_insert=insert)
             req.kv = None

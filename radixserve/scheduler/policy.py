@@ -13,8 +13,9 @@ import logging
 import random
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence, cast
+from typing import ClassVar, cast
 
 from radixserve.cache.base import BasePrefixCache
 from radixserve.cache.chunk import ChunkCache
@@ -83,8 +84,9 @@ class FCFSPolicy(BaseSchedulePolicy):
 
     name = "fcfs"
 
-    def _sort(self, waiting: Sequence[Request], cache: BasePrefixCache,
-              running: Sequence[Request], now: float) -> list[Request]:  # fmt: skip
+    def _sort(
+        self, waiting: Sequence[Request], cache: BasePrefixCache, running: Sequence[Request], now: float
+    ) -> list[Request]:
         return list(waiting)
 
 
@@ -94,8 +96,9 @@ class LPMPolicy(BaseSchedulePolicy):
     name = "lpm"
     cache_aware = True
 
-    def _sort(self, waiting: Sequence[Request], cache: BasePrefixCache,
-              running: Sequence[Request], now: float) -> list[Request]:  # fmt: skip
+    def _sort(
+        self, waiting: Sequence[Request], cache: BasePrefixCache, running: Sequence[Request], now: float
+    ) -> list[Request]:
         return sorted(waiting, key=lambda r: -r.match_len)
 
 
@@ -112,8 +115,9 @@ class DFSWeightPolicy(LPMPolicy):
         super().__init__(params)
         self.fallbacks = 0
 
-    def _sort(self, waiting: Sequence[Request], cache: BasePrefixCache,
-              running: Sequence[Request], now: float) -> list[Request]:  # fmt: skip
+    def _sort(
+        self, waiting: Sequence[Request], cache: BasePrefixCache, running: Sequence[Request], now: float
+    ) -> list[Request]:
         if not isinstance(cache, RadixCache):
             if not self.fallbacks:
                 logger.warning("dfs-weight needs a radix cache, not %s: using lpm order", type(cache).__name__)
@@ -166,8 +170,9 @@ class LOFPolicy(BaseSchedulePolicy):
 
     name = "lof"
 
-    def _sort(self, waiting: Sequence[Request], cache: BasePrefixCache,
-              running: Sequence[Request], now: float) -> list[Request]:  # fmt: skip
+    def _sort(
+        self, waiting: Sequence[Request], cache: BasePrefixCache, running: Sequence[Request], now: float
+    ) -> list[Request]:
         return sorted(waiting, key=lambda r: -r.params.max_new_tokens)
 
 
@@ -180,8 +185,9 @@ class RandomPolicy(BaseSchedulePolicy):
         super().__init__(params)
         self._rng = random.Random(params.seed)
 
-    def _sort(self, waiting: Sequence[Request], cache: BasePrefixCache,
-              running: Sequence[Request], now: float) -> list[Request]:  # fmt: skip
+    def _sort(
+        self, waiting: Sequence[Request], cache: BasePrefixCache, running: Sequence[Request], now: float
+    ) -> list[Request]:
         order = list(waiting)
         self._rng.shuffle(order)
         return order
@@ -192,8 +198,9 @@ class RoutingKeyPolicy(BaseSchedulePolicy):
 
     name = "routing-key"
 
-    def _sort(self, waiting: Sequence[Request], cache: BasePrefixCache,
-              running: Sequence[Request], now: float) -> list[Request]:  # fmt: skip
+    def _sort(
+        self, waiting: Sequence[Request], cache: BasePrefixCache, running: Sequence[Request], now: float
+    ) -> list[Request]:
         counts: Counter[str | None] = Counter(r.routing_key for r in running if r.routing_key is not None)
         return sorted(waiting, key=lambda r: -counts[r.routing_key])  # None, or unseen: 0
 
@@ -203,8 +210,9 @@ class PriorityPolicy(BaseSchedulePolicy):
 
     name = "priority"
 
-    def _sort(self, waiting: Sequence[Request], cache: BasePrefixCache,
-              running: Sequence[Request], now: float) -> list[Request]:  # fmt: skip
+    def _sort(
+        self, waiting: Sequence[Request], cache: BasePrefixCache, running: Sequence[Request], now: float
+    ) -> list[Request]:
         return sorted(waiting, key=lambda r: -r.priority)
 
 
@@ -219,8 +227,9 @@ class HRRNPolicy(BaseSchedulePolicy):
     name = "hrrn"
     cache_aware = True
 
-    def _sort(self, waiting: Sequence[Request], cache: BasePrefixCache,
-              running: Sequence[Request], now: float) -> list[Request]:  # fmt: skip
+    def _sort(
+        self, waiting: Sequence[Request], cache: BasePrefixCache, running: Sequence[Request], now: float
+    ) -> list[Request]:
         return sorted(waiting, key=lambda r: -self.response_ratio(r, now))
 
     def service_s(self, req: Request) -> float:
@@ -236,9 +245,17 @@ class HRRNPolicy(BaseSchedulePolicy):
 
 _REGISTRY: dict[str, type[BaseSchedulePolicy]] = {
     cls.name: cls
-    for cls in (FCFSPolicy, LPMPolicy, DFSWeightPolicy, LOFPolicy, RandomPolicy,
-                RoutingKeyPolicy, PriorityPolicy, HRRNPolicy)
-}  # fmt: skip
+    for cls in (
+        FCFSPolicy,
+        LPMPolicy,
+        DFSWeightPolicy,
+        LOFPolicy,
+        RandomPolicy,
+        RoutingKeyPolicy,
+        PriorityPolicy,
+        HRRNPolicy,
+    )
+}
 assert tuple(_REGISTRY) == SCHEDULE_POLICIES
 
 

@@ -1,14 +1,14 @@
 """The FastAPI app: routes, API-key check, OpenAI-style errors, start-up and shutdown.
 
-    GET  /health                 liveness (never waits for the model)
-    GET  /server_info            resolved server args + engine config + scheduler counters
-    GET  /v1/models              the served model
-    POST /v1/completions         OpenAI completions (stream, n, logprobs, echo, stop, seed, cache_salt)
-    POST /v1/chat/completions    OpenAI chat completions (chat template applied)
-    POST /generate               native API (text or input_ids, sampling_params, extra_key)
-    GET  /cache                  what the prefix cache holds: sizes, shape, top shared prefixes
-    POST /flush_cache            drop every cached prefix (refused while requests are in flight)
-    GET  /metrics                Prometheus (with --enable-metrics)
+GET  /health                 liveness (never waits for the model)
+GET  /server_info            resolved server args + engine config + scheduler counters
+GET  /v1/models              the served model
+POST /v1/completions         OpenAI completions (stream, n, logprobs, echo, stop, seed, cache_salt)
+POST /v1/chat/completions    OpenAI chat completions (chat template applied)
+POST /generate               native API (text or input_ids, sampling_params, extra_key)
+GET  /cache                  what the prefix cache holds: sizes, shape, top shared prefixes
+POST /flush_cache            drop every cached prefix (refused while requests are in flight)
+GET  /metrics                Prometheus (with --enable-metrics)
 """
 
 from __future__ import annotations
@@ -49,8 +49,14 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     events = None
     if args.kv_events_endpoint:
         events = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_block_size)
-    state = ServerState(engine, args, EngineWorker(engine, metrics, args.max_queued_requests, events), metrics,
-                        build_tenancy(args), shared_heads(engine.tokenizer, args))  # fmt: skip
+    state = ServerState(
+        engine,
+        args,
+        EngineWorker(engine, metrics, args.max_queued_requests, events),
+        metrics,
+        build_tenancy(args),
+        shared_heads(engine.tokenizer, args),
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -63,8 +69,12 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         if events is not None:
             events.close()
 
-    app = FastAPI(title="radixserve", version="0.1.0", lifespan=lifespan,
-                  description="RadixAttention LLM server: OpenAI-compatible and native APIs.")  # fmt: skip
+    app = FastAPI(
+        title="radixserve",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="RadixAttention LLM server: OpenAI-compatible and native APIs.",
+    )
     app.state.radixserve = state
     install_error_handlers(app)
     app.add_middleware(JSONBodyMiddleware)
@@ -88,29 +98,43 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     @app.get("/server_info", dependencies=auth)
     async def server_info() -> dict[str, Any]:
         scheduler = await asyncio.wrap_future(state.worker.call(engine.scheduler.snapshot))
-        return {"version": app.version, "server_args": args.resolved(), "engine": engine.describe(),
-                "scheduler": scheduler, "process": {"pid": os.getpid(), "rss_bytes": rss_bytes()}}  # fmt: skip
+        return {
+            "version": app.version,
+            "server_args": args.resolved(),
+            "engine": engine.describe(),
+            "scheduler": scheduler,
+            "process": {"pid": os.getpid(), "rss_bytes": rss_bytes()},
+        }
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
-        card = {"id": args.model_name(), "object": "model", "created": int(state.started), "owned_by": "radixserve",
-                "root": str(engine.loaded.path), "max_model_len": engine.context_length}  # fmt: skip
+        card = {
+            "id": args.model_name(),
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "radixserve",
+            "root": str(engine.loaded.path),
+            "max_model_len": engine.context_length,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await respond(CompletionCall(state, body, tenancy.namespace(request.state.tenant, body.cache_salt)),
-                             body.stream, request)  # fmt: skip
+        return await respond(
+            CompletionCall(state, body, tenancy.namespace(request.state.tenant, body.cache_salt)), body.stream, request
+        )
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await respond(ChatCall(state, body, tenancy.namespace(request.state.tenant, body.cache_salt)),
-                             body.stream, request)  # fmt: skip
+        return await respond(
+            ChatCall(state, body, tenancy.namespace(request.state.tenant, body.cache_salt)), body.stream, request
+        )
 
     @app.post("/generate", dependencies=auth)
     async def generate(body: GenerateRequest, request: Request) -> Response:
-        return await respond(NativeCall(state, body, tenancy.namespace(request.state.tenant, body.extra_key)),
-                             body.stream, request)  # fmt: skip
+        return await respond(
+            NativeCall(state, body, tenancy.namespace(request.state.tenant, body.extra_key)), body.stream, request
+        )
 
     @app.get("/cache", dependencies=auth)
     async def cache(request: Request, top: int = Query(10, ge=0, le=100), check: bool = False) -> dict[str, Any]:
@@ -124,8 +148,11 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         tenant = request.state.tenant
         if tenancy.isolation and tenant != ADMIN:
             own = tenancy.namespace(tenant, None) or ""
-            view = await asyncio.wrap_future(state.worker.call(
-                lambda: summarize(engine.cache, top, visible=lambda ns: ns is not None and ns.startswith(own))))
+            view = await asyncio.wrap_future(
+                state.worker.call(
+                    lambda: summarize(engine.cache, top, visible=lambda ns: ns is not None and ns.startswith(own))
+                )
+            )
             return decode_previews(engine, view)
 
         def snapshot() -> dict[str, Any]:
@@ -205,8 +232,10 @@ def decode_previews(engine: Engine, out: dict[str, Any]) -> dict[str, Any]:
 def shared_heads(tokenizer: Tokenizer, args: ServerArgs) -> list[list[int]]:
     """The allowlisted public prompt heads as token ids, longest first."""
     heads = [tokenizer.encode(text) for text in args.shared_prefixes]
-    heads += [tokenizer.apply_chat_template([{"role": "system", "content": text}], add_generation_prompt=False)
-              for text in args.shared_system_prompts]  # fmt: skip
+    heads += [
+        tokenizer.apply_chat_template([{"role": "system", "content": text}], add_generation_prompt=False)
+        for text in args.shared_system_prompts
+    ]
     for head in heads:
         logger.info("shared prompt head: %d tokens", len(head))
     return sorted((h for h in heads if h), key=len, reverse=True)
@@ -241,8 +270,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             message = f"the request body is not valid JSON (UTF-8): {first.get('ctx', {}).get('error', '')}".strip()
         else:
-            message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
-                                for e in errors[:5])  # fmt: skip
+            message = "; ".join(
+                f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}" for e in errors[:5]
+            )
         return JSONResponse(error_body(400, message, "invalid_request", where or None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -250,8 +280,9 @@ def install_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         if exc.status_code == 400 and "parsing the body" in message:  # FastAPI's words for undecodable bytes
             message = "the request body is not valid JSON (UTF-8): it could not be decoded"
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))  # fmt: skip
+        return JSONResponse(
+            error_body(exc.status_code, message), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

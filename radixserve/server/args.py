@@ -80,90 +80,194 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     model = parser.add_argument_group("model")
-    model.add_argument("--model-path", default=None,
-                       help="HF folder (config.json + safetensors + tokenizer) or a .gguf file; "
-                            "default: the embedded SmolLM2-135M-Instruct GGUF")  # fmt: skip
-    model.add_argument("--served-model-name", default=None,
-                       help="the name clients pass as `model` (default: the file or folder name)")  # fmt: skip
-    model.add_argument("--dtype", default=d.dtype, choices=["auto", *DTYPES],
-                       help="weights and KV cache; auto = float32 on CPU, bfloat16 on CUDA")  # fmt: skip
+    model.add_argument(
+        "--model-path",
+        default=None,
+        help="HF folder (config.json + safetensors + tokenizer) or a .gguf file; "
+        "default: the embedded SmolLM2-135M-Instruct GGUF",
+    )
+    model.add_argument(
+        "--served-model-name", default=None, help="the name clients pass as `model` (default: the file or folder name)"
+    )
+    model.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=["auto", *DTYPES],
+        help="weights and KV cache; auto = float32 on CPU, bfloat16 on CUDA",
+    )
     model.add_argument("--device", default=d.device, help="auto (cuda when present), cpu, cuda or cuda:N")
-    model.add_argument("--num-threads", type=int, default=d.num_threads,
-                       help="torch CPU threads; 1 is safe on a busy machine (libgomp spins)")  # fmt: skip
+    model.add_argument(
+        "--num-threads",
+        type=int,
+        default=d.num_threads,
+        help="torch CPU threads; 1 is safe on a busy machine (libgomp spins)",
+    )
 
     cache = parser.add_argument_group("prefix cache")
-    cache.add_argument("--prefix-cache", default=d.prefix_cache, choices=PREFIX_CACHES,
-                       help="radix tree; block = 16-token hash blocks (vLLM-style); none = no reuse")  # fmt: skip
+    cache.add_argument(
+        "--prefix-cache",
+        default=d.prefix_cache,
+        choices=PREFIX_CACHES,
+        help="radix tree; block = 16-token hash blocks (vLLM-style); none = no reuse",
+    )
     cache.add_argument("--disable-radix-cache", action="store_true", help="same as --prefix-cache none")
-    cache.add_argument("--page-size", type=int, default=d.page_size,
-                       help="tokens per KV page; matches round down to a whole page")  # fmt: skip
-    cache.add_argument("--radix-eviction-policy", default=d.radix_eviction_policy, choices=sorted(EVICTION_POLICIES),
-                       help="which unlocked leaf is evicted first")  # fmt: skip
-    cache.add_argument("--max-total-tokens", type=int, default=None,
-                       help="KV pool size in tokens (default: a quarter of free memory, at most 32k on CPU)")  # fmt: skip
+    cache.add_argument(
+        "--page-size", type=int, default=d.page_size, help="tokens per KV page; matches round down to a whole page"
+    )
+    cache.add_argument(
+        "--radix-eviction-policy",
+        default=d.radix_eviction_policy,
+        choices=sorted(EVICTION_POLICIES),
+        help="which unlocked leaf is evicted first",
+    )
+    cache.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV pool size in tokens (default: a quarter of free memory, at most 32k on CPU)",
+    )
 
     sched = parser.add_argument_group("scheduler")
-    sched.add_argument("--schedule-policy", default=d.schedule_policy, choices=SCHEDULE_POLICIES,
-                       help="order of the waiting queue; lpm = longest cached prefix first")  # fmt: skip
-    sched.add_argument("--disable-in-batch-dedup", action="store_true",
-                       help="admit requests sharing an uncached prefix together instead of one first")  # fmt: skip
-    sched.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
-                       help="prefill tokens per step; longer prompts are prefilled in chunks")  # fmt: skip
-    sched.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
-                       help="requests decoded together")  # fmt: skip
+    sched.add_argument(
+        "--schedule-policy",
+        default=d.schedule_policy,
+        choices=SCHEDULE_POLICIES,
+        help="order of the waiting queue; lpm = longest cached prefix first",
+    )
+    sched.add_argument(
+        "--disable-in-batch-dedup",
+        action="store_true",
+        help="admit requests sharing an uncached prefix together instead of one first",
+    )
+    sched.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=d.chunked_prefill_size,
+        help="prefill tokens per step; longer prompts are prefilled in chunks",
+    )
+    sched.add_argument(
+        "--max-running-requests", type=int, default=d.max_running_requests, help="requests decoded together"
+    )
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=ServerArgs.host, help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port to listen on")
-    server.add_argument("--api-key", action="append", default=[],
-                        help="require `Authorization: Bearer KEY` (all endpoints but /health and /metrics); "
-                             "repeat for several keys, each its own tenant")  # fmt: skip
+    server.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require `Authorization: Bearer KEY` (all endpoints but /health and /metrics); "
+        "repeat for several keys, each its own tenant",
+    )
     server.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
-    server.add_argument("--kv-events-endpoint", default=None,
-                        help="publish the cache's stored/removed blocks on this ZMQ PUB endpoint "
-                             "(e.g. tcp://127.0.0.1:5557); off by default")  # fmt: skip
-    server.add_argument("--kv-events-replay-endpoint", default=None,
-                        help="ZMQ REP endpoint for missed-batch replays and snapshots (default: the next port)")  # fmt: skip
-    server.add_argument("--kv-events-block-size", type=int, default=ServerArgs.kv_events_block_size,
-                        help="tokens per block in KV events (whatever the cache's page size)")  # fmt: skip
+    server.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish the cache's stored/removed blocks on this ZMQ PUB endpoint "
+        "(e.g. tcp://127.0.0.1:5557); off by default",
+    )
+    server.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="ZMQ REP endpoint for missed-batch replays and snapshots (default: the next port)",
+    )
+    server.add_argument(
+        "--kv-events-block-size",
+        type=int,
+        default=ServerArgs.kv_events_block_size,
+        help="tokens per block in KV events (whatever the cache's page size)",
+    )
 
     tenancy = parser.add_argument_group("tenants (see README: Security)")
     tenancy.add_argument("--api-key-file", default=None, help="API keys, one 'TENANT KEY' per line")
-    tenancy.add_argument("--admin-api-key", default=None,
-                         help="a key that may flush the cache and see every namespace in /cache")  # fmt: skip
-    tenancy.add_argument("--tenant-header", default=None,
-                         help="take the tenant from this header (only behind a proxy that sets it)")  # fmt: skip
-    tenancy.add_argument("--shared-system-prompt", action="append", default=[],
-                         help="a system prompt whose chat-template rendering every namespace shares (the rest "
-                              "of each conversation stays private); repeatable")  # fmt: skip
-    tenancy.add_argument("--shared-prefix", action="append", default=[],
-                         help="a raw prompt prefix (text) every namespace shares; repeatable")  # fmt: skip
-    tenancy.add_argument("--tenant-isolation", action="store_true",
-                         help="derive each request's cache namespace from its tenant: tenants never share a "
-                              "prefix, and a client's cache_salt cannot reach another tenant's")  # fmt: skip
-    server.add_argument("--max-queued-requests", type=int, default=ServerArgs.max_queued_requests,
-                        help="requests in flight (waiting + running) before new ones get 503 + Retry-After")  # fmt: skip
-    server.add_argument("--hit-rate-window", type=int, default=ServerArgs.hit_rate_window,
-                        help="finished requests the cache_hit_rate gauge averages over")  # fmt: skip
-    server.add_argument("--graceful-shutdown-timeout", type=float, default=ServerArgs.graceful_shutdown_timeout,
-                        help="seconds in-flight requests get to finish after SIGINT/SIGTERM; then they are aborted")  # fmt: skip
-    server.add_argument("--log-level", default=ServerArgs.log_level, choices=LOG_LEVELS,
-                        help="debug also logs every HTTP request")  # fmt: skip
+    tenancy.add_argument(
+        "--admin-api-key", default=None, help="a key that may flush the cache and see every namespace in /cache"
+    )
+    tenancy.add_argument(
+        "--tenant-header", default=None, help="take the tenant from this header (only behind a proxy that sets it)"
+    )
+    tenancy.add_argument(
+        "--shared-system-prompt",
+        action="append",
+        default=[],
+        help="a system prompt whose chat-template rendering every namespace shares (the rest "
+        "of each conversation stays private); repeatable",
+    )
+    tenancy.add_argument(
+        "--shared-prefix",
+        action="append",
+        default=[],
+        help="a raw prompt prefix (text) every namespace shares; repeatable",
+    )
+    tenancy.add_argument(
+        "--tenant-isolation",
+        action="store_true",
+        help="derive each request's cache namespace from its tenant: tenants never share a "
+        "prefix, and a client's cache_salt cannot reach another tenant's",
+    )
+    server.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=ServerArgs.max_queued_requests,
+        help="requests in flight (waiting + running) before new ones get 503 + Retry-After",
+    )
+    server.add_argument(
+        "--hit-rate-window",
+        type=int,
+        default=ServerArgs.hit_rate_window,
+        help="finished requests the cache_hit_rate gauge averages over",
+    )
+    server.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=ServerArgs.graceful_shutdown_timeout,
+        help="seconds in-flight requests get to finish after SIGINT/SIGTERM; then they are aborted",
+    )
+    server.add_argument(
+        "--log-level", default=ServerArgs.log_level, choices=LOG_LEVELS, help="debug also logs every HTTP request"
+    )
     scale = parser.add_argument_group("scale-out on Ray Serve (see README: Scaling out)")
-    scale.add_argument("--replicas", type=int, default=0,
-                       help="engine replicas behind a cache-aware router (0: one engine in this process, no Ray)")
-    scale.add_argument("--ray-address", default=None,
-                       help="join this Ray cluster (e.g. auto or ray://host:10001); default: start a local one")
-    scale.add_argument("--router", default=ServerArgs.router, choices=ROUTER_POLICIES,
-                       help="how requests pick a replica (round-robin and power-of-two: for comparison)")
-    scale.add_argument("--router-index", default=ServerArgs.router_index, choices=ROUTER_INDEXES,
-                       help="precise: the replicas' KV events; approximate: the prompts the router sent")
-    scale.add_argument("--router-abs-threshold", type=int, default=ServerArgs.router_abs_threshold,
-                       help="load is out of balance when max - min requests exceeds this ...")
-    scale.add_argument("--router-rel-threshold", type=float, default=ServerArgs.router_rel_threshold,
-                       help="... and max exceeds this times min: then the least-loaded replica wins")
-    scale.add_argument("--replica-cpus", type=float, default=None,
-                       help="Ray CPUs per replica (default: min(1, cluster CPUs / replicas))")
+    scale.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="engine replicas behind a cache-aware router (0: one engine in this process, no Ray)",
+    )
+    scale.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (e.g. auto or ray://host:10001); default: start a local one",
+    )
+    scale.add_argument(
+        "--router",
+        default=ServerArgs.router,
+        choices=ROUTER_POLICIES,
+        help="how requests pick a replica (round-robin and power-of-two: for comparison)",
+    )
+    scale.add_argument(
+        "--router-index",
+        default=ServerArgs.router_index,
+        choices=ROUTER_INDEXES,
+        help="precise: the replicas' KV events; approximate: the prompts the router sent",
+    )
+    scale.add_argument(
+        "--router-abs-threshold",
+        type=int,
+        default=ServerArgs.router_abs_threshold,
+        help="load is out of balance when max - min requests exceeds this ...",
+    )
+    scale.add_argument(
+        "--router-rel-threshold",
+        type=float,
+        default=ServerArgs.router_rel_threshold,
+        help="... and max exceeds this times min: then the least-loaded replica wins",
+    )
+    scale.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=None,
+        help="Ray CPUs per replica (default: min(1, cluster CPUs / replicas))",
+    )
     return parser
 
 
@@ -194,19 +298,26 @@ def parse_args(argv: list[str]) -> ServerArgs:
         if ns.replicas < 0 or ns.router_abs_threshold < 0 or ns.router_rel_threshold < 1:
             raise ValueError("--replicas and --router-abs-threshold must be >= 0, --router-rel-threshold >= 1")
         if ns.replicas and (ns.kv_events_endpoint or ns.kv_events_replay_endpoint):
-            raise ValueError("--kv-events-endpoint is per server: with --replicas each replica publishes on a free "
-                             "port of its node (GET /router shows them)")  # fmt: skip
+            raise ValueError(
+                "--kv-events-endpoint is per server: with --replicas each replica publishes on a free "
+                "port of its node (GET /router shows them)"
+            )
         if ns.replica_cpus is not None and ns.replica_cpus < 0:
             raise ValueError("--replica-cpus must be >= 0")
         if not 0 < ns.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {ns.port}")
         if ns.hit_rate_window < 1 or ns.graceful_shutdown_timeout < 0 or ns.max_queued_requests < 1:
-            raise ValueError("--hit-rate-window and --max-queued-requests must be >= 1, "
-                             "--graceful-shutdown-timeout >= 0")  # fmt: skip
+            raise ValueError(
+                "--hit-rate-window and --max-queued-requests must be >= 1, --graceful-shutdown-timeout >= 0"
+            )
     except ValueError as exc:
         parser.error(str(exc))
     # Every other field is the flag of the same name.
-    renamed: dict[str, Any] = {"engine": engine, "api_keys": tuple(ns.api_key), "shared_prefixes": tuple(ns.shared_prefix),
-                               "shared_system_prompts": tuple(ns.shared_system_prompt)}  # fmt: skip
+    renamed: dict[str, Any] = {
+        "engine": engine,
+        "api_keys": tuple(ns.api_key),
+        "shared_prefixes": tuple(ns.shared_prefix),
+        "shared_system_prompts": tuple(ns.shared_system_prompt),
+    }
     same = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if f.name not in renamed}
     return ServerArgs(**same, **renamed)

@@ -6,17 +6,29 @@ from typing import Any
 
 from radixserve.core import GenerateResult
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_error",
-         503: "service_unavailable"}  # fmt: skip
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
 
 
 RETRY_AFTER_SECONDS = 1  # what a 503 for lack of capacity tells the client to wait
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.headers = headers

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from radixserve.core import GenerateResult, SamplingParams
 from radixserve.engine import Engine
@@ -54,20 +54,29 @@ class ServerState:
     async def tokenize(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn)
 
-    def make_request(self, ids: Sequence[int], params: dict[str, Any], explicit_max: bool, extra_key: str | None,
-                     arrival: float) -> Request:  # fmt: skip
+    def make_request(
+        self, ids: Sequence[int], params: dict[str, Any], explicit_max: bool, extra_key: str | None, arrival: float
+    ) -> Request:
         """Validate one prompt against the model and build its request; APIError(400) says why not."""
         context = self.engine.context_length
         if len(ids) == 0:
             raise APIError(400, "the prompt is empty", "empty_prompt", "prompt")
         if len(ids) >= context:
-            raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
-                                f"{len(ids)} tokens.", "context_length_exceeded", "prompt")  # fmt: skip
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context} tokens, but the prompt has {len(ids)} tokens.",
+                "context_length_exceeded",
+                "prompt",
+            )
         wanted = params.get("max_new_tokens", SamplingParams.max_new_tokens)
         if explicit_max and type(wanted) is int and len(ids) + wanted > context:  # other types: SamplingParams says
-            raise APIError(400, f"This model's maximum context length is {context} tokens, but you requested "
-                                f"{len(ids) + wanted} tokens ({len(ids)} in the prompt, {wanted} for the completion).",
-                           "context_length_exceeded", "max_tokens")  # fmt: skip
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context} tokens, but you requested "
+                f"{len(ids) + wanted} tokens ({len(ids)} in the prompt, {wanted} for the completion).",
+                "context_length_exceeded",
+                "max_tokens",
+            )
         try:
             return self.engine.make_request(ids, params, extra_key, arrival, self.shared_len(ids, extra_key))
         except ValueError as exc:
@@ -92,8 +101,12 @@ class Generation:
 
     def __init__(self, state: ServerState, requests: list[Request]) -> None:
         if len(requests) > MAX_REQUESTS_PER_CALL:
-            raise APIError(400, f"one call may make at most {MAX_REQUESTS_PER_CALL} requests (prompts x n), "
-                                f"this one makes {len(requests)}", "too_many_requests_in_call")  # fmt: skip
+            raise APIError(
+                400,
+                f"one call may make at most {MAX_REQUESTS_PER_CALL} requests (prompts x n), "
+                f"this one makes {len(requests)}",
+                "too_many_requests_in_call",
+            )
         self.worker = state.worker
         self.requests = requests
         self.results: list[GenerateResult | None] = [None] * len(requests)
@@ -133,8 +146,9 @@ class Generation:
             self.worker.abort(rid)
 
 
-async def finish_unless_disconnected(generation: Generation, is_disconnected: Callable[[], Any],
-                                     poll: float = 0.25) -> list[GenerateResult]:  # fmt: skip
+async def finish_unless_disconnected(
+    generation: Generation, is_disconnected: Callable[[], Any], poll: float = 0.25
+) -> list[GenerateResult]:
     """Non-streaming calls: wait for the results, aborting everything if the client goes away."""
     task = asyncio.ensure_future(generation.finish())
     try:

@@ -39,8 +39,9 @@ def replay_endpoint_for(endpoint: str) -> str:
 
 
 class KVEventPublisher:
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, block_size: int = 16,
-                 buffer: int = 10_000) -> None:  # fmt: skip
+    def __init__(
+        self, endpoint: str, replay_endpoint: str | None = None, block_size: int = 16, buffer: int = 10_000
+    ) -> None:
         self.block_size = block_size
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = context.socket(zmq.PUB)

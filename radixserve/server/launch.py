@@ -68,4 +68,3 @@ def serve(args: ServerArgs) -> None:
     )
     _Server(config).run()
     logger.info("server stopped")
-

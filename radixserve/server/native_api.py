@@ -9,8 +9,8 @@ sends, per step, each request's whole text so far (SGLang's convention), then ``
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from typing import Any, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from radixserve.core import SamplingParams
 from radixserve.server.errors import APIError, raise_first_error
@@ -44,7 +44,9 @@ class NativeCall:
         raw = body.sampling_params
         per_prompt = raw if isinstance(raw, list) else [raw or {}] * len(prompts)
         if len(per_prompt) != len(prompts):
-            raise APIError(400, f"{len(per_prompt)} sampling_params for {len(prompts)} prompts", param="sampling_params")
+            raise APIError(
+                400, f"{len(per_prompt)} sampling_params for {len(prompts)} prompts", param="sampling_params"
+            )
         requests = []
         for ids, params in zip(prompts, per_prompt):
             params = dict(params)
@@ -78,13 +80,23 @@ class NativeCall:
                 stream.push(delta.token_ids)
                 output_ids[delta.index].extend(delta.token_ids)
                 req = generation.requests[delta.index]
-                meta: dict[str, Any] = {"id": str(req.rid), "prompt_tokens": len(req.prompt_ids),
-                                        "completion_tokens": len(output_ids[delta.index]), "finish_reason": None}  # fmt: skip
+                meta: dict[str, Any] = {
+                    "id": str(req.rid),
+                    "prompt_tokens": len(req.prompt_ids),
+                    "completion_tokens": len(output_ids[delta.index]),
+                    "finish_reason": None,
+                }
                 if delta.result is not None:
                     stream.finish(delta.result.text)
                     meta = {**delta.result.to_dict()["meta_info"], "id": str(req.rid)}
-                yield sse({"text": stream.sent, "output_ids": output_ids[delta.index], "index": delta.index,
-                           "meta_info": meta})  # fmt: skip
+                yield sse(
+                    {
+                        "text": stream.sent,
+                        "output_ids": output_ids[delta.index],
+                        "index": delta.index,
+                        "meta_info": meta,
+                    }
+                )
             yield SSE_DONE
         finally:
             generation.abort()

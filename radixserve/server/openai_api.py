@@ -18,8 +18,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from radixserve.core import GenerateResult
 from radixserve.server.errors import APIError, error_event, raise_first_error
@@ -48,8 +48,12 @@ class OpenAICall:
         self.arrival = time.perf_counter()
         names = {state.args.model_name(), state.engine.config.model_path}
         if body.model not in names:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
-                                f"`{state.args.model_name()}`.", "model_not_found", "model")  # fmt: skip
+            raise APIError(
+                404,
+                f"The model `{body.model}` does not exist; this server serves `{state.args.model_name()}`.",
+                "model_not_found",
+                "model",
+            )
         problem = body.unsupported()
         if problem:
             raise APIError(400, problem, "unsupported_parameter")
@@ -65,12 +69,19 @@ class OpenAICall:
         body = self.body
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         params: dict[str, Any] = dict(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty, stop=tuple(stop),
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-            logprobs=logprobs, top_logprobs=top_logprobs,
-        )  # fmt: skip
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            stop=tuple(stop),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+        )
         if max_tokens is not None:
             params["max_new_tokens"] = max_tokens
         else:  # as much as the context leaves (the engine clips)
@@ -119,14 +130,26 @@ class OpenAICall:
     def response(self, results: list[GenerateResult]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk(self, index: int, delta_text: str, token_ids: list[int], logprobs: list[float],
-              top: list[Any], finish_reason: str | None) -> dict[str, Any]:  # fmt: skip
+    def chunk(
+        self,
+        index: int,
+        delta_text: str,
+        token_ids: list[int],
+        logprobs: list[float],
+        top: list[Any],
+        finish_reason: str | None,
+    ) -> dict[str, Any]:
         raise NotImplementedError
 
     def chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj = "text_completion" if self.kind == "text_completion" else "chat.completion.chunk"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.args.model_name(),
-                "choices": choices}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.state.args.model_name(),
+            "choices": choices,
+        }
 
     def first_chunks(self) -> list[dict[str, Any]]:
         return []
@@ -150,8 +173,11 @@ class OpenAICall:
                     text += stream.finish(result.text)
                 if text or delta.token_ids or result is not None:
                     finish = result.finish_reason if result is not None else None
-                    yield sse(self.chunk_envelope([self.chunk(delta.index, text, delta.token_ids, delta.logprobs,
-                                                              delta.top_logprobs, finish)]))  # fmt: skip
+                    yield sse(
+                        self.chunk_envelope(
+                            [self.chunk(delta.index, text, delta.token_ids, delta.logprobs, delta.top_logprobs, finish)]
+                        )
+                    )
             options = self.body.stream_options
             results = [r for r in generation.results if r is not None]
             if options is not None and options.include_usage and len(results) == len(generation.results):
@@ -195,7 +221,9 @@ class CompletionCall(OpenAICall):
             return ""
         return self.state.tokenizer.decode(self.prompts[index // self.body.n])
 
-    def logprobs_block(self, token_ids: list[int], logprobs: list[float], top: list[Any], offset: int) -> dict[str, Any]:
+    def logprobs_block(
+        self, token_ids: list[int], logprobs: list[float], top: list[Any], offset: int
+    ) -> dict[str, Any]:
         tokens = [self.token_text(t) for t in token_ids]
         offsets = []
         for token in tokens:
@@ -214,21 +242,44 @@ class CompletionCall(OpenAICall):
             echo = self.echo_text(index)
             logprobs = None
             if self.body.logprobs is not None:
-                logprobs = self.logprobs_block(result.output_ids, result.output_logprobs,
-                                               result.output_top_logprobs, len(echo))  # fmt: skip
-            choices.append({"index": index, "text": echo + result.text, "logprobs": logprobs,
-                            "finish_reason": result.finish_reason, "matched_stop": result.matched_stop})  # fmt: skip
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.state.args.model_name(), "choices": choices, "usage": self.usage(results)}  # fmt: skip
+                logprobs = self.logprobs_block(
+                    result.output_ids, result.output_logprobs, result.output_top_logprobs, len(echo)
+                )
+            choices.append(
+                {
+                    "index": index,
+                    "text": echo + result.text,
+                    "logprobs": logprobs,
+                    "finish_reason": result.finish_reason,
+                    "matched_stop": result.matched_stop,
+                }
+            )
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.state.args.model_name(),
+            "choices": choices,
+            "usage": self.usage(results),
+        }
 
     def first_chunks(self) -> list[dict[str, Any]]:
         if not self.body.echo:
             return []
-        return [self.chunk_envelope([{"index": i, "text": self.echo_text(i), "logprobs": None, "finish_reason": None}])
-                for i in range(len(self.streams))]  # fmt: skip
+        return [
+            self.chunk_envelope([{"index": i, "text": self.echo_text(i), "logprobs": None, "finish_reason": None}])
+            for i in range(len(self.streams))
+        ]
 
-    def chunk(self, index: int, delta_text: str, token_ids: list[int], logprobs: list[float],
-              top: list[Any], finish_reason: str | None) -> dict[str, Any]:  # fmt: skip
+    def chunk(
+        self,
+        index: int,
+        delta_text: str,
+        token_ids: list[int],
+        logprobs: list[float],
+        top: list[Any],
+        finish_reason: str | None,
+    ) -> dict[str, Any]:
         block = None
         if self.body.logprobs is not None:
             sent_before = len(self.streams[index].sent) - len(delta_text)
@@ -267,20 +318,46 @@ class ChatCall(OpenAICall):
         for index, result in enumerate(results):
             logprobs = None
             if self.body.logprobs:
-                logprobs = {"content": self.logprobs_content(result.output_ids, result.output_logprobs,
-                                                             result.output_top_logprobs)}  # fmt: skip
-            choices.append({"index": index, "message": {"role": "assistant", "content": result.text},
-                            "logprobs": logprobs, "finish_reason": result.finish_reason,
-                            "matched_stop": result.matched_stop})  # fmt: skip
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.state.args.model_name(), "choices": choices, "usage": self.usage(results)}  # fmt: skip
+                logprobs = {
+                    "content": self.logprobs_content(
+                        result.output_ids, result.output_logprobs, result.output_top_logprobs
+                    )
+                }
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": result.text},
+                    "logprobs": logprobs,
+                    "finish_reason": result.finish_reason,
+                    "matched_stop": result.matched_stop,
+                }
+            )
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.state.args.model_name(),
+            "choices": choices,
+            "usage": self.usage(results),
+        }
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        return [self.chunk_envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}]) for i in range(len(self.streams))]  # fmt: skip
+        return [
+            self.chunk_envelope(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            )
+            for i in range(len(self.streams))
+        ]
 
-    def chunk(self, index: int, delta_text: str, token_ids: list[int], logprobs: list[float],
-              top: list[Any], finish_reason: str | None) -> dict[str, Any]:  # fmt: skip
+    def chunk(
+        self,
+        index: int,
+        delta_text: str,
+        token_ids: list[int],
+        logprobs: list[float],
+        top: list[Any],
+        finish_reason: str | None,
+    ) -> dict[str, Any]:
         block = None
         if self.body.logprobs:
             block = {"content": self.logprobs_content(token_ids, logprobs, top)}

@@ -54,8 +54,9 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT,
-                                   description="put this request in its own cache namespace")  # fmt: skip
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=MAX_SALT, description="put this request in its own cache namespace"
+    )
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
@@ -123,8 +124,9 @@ class ChatCompletionRequest(_SamplingFields):
             content = message.content
             if isinstance(content, list):
                 content = "\n".join(part.text or "" for part in content)
-            messages.append({"role": "system" if message.role == "developer" else message.role,
-                             "content": content or ""})  # fmt: skip
+            messages.append(
+                {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+            )
         return messages
 
 
@@ -139,5 +141,9 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
-    extra_key: str | None = Field(None, min_length=1, max_length=MAX_SALT,
-                                  description="cache namespace: requests with different keys never share a prefix")  # fmt: skip
+    extra_key: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_SALT,
+        description="cache namespace: requests with different keys never share a prefix",
+    )

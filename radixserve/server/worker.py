@@ -20,8 +20,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from radixserve.core import GenerateResult, TopLogprobs
 from radixserve.engine import Engine
@@ -62,8 +63,13 @@ class Overloaded(RuntimeError):
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_in_flight: int = 1 << 30,
-                 events: KVEventPublisher | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: ServerMetrics | None = None,
+        max_in_flight: int = 1 << 30,
+        events: KVEventPublisher | None = None,
+    ) -> None:
         self.engine = engine
         self.events = events
         self.max_in_flight = max_in_flight
@@ -207,8 +213,13 @@ class EngineWorker:
         if self.metrics is not None:
             scheduler = self.scheduler
             snap = scheduler.snapshot()
-            self.metrics.on_step(len(scheduler.running), len(scheduler.waiting), float(snap["token_usage"]),  # type: ignore[arg-type]
-                                 scheduler.cache.evicted_tokens, scheduler.stats.retractions)  # fmt: skip
+            self.metrics.on_step(
+                len(scheduler.running),
+                len(scheduler.waiting),
+                float(snap["token_usage"]),  # type: ignore[arg-type]
+                scheduler.cache.evicted_tokens,
+                scheduler.stats.retractions,
+            )
 
     def _publish_events(self) -> None:
         log = self.scheduler.cache.events
@@ -243,10 +254,14 @@ class EngineWorker:
                 req.finish_reason = "abort"
             delta.result = result = req.result()
             if self.metrics is not None:
-                self.metrics.on_finish(result.prompt_tokens, result.cached_tokens, len(result.output_ids),
-                                       result.finish_reason, result.e2e_latency)  # fmt: skip
+                self.metrics.on_finish(
+                    result.prompt_tokens,
+                    result.cached_tokens,
+                    len(result.output_ids),
+                    result.finish_reason,
+                    result.e2e_latency,
+                )
         try:
             live.sink(delta)
         except Exception:  # the listener is gone (event loop closed): nothing to tell
             logger.debug("dropped a delta for request %d", req.rid, exc_info=True)
-

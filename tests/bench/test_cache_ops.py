@@ -16,7 +16,9 @@ def test_support_agent_is_seeded_and_embeds_earlier_replies() -> None:
     # A later turn of some user starts with an earlier prompt plus that prompt's reply.
     assert any(
         len(later.prompt) > len(early.prompt) + len(early.output)
-        and np.array_equal(later.prompt[: len(early.prompt) + len(early.output)], np.concatenate([early.prompt, early.output]))
+        and np.array_equal(
+            later.prompt[: len(early.prompt) + len(early.output)], np.concatenate([early.prompt, early.output])
+        )
         for i, early in enumerate(a)
         for later in a[i + 1 :]
     )

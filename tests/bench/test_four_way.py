@@ -13,9 +13,25 @@ GROUPS, PER_GROUP, SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 3, 3, 128, 16, 4
 
 
 def test_tiny_four_way_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--tiny", "--num-groups", str(GROUPS), "--prompts-per-group", str(PER_GROUP),
-          "--system-prompt-len", str(SYSTEM_LEN), "--question-len", str(QUESTION_LEN),
-          "--output-len", str(OUTPUT_LEN), "--max-total-tokens", "4096", "--output-dir", str(tmp_path)])  # fmt: skip
+    main(
+        [
+            "--tiny",
+            "--num-groups",
+            str(GROUPS),
+            "--prompts-per-group",
+            str(PER_GROUP),
+            "--system-prompt-len",
+            str(SYSTEM_LEN),
+            "--question-len",
+            str(QUESTION_LEN),
+            "--output-len",
+            str(OUTPUT_LEN),
+            "--max-total-tokens",
+            "4096",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     printed = capsys.readouterr().out
     table = printed[printed.index("run ") :]
     assert all(f"\n{name} " in table for name in RUNS)

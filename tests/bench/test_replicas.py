@@ -25,9 +25,23 @@ def test_cache_aware_beats_round_robin_on_support_agent_at_8_replicas() -> None:
 
 
 def test_simulate_replicas_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--workload", "rag", "--num-requests", "80", "--replicas", "2,4", "--router", "round-robin,cache-aware",
-          "--output-dir", str(tmp_path)])  # fmt: skip
+    main(
+        [
+            "--workload",
+            "rag",
+            "--num-requests",
+            "80",
+            "--replicas",
+            "2,4",
+            "--router",
+            "round-robin,cache-aware",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     assert "cache-aware" in capsys.readouterr().out
     rows = json.loads((tmp_path / "replicas-rag.json").read_text())
-    assert {(r["replicas"], r["router"]) for r in rows} == {(n, r) for n in (2, 4) for r in ("round-robin", "cache-aware")}
+    assert {(r["replicas"], r["router"]) for r in rows} == {
+        (n, r) for n in (2, 4) for r in ("round-robin", "cache-aware")
+    }
     assert (tmp_path / "replicas-rag.png").stat().st_size > 10_000

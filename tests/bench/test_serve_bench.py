@@ -21,8 +21,9 @@ GROUPS, PER_GROUP, SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 4, 5, 96, 16, 8
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[ServerProcess]:  # 256-token context
-    with ServerProcess("--enable-metrics", "--max-total-tokens", "8192", "--log-level", "warning",
-                       model_path=tiny_model_dir) as proc:  # fmt: skip
+    with ServerProcess(
+        "--enable-metrics", "--max-total-tokens", "8192", "--log-level", "warning", model_path=tiny_model_dir
+    ) as proc:
         yield proc
 
 
@@ -41,7 +42,9 @@ def assert_ordered(stats: LatencyStats) -> None:
 
 
 @pytest.mark.parametrize("max_concurrency", [None, 1])
-def test_figures_match_the_requests_and_the_servers_counters(server: ServerProcess, max_concurrency: int | None) -> None:
+def test_figures_match_the_requests_and_the_servers_counters(
+    server: ServerProcess, max_concurrency: int | None
+) -> None:
     requests = workload(server.url)
     result = run(server.url, requests, max_concurrency=max_concurrency)
     assert (result.completed, result.failed, result.errors) == (len(requests), 0, [])
@@ -54,7 +57,10 @@ def test_figures_match_the_requests_and_the_servers_counters(server: ServerProce
     assert result.cache_hit_rate == pytest.approx(result.total_cached_tokens / result.total_prompt_tokens)
     assert result.metrics_hit_rate == result.cache_hit_rate > 0
     assert (result.metrics_prompt_tokens, result.metrics_cached_tokens, result.metrics_generation_tokens) == (
-        result.total_prompt_tokens, result.total_cached_tokens, result.total_completion_tokens)  # fmt: skip
+        result.total_prompt_tokens,
+        result.total_cached_tokens,
+        result.total_completion_tokens,
+    )
     assert result.prefill_tokens == result.total_prompt_tokens - result.total_cached_tokens
     for stats in (result.ttft, result.itl, result.e2e):
         assert_ordered(stats)
@@ -96,8 +102,19 @@ def test_cli_replays_a_trace_at_its_timestamps_and_writes_json(
     save_trace(requests, tmp_path / "trace.jsonl")
     assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
     out = tmp_path / "out" / "result.json"
-    main(["--base-url", server.url, "--trace", str(tmp_path / "trace.jsonl"), "--use-trace-timestamps",
-          "--max-concurrency", "2", "--output", str(out)])  # fmt: skip
+    main(
+        [
+            "--base-url",
+            server.url,
+            "--trace",
+            str(tmp_path / "trace.jsonl"),
+            "--use-trace-timestamps",
+            "--max-concurrency",
+            "2",
+            "--output",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "Serving benchmark" in printed and "TTFT" in printed and "Cache hit rate (/metrics counters)" in printed
     report = json.loads(out.read_text())

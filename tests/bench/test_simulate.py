@@ -30,8 +30,14 @@ def run(requests: list[TraceRequest], cache: str, capacity: int, concurrency: in
 
 
 def test_future_index_next_use_and_shared_tail() -> None:
-    index = FutureIndex([(None, np.array([1, 2, 3, 4])), (None, np.array([1, 2, 9])), (None, np.array([1, 2, 3, 4])),
-                         ("ns", np.array([1, 2]))])  # fmt: skip
+    index = FutureIndex(
+        [
+            (None, np.array([1, 2, 3, 4])),
+            (None, np.array([1, 2, 9])),
+            (None, np.array([1, 2, 3, 4])),
+            ("ns", np.array([1, 2])),
+        ]
+    )
     assert index.next_use(None, np.array([1, 2]), now=0) == (1.0, 0)  # request 1 starts with [1, 2]
     assert index.next_use(None, np.array([1, 2, 3]), now=0) == (2.0, 2)  # [3, 4] is one node: users 0, 2
     assert index.next_use(None, np.array([1, 2, 3, 4]), now=2) == (math.inf, 2)
@@ -58,10 +64,16 @@ def test_belady_trims_a_leaf_tail_that_no_one_will_read() -> None:
 def test_bound_equals_every_policy_when_capacity_covers_the_working_set() -> None:
     rng = np.random.default_rng(3)
     shared = rng.integers(3, 1000, 40)
-    requests = [TraceRequest(np.concatenate([shared[: rng.integers(5, 40)], rng.integers(3, 1000, 10)]),
-                             rng.integers(3, 1000, 5)) for _ in range(60)]  # fmt: skip
+    requests = [
+        TraceRequest(
+            np.concatenate([shared[: rng.integers(5, 40)], rng.integers(3, 1000, 10)]), rng.integers(3, 1000, 5)
+        )
+        for _ in range(60)
+    ]
     capacity = working_set_tokens(requests) + 64  # + room for the one in-flight request's own copy
-    hits = {name: run(requests, name, capacity)[0] for name in DEFAULT_CACHES if "p16" not in name and name != "block-16"}
+    hits = {
+        name: run(requests, name, capacity)[0] for name in DEFAULT_CACHES if "p16" not in name and name != "block-16"
+    }
     bound = hits.pop("belady")
     assert hits.pop("none") == 0
     assert set(hits.values()) == {bound} and bound > 0
@@ -77,7 +89,9 @@ def small_traces(draw: st.DrawFn) -> tuple[list[TraceRequest], int, int]:
         cut = draw(st.integers(1, len(prefix)))
         tail = draw(st.lists(st.integers(3, 40), max_size=6))
         output = draw(st.lists(st.integers(3, 40), max_size=4))
-        requests.append(TraceRequest(np.asarray(prefix[:cut] + tail, dtype=np.int64), np.asarray(output, dtype=np.int64)))
+        requests.append(
+            TraceRequest(np.asarray(prefix[:cut] + tail, dtype=np.int64), np.asarray(output, dtype=np.int64))
+        )
     return requests, draw(st.integers(16, 120)), draw(st.integers(1, 3))
 
 
@@ -95,8 +109,22 @@ def test_no_policy_beats_the_bound(case: tuple[list[TraceRequest], int, int]) ->
 
 
 def test_simulate_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--workload", "rag", "--num-requests", "60", "--capacity-fraction", "0.25,1.0", "--concurrency", "4",
-          "--caches", "radix-lru-p1,radix-lru-p16,block-16,none,belady", "--output-dir", str(tmp_path)])  # fmt: skip
+    main(
+        [
+            "--workload",
+            "rag",
+            "--num-requests",
+            "60",
+            "--capacity-fraction",
+            "0.25,1.0",
+            "--concurrency",
+            "4",
+            "--caches",
+            "radix-lru-p1,radix-lru-p16,block-16,none,belady",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert "belady (bound)" in out and "radix-lru-p16" in out and "gap to bound" in out
     rows = json.loads((tmp_path / "simulate-rag.json").read_text())

@@ -11,9 +11,9 @@ import pytest
 
 from radixserve.bench.server_process import ServerProcess
 from radixserve.bench.soak import (
-    MiB,
     OUTCOMES,
     CallResult,
+    MiB,
     OutcomeCounts,
     check_leaks,
     check_outcomes,
@@ -22,24 +22,43 @@ from radixserve.bench.soak import (
 from radixserve.bench.soak_plan import ServerFacts, plan_calls
 
 REQUESTS, CONCURRENCY = 200, 50
-IDLE_CACHE = {"pool_tokens": 2048, "free_tokens": 1500, "cached_tokens": 548, "evictable_tokens": 548,
-              "protected_tokens": 0, "live_request_tokens": 0, "running_requests": 0, "waiting_requests": 0,
-              "invariants": "ok"}  # fmt: skip
+IDLE_CACHE = {
+    "pool_tokens": 2048,
+    "free_tokens": 1500,
+    "cached_tokens": 548,
+    "evictable_tokens": 548,
+    "protected_tokens": 0,
+    "live_request_tokens": 0,
+    "running_requests": 0,
+    "waiting_requests": 0,
+    "invariants": "ok",
+}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[ServerProcess]:  # 256-token context
     # 50 requests of up to ~60 tokens each do not fit in 2048 slots: eviction and retraction happen
-    with ServerProcess("--enable-metrics", "--max-total-tokens", "2048", "--log-level", "warning",
-                       model_path=tiny_model_dir) as proc:  # fmt: skip
+    with ServerProcess(
+        "--enable-metrics", "--max-total-tokens", "2048", "--log-level", "warning", model_path=tiny_model_dir
+    ) as proc:
         yield proc
 
 
 def test_a_ci_sized_soak_finds_no_leak_and_every_request_has_an_outcome(server: ServerProcess) -> None:
     assert server.proc is not None
-    report = asyncio.run(run_soak(server.url, requests=REQUESTS, concurrency=CONCURRENCY, duration=60,
-                                  disconnect_fraction=0.2, bad_fraction=0.1, abort_fraction=0.05, seed=1,
-                                  server_pid=server.proc.pid))  # fmt: skip
+    report = asyncio.run(
+        run_soak(
+            server.url,
+            requests=REQUESTS,
+            concurrency=CONCURRENCY,
+            duration=60,
+            disconnect_fraction=0.2,
+            bad_fraction=0.1,
+            abort_fraction=0.05,
+            seed=1,
+            server_pid=server.proc.pid,
+        )
+    )
     counts = report.counts
     assert report.ok, report.table() + "\n" + server.log()[-3000:]
     assert (report.problems, report.leaks, counts.unexpected) == ([], 0, 0)
@@ -61,7 +80,11 @@ def test_the_plan_has_the_asked_shares_and_depends_only_on_the_seed() -> None:
     calls = plan_calls(1000, facts, seed=3, **shares)
     kinds = [c.kind for c in calls]
     assert (kinds.count("disconnect"), kinds.count("bad"), kinds.count("abort"), kinds.count("normal")) == (
-        200, 100, 50, 650)  # fmt: skip
+        200,
+        100,
+        50,
+        650,
+    )
     assert calls == plan_calls(1000, facts, seed=3, **shares) != plan_calls(1000, facts, seed=4, **shares)
     normal = [c for c in calls if c.kind == "normal"]
     assert {c.label for c in normal} == {"completions", "chat", "generate"}
@@ -74,13 +97,16 @@ def test_the_leak_check_passes_an_idle_clean_server() -> None:
     assert check_leaks(IDLE_CACHE, rss_warm_bytes=400 * MiB, rss_end_bytes=460 * MiB) == []
 
 
-@pytest.mark.parametrize(("change", "expected"), [
-    ({"protected_tokens": 12}, "a lock is still held"),
-    ({"live_request_tokens": 40, "free_tokens": 1460}, "slots held with no request"),
-    ({"free_tokens": 1400}, "slots not conserved"),
-    ({"invariants": "broken: node 7 has lock_ref -1"}, "cache invariants: broken"),
-    ({"running_requests": 1}, "server not idle"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"protected_tokens": 12}, "a lock is still held"),
+        ({"live_request_tokens": 40, "free_tokens": 1460}, "slots held with no request"),
+        ({"free_tokens": 1400}, "slots not conserved"),
+        ({"invariants": "broken: node 7 has lock_ref -1"}, "cache invariants: broken"),
+        ({"running_requests": 1}, "server not idle"),
+    ],
+)
 def test_the_leak_check_reports_a_leaked_lock_or_slot(change: dict[str, Any], expected: str) -> None:
     problems = check_leaks({**IDLE_CACHE, **change}, rss_warm_bytes=None, rss_end_bytes=None)
     assert len(problems) >= 1 and any(expected in p for p in problems), problems

@@ -10,7 +10,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from radixserve.bench.traces import load_trace, save_trace, text_of, with_poisson_arrivals, working_set_tokens
-from radixserve.bench.workloads import WORKLOADS, TraceRequest, branching, fewshot_burst, generated_shared_prefix, make_workload, no_sharing, rag, support_agent
+from radixserve.bench.workloads import (
+    WORKLOADS,
+    TraceRequest,
+    branching,
+    fewshot_burst,
+    generated_shared_prefix,
+    make_workload,
+    no_sharing,
+    rag,
+    support_agent,
+)
 from radixserve.cache.key import common_prefix_len
 
 
@@ -47,7 +57,9 @@ def test_support_agent_shares_the_preamble_and_embeds_earlier_turns() -> None:
 
 
 def test_generated_shared_prefix_groups_share_exactly_the_system_prompt() -> None:
-    trace = generated_shared_prefix(num_groups=5, prompts_per_group=4, system_prompt_len=64, question_len=16, output_len=8)
+    trace = generated_shared_prefix(
+        num_groups=5, prompts_per_group=4, system_prompt_len=64, question_len=16, output_len=8
+    )
     assert len(trace) == 20
     assert all(len(r.prompt) == 80 and len(r.output) == 8 for r in trace)
     group = [int(r.prompt[0]) for r in trace]  # system prompts start with distinct tokens

@@ -9,8 +9,9 @@ queue is "ref-0 blocks sorted by tick".
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,8 +25,8 @@ from radixserve.cache.key import TokenArray
 from radixserve.cache.radix_check import check_slot_conservation
 from radixserve.memory import TokenAllocator
 from radixserve.memory.allocator import IndexArray
-from tests.machine_settings import machine_settings
 from tests.cache.helpers import serve, start, tokens
+from tests.machine_settings import machine_settings
 
 BlockKey = tuple[str | None, tuple[int, ...]]
 
@@ -306,7 +307,9 @@ class Reference:
     def unreachable_size(self) -> int:
         def reachable(key: BlockKey) -> bool:
             ns, prefix = key
-            return all((ns, prefix[:end]) in self.blocks for end in range(self.block_size, len(prefix), self.block_size))
+            return all(
+                (ns, prefix[:end]) in self.blocks for end in range(self.block_size, len(prefix), self.block_size)
+            )
 
         return sum(self.block_size for key in self.blocks if not reachable(key))
 

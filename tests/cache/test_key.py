@@ -24,7 +24,9 @@ def test_common_prefix_len_equals_brute_force_on_long_runs(shared: int, a_tail: 
     assert common_prefix_len(np.array(a, dtype=np.int64), np.array(b, dtype=np.int64)) == brute_force_prefix_len(a, b)
 
 
-@given(st.lists(st.integers(0, 2), max_size=40), st.lists(st.integers(0, 2), max_size=40), st.sampled_from([1, 2, 4, 16]))
+@given(
+    st.lists(st.integers(0, 2), max_size=40), st.lists(st.integers(0, 2), max_size=40), st.sampled_from([1, 2, 4, 16])
+)
 def test_match_rounds_down_to_page_size(a: list[int], b: list[int], page_size: int) -> None:
     expected = brute_force_prefix_len(a, b)
     assert RadixKey(a).match(RadixKey(b), page_size) == expected - expected % page_size

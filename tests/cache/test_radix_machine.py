@@ -19,8 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from radixserve.cache import EVICTION_POLICIES, CacheReq, KVEvent, RadixCache, RadixKey, TreeNode
 from radixserve.cache.radix_check import check_slot_conservation
 from radixserve.memory import TokenAllocator
-from tests.machine_settings import machine_settings
 from tests.cache.helpers import counter_clock
+from tests.machine_settings import machine_settings
 
 PageKey = tuple[str | None, tuple[int, ...]]
 
@@ -77,7 +77,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     def pages_of(self, ns: str | None, token_ids: np.ndarray) -> list[PageKey]:
         p = self.page_size
-        return [(ns, tuple(token_ids[: end].tolist())) for end in range(p, len(token_ids) - len(token_ids) % p + 1, p)]
+        return [(ns, tuple(token_ids[:end].tolist())) for end in range(p, len(token_ids) - len(token_ids) % p + 1, p)]
 
     def expected_match(self, ns: str | None, token_ids: np.ndarray) -> list[int]:
         slots: list[int] = []
@@ -111,8 +111,9 @@ class RadixMachine(RuleBasedStateMachine):
                 continue
             for page in reversed(pages):
                 assert page not in locked, f"evicted a locked page {page}"
-                assert not any(k[0] == page[0] and len(k[1]) > len(page[1]) and k[1][: len(page[1])] == page[1]
-                               for k in self.model), "evicted a page that still had cached descendants"
+                assert not any(
+                    k[0] == page[0] and len(k[1]) > len(page[1]) and k[1][: len(page[1])] == page[1] for k in self.model
+                ), "evicted a page that still had cached descendants"
                 del self.model[page], self.hits[page], self.priority[page]
             removed.append(pages[0])
         if self.expected_victims is not None:

@@ -165,8 +165,11 @@ def test_default_model_is_smollm2() -> None:
     assert os.path.isfile(path) and path.endswith(".gguf")
     config, tensors = load_gguf(path)
     assert (config.architecture, config.num_layers, config.hidden_size, config.intermediate_size) == (
-        "llama", 30, 576, 1536,
-    )  # fmt: skip
+        "llama",
+        30,
+        576,
+        1536,
+    )
     assert (config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size) == (9, 3, 64, 49152)
     assert config.rope_theta == 100_000.0 and config.rope_scaling is None and config.rms_norm_eps == 1e-5
     assert config.tie_word_embeddings and "lm_head.weight" not in tensors

@@ -18,7 +18,10 @@ from radixserve.model.llama import LlamaForCausalLM
 from tests.model.tiny import alloc, build_hf_model, load_ours, make_batch, make_pool
 
 LLAMA3_ROPE = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
 }
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -30,8 +33,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_rope_llama3": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500_000.0}),
     "llama_rope_linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     # max_position_embeddings 16: the 24-token prompt and the generation run past it.
-    "llama_rope_dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
-                                     "max_position_embeddings": 16}),
+    "llama_rope_dynamic": (
+        "llama",
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 16},
+    ),
 }
 
 
@@ -85,8 +90,12 @@ def test_greedy_generation_matches_hf(models: dict[str, tuple[Any, Path]], case:
     ids = prompt(10, seed=2)
     with torch.no_grad():
         generated = hf_model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, 10, dtype=torch.int64),
-            do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=0,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, 10, dtype=torch.int64),
+            do_sample=False,
+            max_new_tokens=20,
+            eos_token_id=None,
+            pad_token_id=0,
         )
     expected = generated[0, 10:].tolist()
     assert len(expected) == 20

@@ -167,9 +167,7 @@ OTHERS: list[dict[str, Any]] = [  # companions that use every path the target do
 ]
 
 
-def run_steps(
-    params: dict[str, Any], companions: list[dict[str, Any]], position: int, steps: int = 12
-) -> list[int]:
+def run_steps(params: dict[str, Any], companions: list[dict[str, Any]], position: int, steps: int = 12) -> list[int]:
     """The tokens one request draws over ``steps``, batched with ``companions`` at ``position``."""
     vocab = 64
     target = state((1, 2, 3), **params)

@@ -7,7 +7,6 @@ norm or a dropped bias shows in the logits (HF inits them to ones and zeros).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -25,6 +24,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.hf_loader import load_hf_folder
 from radixserve.model.llama import LlamaForCausalLM
+
 
 def load_ours(folder: Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     config, state_dict = load_hf_folder(folder)
@@ -51,8 +51,11 @@ def make_batch(mode: str, items: list[tuple[list[int], torch.Tensor]]) -> Forwar
         out_slots.append(context[prefix_len:])
     return ForwardBatch(
         mode,  # type: ignore[arg-type]
-        torch.cat(ids), torch.cat(positions), torch.cat(out_slots),
-        [context for _, context in items], [len(new_ids) for new_ids, _ in items],
+        torch.cat(ids),
+        torch.cat(positions),
+        torch.cat(out_slots),
+        [context for _, context in items],
+        [len(new_ids) for new_ids, _ in items],
     )
 
 
@@ -60,4 +63,3 @@ def alloc(allocator: TokenAllocator, num_tokens: int) -> torch.Tensor:
     slots = allocator.alloc(num_tokens)
     assert slots is not None, "test pool too small"
     return torch.from_numpy(slots)
-

@@ -48,15 +48,25 @@ def echo_app() -> FastAPI:
 
     @app.get("/echo")
     async def echo_get(request: Request) -> JSONResponse:
-        return JSONResponse({"method": request.method, "path": request.url.path, "query": dict(request.query_params),
-                             "x_trace": request.headers.get("x-trace"),
-                             "client": list(request.client) if request.client else None},  # fmt: skip
-                            headers={"X-Reply": "yes"})
+        return JSONResponse(
+            {
+                "method": request.method,
+                "path": request.url.path,
+                "query": dict(request.query_params),
+                "x_trace": request.headers.get("x-trace"),
+                "client": list(request.client) if request.client else None,
+            },
+            headers={"X-Reply": "yes"},
+        )
 
     @app.post("/items", status_code=201)
     async def create(item: Item, request: Request) -> dict[str, Any]:
-        return {"name": item.name, "double": 2 * item.count, "raw_len": len(await request.body()),
-                "auth": request.headers.get("authorization")}  # fmt: skip
+        return {
+            "name": item.name,
+            "double": 2 * item.count,
+            "raw_len": len(await request.body()),
+            "auth": request.headers.get("authorization"),
+        }
 
     return app
 
@@ -149,16 +159,22 @@ def test_get_passes_path_query_headers_and_client_and_returns_the_head_first() -
         assert isinstance(head, dict) and set(head) == {"status", "headers"}
         assert head["status"] == 200
         assert ("x-reply", "yes") in head["headers"] and ("content-type", "application/json") in head["headers"]
-        assert json.loads(body) == {"method": "GET", "path": "/echo", "query": {"a": "1", "b": "two"},
-                                    "x_trace": "t-42", "client": ["10.0.0.7", 5123]}  # fmt: skip
+        assert json.loads(body) == {
+            "method": "GET",
+            "path": "/echo",
+            "query": {"a": "1", "b": "two"},
+            "x_trace": "t-42",
+            "client": ["10.0.0.7", 5123],
+        }
 
     run(main)
 
 
 def test_post_json_round_trip() -> None:
     payload = json.dumps({"name": "w7", "count": 21}).encode()
-    call = HTTPCall("POST", "/items", headers=(("content-type", "application/json"), ("authorization", "Bearer k")),
-                    body=payload)  # fmt: skip
+    call = HTTPCall(
+        "POST", "/items", headers=(("content-type", "application/json"), ("authorization", "Bearer k")), body=payload
+    )
 
     async def main() -> None:
         head, body = await collect(ASGIBridge(echo_app()), call)
@@ -285,8 +301,9 @@ def test_concurrent_streams_do_not_mix() -> None:
 
     async def main() -> None:
         bridge = ASGIBridge(app)
-        (_, a), (_, b) = await asyncio.gather(collect(bridge, HTTPCall("GET", "/count/a")),
-                                              collect(bridge, HTTPCall("GET", "/count/b")))  # fmt: skip
+        (_, a), (_, b) = await asyncio.gather(
+            collect(bridge, HTTPCall("GET", "/count/a")), collect(bridge, HTTPCall("GET", "/count/b"))
+        )
         assert a == b"a0a1a2a3a4" and b == b"b0b1b2b3b4"
 
     run(main)

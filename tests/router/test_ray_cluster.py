@@ -37,8 +37,13 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = ServerArgs(engine=EngineConfig(model_path=str(model), max_total_tokens=8192),
-                          replicas=2, router_abs_threshold=3, router_rel_threshold=1.5, log_level="warning")  # fmt: skip
+        args = ServerArgs(
+            engine=EngineConfig(model_path=str(model), max_total_tokens=8192),
+            replicas=2,
+            router_abs_threshold=3,
+            router_rel_threshold=1.5,
+            log_level="warning",
+        )
         serve.run(build_application(args, replica_cpus=1.0), name=APP_NAME, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: len(router(url)["replicas"]) == 2, "two replicas in the router")
@@ -105,8 +110,11 @@ def flush(url: str) -> None:
 
 
 def idle(url: str) -> bool:
-    return all(c["running_requests"] == c["waiting_requests"] == c["protected_tokens"] == c["live_request_tokens"] == 0
-               and c["invariants"] == "ok" for c in caches(url).values())  # fmt: skip
+    return all(
+        c["running_requests"] == c["waiting_requests"] == c["protected_tokens"] == c["live_request_tokens"] == 0
+        and c["invariants"] == "ok"
+        for c in caches(url).values()
+    )
 
 
 def kill_actor(full_id: str) -> None:
@@ -119,7 +127,7 @@ def test_a_shared_prefix_sticks_to_the_replica_that_holds_it(front: str) -> None
     first, out = went_to(front, lambda: complete(front, f"{WORDS} question 0"))
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     for i in range(1, 6):
-        replica, out = went_to(front, lambda: complete(front, f"{WORDS} question {i}"))
+        replica, out = went_to(front, lambda i=i: complete(front, f"{WORDS} question {i}"))
         assert replica == first
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 200
     state = router(front)
@@ -137,8 +145,9 @@ def test_an_imbalanced_burst_spills_to_the_other_replica(front: str) -> None:
     async def burst() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(timeout=120) as client:
             body = {"model": MODEL, "max_tokens": 1500, "ignore_eos": True}  # long enough to pile up
-            calls = [client.post(front + "/v1/completions", json={**body, "prompt": f"{WORDS} burst {i}"})
-                     for i in range(16)]  # fmt: skip
+            calls = [
+                client.post(front + "/v1/completions", json={**body, "prompt": f"{WORDS} burst {i}"}) for i in range(16)
+            ]
             responses = await asyncio.gather(*calls)
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
         return [r.json() for r in responses]
@@ -230,4 +239,3 @@ def test_a_restarted_replica_is_survived(front: str) -> None:
         assert out["choices"][0]["finish_reason"] == "length"
     wait_for(lambda: idle(front), "idle after the restart")
     assert len(caches(front)) == 2
-

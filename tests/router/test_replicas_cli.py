@@ -28,8 +28,12 @@ def test_serve_replicas_from_the_command_line(tiny_model_dir: Path) -> None:
         system = {"role": "system", "content": " ".join(f"w{i}" for i in range(3, 90))}
         usages = []
         for question in ("w5 w6", "w7 w8", "w9 w10"):
-            reply = client.chat.completions.create(model="tiny-llama", max_tokens=4, extra_body={"ignore_eos": True},
-                                                   messages=[system, {"role": "user", "content": question}])  # fmt: skip
+            reply = client.chat.completions.create(
+                model="tiny-llama",
+                max_tokens=4,
+                extra_body={"ignore_eos": True},
+                messages=[system, {"role": "user", "content": question}],
+            )
             assert reply.choices[0].finish_reason == "length"
             assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
             usages.append(reply.usage.prompt_tokens_details.cached_tokens)

@@ -108,8 +108,12 @@ def test_completion_batch_of_token_lists_routes_by_the_first(plain: Front) -> No
 
 
 def test_chat_tokens_are_the_replicas_chat_template(roles: Front) -> None:
-    payload = chat(("developer", "w20 w21"), ("user", "w40 w41"), ("assistant", "w42"),
-                   ("user", [{"type": "text", "text": "w43"}, {"type": "text", "text": "w44"}]))  # fmt: skip
+    payload = chat(
+        ("developer", "w20 w21"),
+        ("user", "w40 w41"),
+        ("assistant", "w42"),
+        ("user", [{"type": "text", "text": "w43"}, {"type": "text", "text": "w44"}]),
+    )
     key = roles.key("/v1/chat/completions", payload)
     # What ChatCall.begin tokenizes: the request's template_messages() through the chat template.
     replica_ids = roles.tokenizer.apply_chat_template(ChatCompletionRequest.model_validate(payload).template_messages())
@@ -224,8 +228,19 @@ def test_shared_heads_under_tenant_isolation(chat_dir: Path) -> None:
         ("/v1/models", b""),
         ("/v1/completions/", json.dumps({"model": MODEL, "prompt": "w40"}).encode()),
     ],
-    ids=["bad-json", "empty-body", "truncated-json", "no-model", "no-messages", "empty-messages", "string-max-tokens",
-         "native-unknown-field", "health", "models", "trailing-slash"],  # fmt: skip
+    ids=[
+        "bad-json",
+        "empty-body",
+        "truncated-json",
+        "no-model",
+        "no-messages",
+        "empty-messages",
+        "string-max-tokens",
+        "native-unknown-field",
+        "health",
+        "models",
+        "trailing-slash",
+    ],
 )
 def test_invalid_or_non_generation_calls_give_none(plain: Front, path: str, body: bytes) -> None:
     assert plain.key(path, body) is None
@@ -244,8 +259,13 @@ def test_a_template_error_gives_none(roles: Front) -> None:
 CONFIGS: dict[str, dict[str, Any]] = {
     "plain": {},
     "heads": {"shared_system_prompts": ("w20 w21",), "shared_prefixes": ("w30 w31",)},
-    "isolated": {"api_keys": (KEY_A, KEY_B), "tenant_isolation": True, "admin_api_key": ROOT,
-                 "shared_system_prompts": ("w20 w21",), "shared_prefixes": ("w30 w31",)},  # fmt: skip
+    "isolated": {
+        "api_keys": (KEY_A, KEY_B),
+        "tenant_isolation": True,
+        "admin_api_key": ROOT,
+        "shared_system_prompts": ("w20 w21",),
+        "shared_prefixes": ("w30 w31",),
+    },
     "by-header": {"tenant_header": "x-tenant", "tenant_isolation": True},
 }
 COMPLETION = {"model": MODEL, "prompt": "w30 w31 w40"}
@@ -256,25 +276,48 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], bool]] = [
     ("completion-ids", "plain", "/v1/completions", {"model": MODEL, "prompt": [7, 8, 9]}, {}, True),
     ("completion-id-batch", "plain", "/v1/completions", {"model": MODEL, "prompt": [[7, 8], [9]]}, {}, True),
     ("completion-salt", "plain", "/v1/completions", {**COMPLETION, "cache_salt": "s1"}, {}, True),
-    ("chat-developer-parts", "plain", "/v1/chat/completions",
-     chat(("developer", "w20"), ("user", [{"type": "text", "text": "w40"}, {"type": "text", "text": "w41"}])),
-     {}, True),  # fmt: skip
+    (
+        "chat-developer-parts",
+        "plain",
+        "/v1/chat/completions",
+        chat(("developer", "w20"), ("user", [{"type": "text", "text": "w40"}, {"type": "text", "text": "w41"}])),
+        {},
+        True,
+    ),
     ("chat-salt", "plain", "/v1/chat/completions", chat(("user", "w40"), cache_salt="s2"), {}, True),
     ("generate-text", "plain", "/generate", {"text": "w50 w51"}, {}, True),
     ("generate-texts", "plain", "/generate", {"text": ["w52", "w53"]}, {}, True),
     ("generate-ids", "plain", "/generate", {"input_ids": [11, 12, 13]}, {}, True),
     ("generate-id-batch", "plain", "/generate", {"input_ids": [[14, 15], [16]]}, {}, True),
     ("generate-extra-key", "plain", "/generate", {"text": "w50", "extra_key": "s1"}, {}, True),
-    ("heads-system-salt", "heads", "/v1/chat/completions", chat(("system", "w20 w21"), ("user", "w40"), cache_salt="s"),
-     {}, True),  # fmt: skip
-    ("heads-developer-salt", "heads", "/v1/chat/completions",
-     chat(("developer", "w20 w21"), ("user", "w40"), cache_salt="s"), {}, True),
+    (
+        "heads-system-salt",
+        "heads",
+        "/v1/chat/completions",
+        chat(("system", "w20 w21"), ("user", "w40"), cache_salt="s"),
+        {},
+        True,
+    ),
+    (
+        "heads-developer-salt",
+        "heads",
+        "/v1/chat/completions",
+        chat(("developer", "w20 w21"), ("user", "w40"), cache_salt="s"),
+        {},
+        True,
+    ),
     ("heads-prefix-salt", "heads", "/v1/completions", {**COMPLETION, "cache_salt": "s"}, {}, True),
     ("heads-no-salt", "heads", "/v1/completions", COMPLETION, {}, True),
     ("tenant-a", "isolated", "/v1/completions", COMPLETION, bearer(KEY_A), True),
     ("tenant-b-salt", "isolated", "/v1/completions", {**COMPLETION, "cache_salt": "s"}, bearer(KEY_B), True),
-    ("tenant-a-chat", "isolated", "/v1/chat/completions", chat(("system", "w20 w21"), ("user", "w40")), bearer(KEY_A),
-     True),  # fmt: skip
+    (
+        "tenant-a-chat",
+        "isolated",
+        "/v1/chat/completions",
+        chat(("system", "w20 w21"), ("user", "w40")),
+        bearer(KEY_A),
+        True,
+    ),
     ("tenant-a-generate", "isolated", "/generate", {"text": "w30 w31 w9", "extra_key": "k"}, bearer(KEY_A), True),
     ("admin", "isolated", "/v1/completions", {**COMPLETION, "cache_salt": "s"}, bearer(ROOT), True),
     ("bad-key", "isolated", "/v1/completions", COMPLETION, bearer("not-a-key"), False),
@@ -293,13 +336,15 @@ def engine(chat_dir: Path) -> Engine:
     return Engine(model_path=str(chat_dir), max_total_tokens=256, device="cpu", num_threads=1)
 
 
-def replica_request(engine: Engine, args: ServerArgs, call: HTTPCall,
-                    monkeypatch: pytest.MonkeyPatch) -> tuple[int, RouteKey | None]:  # fmt: skip
+def replica_request(
+    engine: Engine, args: ServerArgs, call: HTTPCall, monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, RouteKey | None]:
     """The status the server app answers ``call`` with, and its first request's (ids, extra_key, shared_len)."""
     seen: list[RouteKey] = []
 
-    def record(prompt: Any, params: Any, extra_key: str | None = None, arrival_time: float | None = None,
-               shared_len: int = 0) -> Any:  # fmt: skip
+    def record(
+        prompt: Any, params: Any, extra_key: str | None = None, arrival_time: float | None = None, shared_len: int = 0
+    ) -> Any:
         seen.append(RouteKey(tuple(int(t) for t in prompt), extra_key, shared_len))
         raise ValueError("recorded by the test; nothing is queued")
 
@@ -319,11 +364,19 @@ def replica_request(engine: Engine, args: ServerArgs, call: HTTPCall,
     return code, seen[0] if seen else None
 
 
-@pytest.mark.parametrize(("config", "path", "payload", "headers", "reaches_engine"), [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])  # fmt: skip
-def test_the_route_key_is_what_the_replica_computes(engine: Engine, chat_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    config: str, path: str, payload: Any, headers: dict[str, str],
-                                                    reaches_engine: bool) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("config", "path", "payload", "headers", "reaches_engine"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_the_route_key_is_what_the_replica_computes(
+    engine: Engine,
+    chat_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    config: str,
+    path: str,
+    payload: Any,
+    headers: dict[str, str],
+    reaches_engine: bool,
+) -> None:
     args = ServerArgs(engine=EngineConfig(model_path=str(chat_dir)), **CONFIGS[config])
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     method = "GET" if path == "/health" else "POST"
@@ -339,8 +392,9 @@ def test_the_route_key_is_what_the_replica_computes(engine: Engine, chat_dir: Pa
         assert status in (400, 401, 422), status
 
 
-def test_the_replica_check_sees_a_wrong_namespace(engine: Engine, chat_dir: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_the_replica_check_sees_a_wrong_namespace(
+    engine: Engine, chat_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The oracle itself can fail: a front that forgot the tenant (no isolation) disagrees with the replica."""
     isolated = ServerArgs(engine=EngineConfig(model_path=str(chat_dir)), **CONFIGS["isolated"])
     body = json.dumps(COMPLETION).encode()

@@ -133,7 +133,8 @@ def test_routed_to_an_unknown_replica_or_with_a_target_is_not_in_flight(table: R
 
 
 def test_a_request_counts_in_flight_from_the_decision_and_moves_when_it_spills(
-        table: RoutingTable, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    table: RoutingTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert table.choose(["a", "b"], key([1]), request_id="r1") == [["a"], ["b"]]
     assert table.load("a", None) == 1  # before any confirmation: a burst does not all go to "a"
     assert table.choose(["a", "b"], RouteKey((5, 6, 7)), request_id="r2") == [["b"], ["a"]]  # no match: b
@@ -264,8 +265,11 @@ class Replica:
         self.publisher.publish(self.cache.events.drain())
 
     def metadata(self) -> dict[str, Any]:
-        return {"kv_events_endpoint": self.publisher.endpoint,
-                "kv_events_replay_endpoint": self.publisher.replay_endpoint, "kv_events_block_size": BLOCK}  # fmt: skip
+        return {
+            "kv_events_endpoint": self.publisher.endpoint,
+            "kv_events_replay_endpoint": self.publisher.replay_endpoint,
+            "kv_events_block_size": BLOCK,
+        }
 
 
 @pytest.fixture
@@ -381,10 +385,19 @@ def test_metadata_that_arrives_later_upgrades_the_view_to_precise(replica: Repli
 # ---- common_prefix_len ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("a,b,n", [
-    ((), (), 0), ((), (1, 2), 0), ((1, 2, 3), (1, 2, 3), 3), ((1, 2, 3), (1, 2, 4), 2),
-    ((1, 2), (1, 2, 3), 2), ((1, 2, 3), (1,), 1), ((5,), (6,), 0), ((0, 1), (1, 0), 0),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "a,b,n",
+    [
+        ((), (), 0),
+        ((), (1, 2), 0),
+        ((1, 2, 3), (1, 2, 3), 3),
+        ((1, 2, 3), (1, 2, 4), 2),
+        ((1, 2), (1, 2, 3), 2),
+        ((1, 2, 3), (1,), 1),
+        ((5,), (6,), 0),
+        ((0, 1), (1, 0), 0),
+    ],
+)
 def test_common_prefix_len(a: tuple[int, ...], b: tuple[int, ...], n: int) -> None:
     assert common_prefix_len(a, b) == n == common_prefix_len(b, a)
 

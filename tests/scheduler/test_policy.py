@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -37,8 +37,7 @@ def fresh(n: int) -> np.ndarray:
 
 def req(*parts: np.ndarray, max_new: int = 16, arrival: float = 0.0, **fields: object) -> Request:
     prompt = np.concatenate(parts) if parts else fresh(8)
-    return Request(next(_next_rid), prompt, SamplingParams(max_new_tokens=max_new), arrival_time=arrival,
-                   **fields)  # type: ignore[arg-type]  # fmt: skip
+    return Request(next(_next_rid), prompt, SamplingParams(max_new_tokens=max_new), arrival_time=arrival, **fields)  # type: ignore[arg-type]
 
 
 def radix(page_size: int = 1, size: int = 1 << 16) -> RadixCache:

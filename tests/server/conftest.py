@@ -16,8 +16,9 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
-    with ServerProcess("--enable-metrics", "--max-total-tokens", "4096", "--log-level", "warning",
-                       model_path=tiny_model_dir) as proc:  # fmt: skip
+    with ServerProcess(
+        "--enable-metrics", "--max-total-tokens", "4096", "--log-level", "warning", model_path=tiny_model_dir
+    ) as proc:
         yield proc
 
 

@@ -7,8 +7,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL, assert_idle_and_conserved
 from radixserve.bench.server_process import ServerProcess
+from tests.server.conftest import MODEL, assert_idle_and_conserved
 
 OK_COMPLETION = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 2}
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
@@ -22,13 +22,39 @@ CASES: list[tuple[str, str, str, Any, int, tuple[str, ...]]] = [
     ("max_tokens as a string", "POST", "/v1/completions", {**OK_COMPLETION, "max_tokens": "5"}, 400, ("max_tokens",)),
     ("n as a bool", "POST", "/v1/completions", {**OK_COMPLETION, "n": True}, 400, ("n",)),
     ("messages not a list", "POST", "/v1/chat/completions", {**OK_CHAT, "messages": "hi"}, 400, ("messages",)),
-    ("bad role", "POST", "/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "x", "content": "w5"}]}, 400, ("role",)),
+    (
+        "bad role",
+        "POST",
+        "/v1/chat/completions",
+        {**OK_CHAT, "messages": [{"role": "x", "content": "w5"}]},
+        400,
+        ("role",),
+    ),
     ("negative max_tokens", "POST", "/v1/completions", {**OK_COMPLETION, "max_tokens": -1}, 400, ("max_tokens",)),
-    ("absurd max_tokens", "POST", "/v1/completions", {**OK_COMPLETION, "max_tokens": 10**9}, 400,
-     ("256", "1000000002", "2 in the prompt")),
-    ("prompt beyond the context", "POST", "/v1/completions", {**OK_COMPLETION, "prompt": TOO_LONG}, 400, ("256", "300")),
-    ("chat beyond the context", "POST", "/v1/chat/completions",
-     {**OK_CHAT, "messages": [{"role": "user", "content": TOO_LONG}]}, 400, ("256", "302")),
+    (
+        "absurd max_tokens",
+        "POST",
+        "/v1/completions",
+        {**OK_COMPLETION, "max_tokens": 10**9},
+        400,
+        ("256", "1000000002", "2 in the prompt"),
+    ),
+    (
+        "prompt beyond the context",
+        "POST",
+        "/v1/completions",
+        {**OK_COMPLETION, "prompt": TOO_LONG},
+        400,
+        ("256", "300"),
+    ),
+    (
+        "chat beyond the context",
+        "POST",
+        "/v1/chat/completions",
+        {**OK_CHAT, "messages": [{"role": "user", "content": TOO_LONG}]},
+        400,
+        ("256", "302"),
+    ),
     ("empty prompt", "POST", "/v1/completions", {**OK_COMPLETION, "prompt": ""}, 400, ("empty",)),
     ("empty token prompt", "POST", "/v1/completions", {**OK_COMPLETION, "prompt": []}, 400, ("empty",)),
     ("no messages", "POST", "/v1/chat/completions", {**OK_CHAT, "messages": []}, 400, ("messages",)),
@@ -39,20 +65,57 @@ CASES: list[tuple[str, str, str, Any, int, tuple[str, ...]]] = [
     ("n zero", "POST", "/v1/completions", {**OK_COMPLETION, "n": 0}, 400, ("n",)),
     ("logit_bias", "POST", "/v1/completions", {**OK_COMPLETION, "logit_bias": {"5": 10}}, 400, ("logit_bias",)),
     ("tools", "POST", "/v1/chat/completions", {**OK_CHAT, "tools": [{"type": "function"}]}, 400, ("tool",)),
-    ("image content", "POST", "/v1/chat/completions",
-     {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, ("image_url",)),
-    ("json response_format", "POST", "/v1/chat/completions", {**OK_CHAT, "response_format": {"type": "json_object"}},
-     400, ("response_format",)),
-    ("too many top_logprobs", "POST", "/v1/chat/completions", {**OK_CHAT, "logprobs": True, "top_logprobs": 50}, 400,
-     ("top_logprobs",)),
+    (
+        "image content",
+        "POST",
+        "/v1/chat/completions",
+        {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        ("image_url",),
+    ),
+    (
+        "json response_format",
+        "POST",
+        "/v1/chat/completions",
+        {**OK_CHAT, "response_format": {"type": "json_object"}},
+        400,
+        ("response_format",),
+    ),
+    (
+        "too many top_logprobs",
+        "POST",
+        "/v1/chat/completions",
+        {**OK_CHAT, "logprobs": True, "top_logprobs": 50},
+        400,
+        ("top_logprobs",),
+    ),
     ("native: text and input_ids", "POST", "/generate", {"text": "w5", "input_ids": [5]}, 400, ("exactly one",)),
-    ("native: unknown sampling param", "POST", "/generate", {"text": "w5", "sampling_params": {"temprature": 0}}, 400,
-     ("temprature",)),
+    (
+        "native: unknown sampling param",
+        "POST",
+        "/generate",
+        {"text": "w5", "sampling_params": {"temprature": 0}},
+        400,
+        ("temprature",),
+    ),
     ("native: unknown field", "POST", "/generate", {"text": "w5", "max_tokens": 3}, 400, ("max_tokens",)),
     ("native: empty input_ids", "POST", "/generate", {"input_ids": []}, 400, ("empty",)),
-    ("native: bad sampling value", "POST", "/generate", {"text": "w5", "sampling_params": {"top_k": 0}}, 400, ("top_k",)),
-    ("native: params count", "POST", "/generate", {"text": ["w5", "w6"], "sampling_params": [{}]}, 400, ("1 sampling",)),
+    (
+        "native: bad sampling value",
+        "POST",
+        "/generate",
+        {"text": "w5", "sampling_params": {"top_k": 0}},
+        400,
+        ("top_k",),
+    ),
+    (
+        "native: params count",
+        "POST",
+        "/generate",
+        {"text": ["w5", "w6"], "sampling_params": [{}]},
+        400,
+        ("1 sampling",),
+    ),
     ("GET on a POST endpoint", "GET", "/v1/completions", None, 405, ()),
     ("unknown path", "GET", "/v2/nothing", None, 404, ()),
     ("cache: top out of range", "GET", "/cache?top=1000", None, 400, ("top",)),
@@ -64,8 +127,11 @@ def test_bad_input_is_a_4xx_error_and_changes_nothing(
     server: ServerProcess, name: str, method: str, path: str, body: Any, status: int, words: tuple[str, ...]
 ) -> None:
     before = assert_idle_and_conserved(server.url)
-    kwargs: dict[str, Any] = {"content": body, "headers": {"content-type": "application/json"}} \
-        if isinstance(body, bytes) else ({"json": body} if body is not None else {})  # fmt: skip
+    kwargs: dict[str, Any] = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else ({"json": body} if body is not None else {})
+    )
     response = httpx.request(method, server.url + path, timeout=30, **kwargs)
     assert response.status_code == status, response.text
     error = response.json()["error"]

@@ -45,28 +45,84 @@ VOCAB, CONTEXT = 128, 256  # the tiny model's
 TIMEOUT = 60.0  # per request: a dead scheduler shows as a timeout, not a hung test run
 
 # Values where validation tends to have holes: int64 / uint64 / float32 limits, NaN, wrong types.
-ODD: st.SearchStrategy[Any] = st.sampled_from([0, -1, 2**63, 2**64, -(2**63) - 1, 1.5, 1e-50, 5e-324, 1e300, math.nan,
-                                               math.inf, -math.inf, True, "", "1", None, [], [1], [""], {}])  # fmt: skip
+ODD: st.SearchStrategy[Any] = st.sampled_from(
+    [
+        0,
+        -1,
+        2**63,
+        2**64,
+        -(2**63) - 1,
+        1.5,
+        1e-50,
+        5e-324,
+        1e300,
+        math.nan,
+        math.inf,
+        -math.inf,
+        True,
+        "",
+        "1",
+        None,
+        [],
+        [1],
+        [""],
+        {},
+    ]
+)
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | ODD
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
-                    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=10)  # fmt: skip
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10,
+)
 VALUES = ODD | SCALARS | JSON  # a field's value: odd values a third of the time
 PARAM_NAMES = [f.name for f in dataclasses.fields(SamplingParams)]
-SAMPLING_DICTS = st.dictionaries(st.sampled_from(PARAM_NAMES), VALUES, min_size=1, max_size=2) \
-    | st.dictionaries(st.text(max_size=6), JSON, max_size=2)  # fmt: skip
+SAMPLING_DICTS = st.dictionaries(st.sampled_from(PARAM_NAMES), VALUES, min_size=1, max_size=2) | st.dictionaries(
+    st.text(max_size=6), JSON, max_size=2
+)
 
 COMPLETION = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 2}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
 NATIVE = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
 VALID: dict[str, dict[str, Any]] = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/generate": NATIVE}
 FIELDS = {
-    "/v1/completions": ["prompt", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
-                        "stream", "echo", "logprobs", "repetition_penalty", "stop_token_ids", "cache_salt"],
-    "/v1/chat/completions": ["messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                             "top_k", "stop", "seed", "stream", "stream_options", "logprobs", "top_logprobs",
-                             "presence_penalty", "frequency_penalty", "response_format"],
+    "/v1/completions": [
+        "prompt",
+        "n",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "seed",
+        "stream",
+        "echo",
+        "logprobs",
+        "repetition_penalty",
+        "stop_token_ids",
+        "cache_salt",
+    ],
+    "/v1/chat/completions": [
+        "messages",
+        "n",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop",
+        "seed",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "top_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "response_format",
+    ],
     "/generate": ["text", "input_ids", "stream", "return_logprob", "top_logprobs_num", "extra_key"],
-}  # fmt: skip
+}
 
 
 # ---- the property every HTTP answer must have -------------------------------------------------
@@ -112,8 +168,9 @@ class Target:
         raw = body if isinstance(body, bytes) else json.dumps(body, allow_nan=True).encode()
 
         def call() -> Answer:
-            response = httpx.post(self.server.url + path, content=raw, timeout=TIMEOUT,
-                                  headers={"content-type": "application/json"})  # fmt: skip
+            response = httpx.post(
+                self.server.url + path, content=raw, timeout=TIMEOUT, headers={"content-type": "application/json"}
+            )
             return response.status_code, response.headers.get("content-type", ""), response.content
 
         self.send(f"POST {path} {raw[:600]!r}", call)
@@ -152,8 +209,17 @@ def target(module_target: Target) -> Iterator[Target]:
 
 # ---- schemathesis: every operation of the schema ---------------------------------------------
 
-OPERATIONS = ["GET /health", "GET /server_info", "GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions",
-              "POST /generate", "GET /cache", "POST /flush_cache", "GET /metrics"]  # fmt: skip
+OPERATIONS = [
+    "GET /health",
+    "GET /server_info",
+    "GET /v1/models",
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "POST /generate",
+    "GET /cache",
+    "POST /flush_cache",
+    "GET /metrics",
+]
 WITH_INPUT = ["POST /v1/completions", "POST /v1/chat/completions", "POST /generate", "GET /cache"]
 
 
@@ -167,8 +233,9 @@ def test_the_fuzzed_operations_are_every_operation(api_schema: Any) -> None:
     assert labels == set(OPERATIONS)
 
 
-@pytest.mark.parametrize("label,mode", [(op, "positive") for op in OPERATIONS]
-                         + [(op, "negative") for op in WITH_INPUT])  # fmt: skip
+@pytest.mark.parametrize(
+    "label,mode", [(op, "positive") for op in OPERATIONS] + [(op, "negative") for op in WITH_INPUT]
+)
 def test_schemathesis_gets_no_server_error(target: Target, api_schema: Any, label: str, mode: str) -> None:
     method, path = label.split(" ", 1)
     strategy = api_schema[path][method].as_strategy(generation_mode=schemathesis.GenerationMode(mode))
@@ -225,8 +292,9 @@ def test_any_text_encodes_in_the_vocabulary_and_decodes(engine: Engine, text: st
 
 @FUZZ
 @given(words=WORDS, separators=st.lists(st.sampled_from([" ", "\t", "\n", "\r\n", "\u3000", "\x0b"]), min_size=12))
-def test_vocabulary_words_round_trip_through_encode_and_decode(engine: Engine, words: list[str],
-                                                               separators: list[str]) -> None:  # fmt: skip
+def test_vocabulary_words_round_trip_through_encode_and_decode(
+    engine: Engine, words: list[str], separators: list[str]
+) -> None:
     text = "".join(word + separator for word, separator in zip(words, separators))
     ids = engine.tokenizer.encode(text)
     assert ids == [int(word[1:]) for word in words]
@@ -243,8 +311,15 @@ def test_streamed_text_is_the_final_text(engine: Engine, prompt: list[int], chun
 
 
 @FUZZ
-@given(messages=st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]),
-                                                 "content": TEXT | LONG_WORD}), min_size=1, max_size=4))  # fmt: skip
+@given(
+    messages=st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": TEXT | LONG_WORD}
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_the_chat_template_gives_ids_in_the_vocabulary(engine: Engine, messages: list[dict[str, str]]) -> None:
     ids = engine.tokenizer.apply_chat_template(messages)
     assert ids and all(0 <= i < VOCAB for i in ids)
@@ -263,8 +338,9 @@ def test_make_request_returns_a_request_or_raises_value_error(engine: Engine, pr
 
 
 @settings(FUZZ, max_examples=10 * FUZZ.max_examples)  # ~10 ms an example: the sampler's widest net
-@given(prompt=GOOD_PROMPTS | PROMPTS, params=st.dictionaries(st.sampled_from(PARAM_NAMES), VALUES, min_size=1,
-                                                             max_size=2))  # fmt: skip
+@given(
+    prompt=GOOD_PROMPTS | PROMPTS, params=st.dictionaries(st.sampled_from(PARAM_NAMES), VALUES, min_size=1, max_size=2)
+)
 def test_an_accepted_request_runs_without_an_engine_error(engine: Engine, prompt: Any, params: Any) -> None:
     """What make_request accepts, the scheduler can run: the first 8 steps, then an abort."""
     try:
@@ -301,8 +377,9 @@ def test_any_json_body_gets_no_server_error(target: Target, path: str) -> None:
 
 @pytest.mark.parametrize("path", POSTS)
 def test_a_valid_body_with_any_fields_replaced_gets_no_server_error(target: Target, path: str) -> None:
-    changes = st.dictionaries(st.sampled_from(FIELDS[path]), VALUES, min_size=1, max_size=2) \
-        | st.dictionaries(st.text(max_size=6), JSON, min_size=1, max_size=2)  # fmt: skip
+    changes = st.dictionaries(st.sampled_from(FIELDS[path]), VALUES, min_size=1, max_size=2) | st.dictionaries(
+        st.text(max_size=6), JSON, min_size=1, max_size=2
+    )
     if path == "/generate":
         changes = changes | st.builds(lambda sp: {"sampling_params": sp}, SAMPLING_DICTS)
 
@@ -316,10 +393,17 @@ def test_a_valid_body_with_any_fields_replaced_gets_no_server_error(target: Targ
 
 @FUZZ
 @given(stop=st.lists(st.sampled_from(["", " ", "w", "w1", "1 w", "\n"]) | st.text(max_size=3), max_size=3), words=WORDS)
-def test_streamed_and_whole_completions_agree_whatever_the_stop_strings(target: Target, stop: list[str],
-                                                                        words: list[str]) -> None:  # fmt: skip
-    body = {"model": MODEL, "prompt": " ".join(words), "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "stop": stop}  # fmt: skip
+def test_streamed_and_whole_completions_agree_whatever_the_stop_strings(
+    target: Target, stop: list[str], words: list[str]
+) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": " ".join(words),
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stop": stop,
+    }
     whole = httpx.post(target.server.url + "/v1/completions", json=body, timeout=TIMEOUT)
     streamed = httpx.post(target.server.url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT)
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]

@@ -25,7 +25,6 @@ from radixserve.server.kv_publisher import KVEventPublisher
 BLOCK = 16
 
 
-
 def expected_blocks(cache: RadixCache) -> set[bytes]:
     """Every whole block on every cached path, hashed from the tokens (the documented recipe)."""
     blocks: set[bytes] = set()
@@ -42,12 +41,19 @@ def workload(seed: int, n: int = 40) -> list[tuple[list[int], str | None]]:
     out = []
     for _ in range(n):
         prefix = prefixes[int(rng.integers(4))][: int(rng.integers(8, 41))]
-        out.append((prefix + rng.integers(3, 128, int(rng.integers(1, 30))).tolist(), [None, "ns-a"][int(rng.integers(2))]))
+        out.append(
+            (prefix + rng.integers(3, 128, int(rng.integers(1, 30))).tolist(), [None, "ns-a"][int(rng.integers(2))])
+        )
     return out
 
 
-def serve_and_publish(engine: Engine, publisher: KVEventPublisher, requests: list[tuple[list[int], str | None]],
-                      before: int = 0, on_batch: object = None) -> None:  # fmt: skip
+def serve_and_publish(
+    engine: Engine,
+    publisher: KVEventPublisher,
+    requests: list[tuple[list[int], str | None]],
+    before: int = 0,
+    on_batch: object = None,
+) -> None:
     for prompt, ns in requests:
         engine.scheduler.add(engine.make_request(prompt, {"max_new_tokens": 6, "ignore_eos": True}, ns))
     while engine.scheduler.has_work():
@@ -70,8 +76,9 @@ def endpoints(tmp_path: Path) -> Iterator[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("buffer,expect", [(10_000, "replay"), (2, "snapshot")])
-def test_a_late_subscriber_rebuilds_exactly_the_cached_blocks(tiny_model_dir: Path, endpoints: tuple[str, str],
-                                                               buffer: int, expect: str) -> None:  # fmt: skip
+def test_a_late_subscriber_rebuilds_exactly_the_cached_blocks(
+    tiny_model_dir: Path, endpoints: tuple[str, str], buffer: int, expect: str
+) -> None:
     engine = Engine(model_path=str(tiny_model_dir), max_total_tokens=512, enable_kv_events=True)
     publisher = KVEventPublisher(*endpoints, block_size=BLOCK, buffer=buffer)
     try:
@@ -111,8 +118,15 @@ def test_the_server_publishes_blocks_a_router_recomputes_from_token_ids(tiny_mod
     from radixserve.bench.server_process import ServerProcess, free_port
 
     pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    proc = ServerProcess("--kv-events-endpoint", pub, "--kv-events-replay-endpoint", rep, "--log-level", "warning",
-                         model_path=tiny_model_dir).start()  # fmt: skip
+    proc = ServerProcess(
+        "--kv-events-endpoint",
+        pub,
+        "--kv-events-replay-endpoint",
+        rep,
+        "--log-level",
+        "warning",
+        model_path=tiny_model_dir,
+    ).start()
     try:
         subscriber = KVEventSubscriber(pub, rep)
         prompt = list(range(10, 50))  # 40 tokens: blocks 0 and 1 are whole

@@ -17,12 +17,19 @@ from typing import Any
 import httpx
 import pytest
 
+from radixserve.bench.server_process import ServerProcess
 from radixserve.bench.tiny_model import build_engine_folder
 from tests.server.conftest import assert_idle_and_conserved
-from radixserve.bench.server_process import ServerProcess
 
-MEDIUM = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
-              num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)  # fmt: skip
+MEDIUM = dict(
+    hidden_size=384,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
 LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
 
@@ -33,8 +40,9 @@ def medium_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def medium(medium_dir: Path) -> Iterator[ServerProcess]:
-    with ServerProcess("--enable-metrics", "--max-total-tokens", "16384", "--log-level", "warning",
-                       model_path=medium_dir) as proc:  # fmt: skip
+    with ServerProcess(
+        "--enable-metrics", "--max-total-tokens", "16384", "--log-level", "warning", model_path=medium_dir
+    ) as proc:
         yield proc
 
 
@@ -51,8 +59,9 @@ def test_health_and_metrics_answer_during_a_long_prefill(medium: ServerProcess) 
     result: dict[str, Any] = {}
 
     def long_request() -> None:
-        result["response"] = httpx.post(medium.url + "/generate", timeout=120,
-                                        json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
+        result["response"] = httpx.post(
+            medium.url + "/generate", timeout=120, json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}
+        )
         done.set()
 
     thread = threading.Thread(target=long_request)
@@ -73,10 +82,14 @@ def test_health_and_metrics_answer_during_a_long_prefill(medium: ServerProcess) 
 def test_client_disconnect_mid_stream_aborts_and_frees(medium: ServerProcess) -> None:
     aborted = aborted_count(medium.url)
     prompt = list(range(3, 103))
-    with httpx.stream("POST", medium.url + "/generate", timeout=60,
-                      json={"input_ids": prompt, "sampling_params": LONG, "stream": True}) as response:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        medium.url + "/generate",
+        timeout=60,
+        json={"input_ids": prompt, "sampling_params": LONG, "stream": True},
+    ) as response:
         lines = response.iter_lines()
-        received = [line for line, _ in zip((l for l in lines if l.startswith("data: ")), range(5))]
+        received = [event for event, _ in zip((line for line in lines if line.startswith("data: ")), range(5))]
         assert len(received) == 5
     # closed after 5 of 3,000 tokens: the server must notice, abort, unlock and free
     state = assert_idle_and_conserved(medium.url)
@@ -86,8 +99,12 @@ def test_client_disconnect_mid_stream_aborts_and_frees(medium: ServerProcess) ->
 
 def test_client_timeout_on_a_non_streaming_request_aborts_it(medium: ServerProcess) -> None:
     aborted = aborted_count(medium.url)
-    body = {"model": "medium", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 3000,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "medium",
+        "messages": [{"role": "user", "content": "w5 w6"}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(medium.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     assert_idle_and_conserved(medium.url)
@@ -95,8 +112,16 @@ def test_client_timeout_on_a_non_streaming_request_aborts_it(medium: ServerProce
 
 
 def test_api_key_guards_everything_but_health_and_metrics(medium_dir: Path) -> None:
-    proc = ServerProcess("--api-key", "s3cret", "--enable-metrics", "--log-level", "warning",
-                         "--max-total-tokens", "4096", model_path=medium_dir).start()  # fmt: skip
+    proc = ServerProcess(
+        "--api-key",
+        "s3cret",
+        "--enable-metrics",
+        "--log-level",
+        "warning",
+        "--max-total-tokens",
+        "4096",
+        model_path=medium_dir,
+    ).start()
     try:
         body = {"model": "medium", "prompt": "w5 w6", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
@@ -106,7 +131,9 @@ def test_api_key_guards_everything_but_health_and_metrics(medium_dir: Path) -> N
             assert httpx.get(proc.url + path, timeout=30).status_code == 401
         good = {"Authorization": "Bearer s3cret"}
         assert httpx.post(proc.url + "/v1/completions", json=body, headers=good, timeout=60).status_code == 200
-        assert httpx.get(proc.url + "/health").status_code == 200 and httpx.get(proc.url + "/metrics").status_code == 200
+        assert (
+            httpx.get(proc.url + "/health").status_code == 200 and httpx.get(proc.url + "/metrics").status_code == 200
+        )
         info = httpx.get(proc.url + "/server_info", headers=good, timeout=30).json()
         assert info["server_args"]["api_keys"] == "<1 set>"  # never echoed back
         assert "s3cret" not in proc.log()
@@ -116,14 +143,19 @@ def test_api_key_guards_everything_but_health_and_metrics(medium_dir: Path) -> N
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_finishes_or_aborts_in_flight_requests_and_exits_zero(medium_dir: Path, sig: int) -> None:
-    proc = ServerProcess("--graceful-shutdown-timeout", "1", "--log-level", "info", "--max-total-tokens", "4096",
-                         model_path=medium_dir).start()  # fmt: skip
+    proc = ServerProcess(
+        "--graceful-shutdown-timeout", "1", "--log-level", "info", "--max-total-tokens", "4096", model_path=medium_dir
+    ).start()
     events: list[str] = []
 
     def stream() -> None:
         try:
-            with httpx.stream("POST", proc.url + "/generate", timeout=60,
-                              json={"input_ids": [5, 6, 7], "sampling_params": LONG, "stream": True}) as response:  # fmt: skip
+            with httpx.stream(
+                "POST",
+                proc.url + "/generate",
+                timeout=60,
+                json={"input_ids": [5, 6, 7], "sampling_params": LONG, "stream": True},
+            ) as response:
                 events.extend(line for line in response.iter_lines() if line.startswith("data: "))
         except httpx.HTTPError as exc:  # the connection closes when the server aborts the stream
             events.append(f"closed: {type(exc).__name__}")
@@ -142,8 +174,9 @@ def test_signal_finishes_or_aborts_in_flight_requests_and_exits_zero(medium_dir:
 
 
 def test_over_the_queue_limit_is_503_with_retry_after(medium_dir: Path) -> None:
-    proc = ServerProcess("--max-queued-requests", "1", "--log-level", "warning", "--max-total-tokens", "4096",
-                         model_path=medium_dir).start()  # fmt: skip
+    proc = ServerProcess(
+        "--max-queued-requests", "1", "--log-level", "warning", "--max-total-tokens", "4096", model_path=medium_dir
+    ).start()
     try:
         body = {"input_ids": [5, 6, 7], "sampling_params": LONG, "stream": True}
         with httpx.stream("POST", proc.url + "/generate", json=body, timeout=60) as first:
@@ -153,8 +186,9 @@ def test_over_the_queue_limit_is_503_with_retry_after(medium_dir: Path) -> None:
             assert second.status_code == 503 and second.headers["retry-after"] == "1"
             assert "in flight" in second.json()["error"]["message"]
         assert_idle_and_conserved(proc.url)  # the first was aborted by the disconnect: room again
-        again = httpx.post(proc.url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}},
-                           timeout=60)  # fmt: skip
+        again = httpx.post(
+            proc.url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}, timeout=60
+        )
         assert again.status_code == 200
     finally:
         proc.stop()

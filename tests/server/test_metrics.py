@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import MODEL
 from radixserve.bench.server_process import ServerProcess
+from tests.server.conftest import MODEL
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -28,8 +28,13 @@ def delta(before: dict[str, float], after: dict[str, float], name: str) -> float
 
 def test_counters_move_by_exactly_the_tokens_served(server: ServerProcess) -> None:
     before = scrape(server.url)
-    body = {"model": MODEL, "prompt": " ".join(f"w{i}" for i in range(3, 33)), "max_tokens": 7, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": " ".join(f"w{i}" for i in range(3, 33)),
+        "max_tokens": 7,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     usages = []
     for prompt in (body["prompt"], body["prompt"] + " w77 w78"):
         out = httpx.post(server.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=60).json()
@@ -52,8 +57,9 @@ def test_counters_move_by_exactly_the_tokens_served(server: ServerProcess) -> No
 
 
 def test_hit_rate_gauge_is_the_window_of_finished_requests(tiny_model_dir: object) -> None:
-    proc = ServerProcess("--enable-metrics", "--hit-rate-window", "2", "--log-level", "warning",
-                         model_path=str(tiny_model_dir)).start()  # fmt: skip
+    proc = ServerProcess(
+        "--enable-metrics", "--hit-rate-window", "2", "--log-level", "warning", model_path=str(tiny_model_dir)
+    ).start()
     try:
         body = {"input_ids": list(range(3, 23)), "sampling_params": {"max_new_tokens": 1}}
         runs = [httpx.post(proc.url + "/generate", json=body, timeout=60).json()["meta_info"] for _ in range(3)]

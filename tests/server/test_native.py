@@ -7,8 +7,8 @@ from typing import Any
 
 import httpx
 
-from tests.server.conftest import MODEL, assert_idle_and_conserved, cache_state
 from radixserve.bench.server_process import ServerProcess
+from tests.server.conftest import MODEL, assert_idle_and_conserved, cache_state
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
@@ -33,20 +33,29 @@ def test_a_json_body_is_read_whatever_its_content_type(server: ServerProcess) ->
     """``curl -d '{...}'`` sends application/x-www-form-urlencoded."""
     body = json.dumps({"input_ids": [30, 31], "sampling_params": GREEDY}).encode()
     for content_type in ("application/x-www-form-urlencoded", "text/plain"):
-        response = httpx.post(server.url + "/generate", content=body, headers={"content-type": content_type}, timeout=60)
+        response = httpx.post(
+            server.url + "/generate", content=body, headers={"content-type": content_type}, timeout=60
+        )
         assert response.status_code == 200 and len(response.json()["output_ids"]) == 6
 
 
 def test_generate_batch_and_per_prompt_params(server: ServerProcess) -> None:
-    outs = generate(server.url, input_ids=[[40, 41], [42, 43, 44]],
-                    sampling_params=[{**GREEDY, "max_new_tokens": 2}, {**GREEDY, "max_new_tokens": 3}])  # fmt: skip
+    outs = generate(
+        server.url,
+        input_ids=[[40, 41], [42, 43, 44]],
+        sampling_params=[{**GREEDY, "max_new_tokens": 2}, {**GREEDY, "max_new_tokens": 3}],
+    )
     assert isinstance(outs, list) and [len(o["output_ids"]) for o in outs] == [2, 3]
 
 
 def test_generate_stream_sends_growing_text_then_done(server: ServerProcess) -> None:
     events = []
-    with httpx.stream("POST", server.url + "/generate", timeout=60,
-                      json={"input_ids": [50, 51, 52], "sampling_params": GREEDY, "stream": True}) as response:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        server.url + "/generate",
+        timeout=60,
+        json={"input_ids": [50, 51, 52], "sampling_params": GREEDY, "stream": True},
+    ) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -61,13 +70,18 @@ def test_generate_stream_sends_growing_text_then_done(server: ServerProcess) -> 
 
 def test_extra_key_partitions_and_logprobs(server: ServerProcess) -> None:
     ids = list(range(60, 80))
-    assert generate(server.url, input_ids=ids, sampling_params=GREEDY, extra_key="k1")["meta_info"]["cached_tokens"] == 0
-    again = generate(server.url, input_ids=ids, sampling_params=GREEDY, extra_key="k1", return_logprob=True,
-                     top_logprobs_num=2)  # fmt: skip
+    assert (
+        generate(server.url, input_ids=ids, sampling_params=GREEDY, extra_key="k1")["meta_info"]["cached_tokens"] == 0
+    )
+    again = generate(
+        server.url, input_ids=ids, sampling_params=GREEDY, extra_key="k1", return_logprob=True, top_logprobs_num=2
+    )
     assert again["meta_info"]["cached_tokens"] == 19
     assert len(again["meta_info"]["output_token_logprobs"]) == 6
     assert all(len(step) == 2 for step in again["meta_info"]["output_top_logprobs"])
-    assert generate(server.url, input_ids=ids, sampling_params=GREEDY, extra_key="k2")["meta_info"]["cached_tokens"] == 0
+    assert (
+        generate(server.url, input_ids=ids, sampling_params=GREEDY, extra_key="k2")["meta_info"]["cached_tokens"] == 0
+    )
 
 
 def test_cache_summary_shows_the_shared_prefix(server: ServerProcess) -> None:

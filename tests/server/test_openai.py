@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, assert_idle_and_conserved
 from radixserve.bench.server_process import ServerProcess
+from tests.server.conftest import MODEL, assert_idle_and_conserved
 
 
 def words(ids: range | list[int]) -> str:
@@ -41,8 +41,11 @@ def test_completion_then_shared_prefix_reports_cached_tokens(client: openai.Open
 def test_stream_concatenates_to_the_non_streamed_text(client: openai.OpenAI) -> None:
     prompt, params = words(range(3, 13)), dict(max_tokens=12, temperature=0)
     whole = client.completions.create(model=MODEL, prompt=prompt, **params)
-    chunks = list(client.completions.create(model=MODEL, prompt=prompt, stream=True,
-                                            stream_options={"include_usage": True}, **params))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, stream=True, stream_options={"include_usage": True}, **params
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -56,8 +59,12 @@ def test_stop_string_cuts_the_text_the_same_streamed_or_not(client: openai.OpenA
     free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0).choices[0].text
     stop = free.split()[3]  # the 4th word generated
     cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stop=[stop])
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stop=[stop], stream=True))  # fmt: skip
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stop=[stop], stream=True
+        )
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == free[: free.index(stop)] == streamed
     assert stop not in cut.choices[0].text
@@ -69,8 +76,15 @@ def test_chat_applies_the_template_and_streams(client: openai.OpenAI) -> None:
     assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
     # template: "w4 w5 w6 w7 w5 w8 w9 w99" -> 8 prompt tokens
     assert reply.usage is not None and reply.usage.prompt_tokens == 8
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,  # type: ignore[arg-type]
-                                                 stream=True))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,  # type: ignore[arg-type]
+            stream=True,
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -88,10 +102,18 @@ def test_n_choices_with_seed_differ_and_reproduce(client: openai.OpenAI) -> None
 
 
 def test_n_choices_stream_by_index(client: openai.OpenAI) -> None:
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w40"}],
-                                                 max_tokens=5, n=2, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "w40"}],
+            max_tokens=5,
+            n=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     by_index: dict[int, str] = {0: "", 1: ""}
     for chunk in chunks:
         for choice in chunk.choices:
@@ -102,17 +124,24 @@ def test_n_choices_stream_by_index(client: openai.OpenAI) -> None:
 
 
 def test_logprobs_chat_and_completion(client: openai.OpenAI) -> None:
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w11 w12"}],
-                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
-                                          extra_body={"ignore_eos": True})  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "w11 w12"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 4
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token  # greedy = most likely
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob) and entry.logprob <= 0
     templated = "w4 w11 w12 w99"  # the same prompt as the chat's
-    done = client.completions.create(model=MODEL, prompt=templated, max_tokens=4, temperature=0, logprobs=2,
-                                     extra_body={"ignore_eos": True})  # fmt: skip
+    done = client.completions.create(
+        model=MODEL, prompt=templated, max_tokens=4, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
     block = done.choices[0].logprobs
     assert block is not None and block.tokens is not None and len(block.tokens) == 4
     assert block.top_logprobs is not None and all(len(top) == 2 for top in block.top_logprobs)

@@ -13,15 +13,34 @@ from radixserve.server.args import build_parser, parse_args
 from radixserve.server.generation import TextStream
 from radixserve.server.metrics import ServerMetrics
 
-FLAGS = ["--model-path", "--host", "--port", "--prefix-cache", "--disable-radix-cache", "--page-size",
-         "--radix-eviction-policy", "--schedule-policy", "--max-total-tokens", "--chunked-prefill-size",
-         "--max-running-requests", "--dtype", "--device", "--enable-metrics", "--api-key", "--log-level",
-         "--replicas", "--ray-address", "--router", "--router-index"]  # fmt: skip
+FLAGS = [
+    "--model-path",
+    "--host",
+    "--port",
+    "--prefix-cache",
+    "--disable-radix-cache",
+    "--page-size",
+    "--radix-eviction-policy",
+    "--schedule-policy",
+    "--max-total-tokens",
+    "--chunked-prefill-size",
+    "--max-running-requests",
+    "--dtype",
+    "--device",
+    "--enable-metrics",
+    "--api-key",
+    "--log-level",
+    "--replicas",
+    "--ray-address",
+    "--router",
+    "--router-index",
+]
 
 
 def test_help_documents_every_flag_the_issue_names() -> None:
-    out = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--help"], capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve", "serve", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for flag in FLAGS:
         assert flag in out, flag
     actions = {opt: a for a in build_parser()._actions for opt in a.option_strings}
@@ -29,24 +48,59 @@ def test_help_documents_every_flag_the_issue_names() -> None:
 
 
 def test_flags_resolve_into_engine_and_server_args() -> None:
-    args = parse_args(["--disable-radix-cache", "--page-size", "16", "--schedule-policy", "lpm",
-                       "--radix-eviction-policy", "slru", "--api-key", "k", "--port", "8000"])  # fmt: skip
+    args = parse_args(
+        [
+            "--disable-radix-cache",
+            "--page-size",
+            "16",
+            "--schedule-policy",
+            "lpm",
+            "--radix-eviction-policy",
+            "slru",
+            "--api-key",
+            "k",
+            "--port",
+            "8000",
+        ]
+    )
     assert args.engine.prefix_cache == "none" and args.engine.page_size == 16
     assert args.engine.schedule_policy == "lpm" and args.engine.radix_eviction_policy == "slru"
     resolved = args.resolved()
     assert resolved["api_keys"] == "<1 set>" and resolved["port"] == 8000 and resolved["prefix_cache"] == "none"
     assert resolved["served_model_name"] == "SmolLM2-135M-Instruct"
     assert args.replicas == 0  # one engine in this process unless asked
-    scaled = parse_args(["--replicas", "4", "--router", "round-robin", "--router-index", "approximate",
-                         "--router-abs-threshold", "3", "--ray-address", "auto"])  # fmt: skip
+    scaled = parse_args(
+        [
+            "--replicas",
+            "4",
+            "--router",
+            "round-robin",
+            "--router-index",
+            "approximate",
+            "--router-abs-threshold",
+            "3",
+            "--ray-address",
+            "auto",
+        ]
+    )
     assert (scaled.replicas, scaled.router, scaled.router_index) == (4, "round-robin", "approximate")
     assert scaled.router_abs_threshold == 3 and scaled.ray_address == "auto" and scaled.replica_cpus is None
 
 
-@pytest.mark.parametrize("argv", [["--page-size", "0"], ["--port", "70000"], ["--schedule-policy", "nope"],
-                                  ["--max-total-tokens", "3"], ["--hit-rate-window", "0"], ["--replicas", "-1"],
-                                  ["--router", "random"], ["--router-rel-threshold", "0.5"],
-                                  ["--replicas", "2", "--kv-events-endpoint", "tcp://127.0.0.1:5557"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--page-size", "0"],
+        ["--port", "70000"],
+        ["--schedule-policy", "nope"],
+        ["--max-total-tokens", "3"],
+        ["--hit-rate-window", "0"],
+        ["--replicas", "-1"],
+        ["--router", "random"],
+        ["--router-rel-threshold", "0.5"],
+        ["--replicas", "2", "--kv-events-endpoint", "tcp://127.0.0.1:5557"],
+    ],
+)
 def test_bad_flags_exit_with_a_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_args(argv)

@@ -28,11 +28,16 @@ def test_openai_chat_on_the_default_model(smollm2: ServerProcess) -> None:
     client = openai.OpenAI(base_url=smollm2.url + "/v1", api_key="none", max_retries=0, timeout=120)
     [model] = client.models.list().data
     assert model.id == "SmolLM2-135M-Instruct"
-    reply = client.chat.completions.create(model=model.id, temperature=0, max_tokens=24,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])  # fmt: skip
+    reply = client.chat.completions.create(
+        model=model.id,
+        temperature=0,
+        max_tokens=24,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
     assert "Paris" in (reply.choices[0].message.content or "")
-    again = client.chat.completions.create(model=model.id, temperature=0, max_tokens=8,
-                                           messages=[{"role": "user", "content": "Name a color."}])  # fmt: skip
+    again = client.chat.completions.create(
+        model=model.id, temperature=0, max_tokens=8, messages=[{"role": "user", "content": "Name a color."}]
+    )
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens >= 20  # the template's default system prompt
     assert "resolved server args" in smollm2.log()

@@ -23,17 +23,30 @@ PUBLIC = " ".join(f"w{i}" for i in range(60, 80))  # 20 tokens: the allowlisted 
 def isolated(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
-    with ServerProcess("--tenant-isolation", "--api-key-file", str(key_file), "--admin-api-key", ADMIN,
-                       "--shared-prefix", PUBLIC, "--log-level", "warning", model_path=tiny_model_dir) as proc:  # fmt: skip
+    with ServerProcess(
+        "--tenant-isolation",
+        "--api-key-file",
+        str(key_file),
+        "--admin-api-key",
+        ADMIN,
+        "--shared-prefix",
+        PUBLIC,
+        "--log-level",
+        "warning",
+        model_path=tiny_model_dir,
+    ) as proc:
         yield proc
 
 
-def cached(url: str, key: str, salt: str | None = None, prompt: str = PROMPT, headers: dict[str, str] | None = None) -> int:
+def cached(
+    url: str, key: str, salt: str | None = None, prompt: str = PROMPT, headers: dict[str, str] | None = None
+) -> int:
     body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
     if salt is not None:
         body["cache_salt"] = salt
-    response = httpx.post(url + "/v1/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {key}", **(headers or {})})  # fmt: skip
+    response = httpx.post(
+        url + "/v1/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {key}", **(headers or {})}
+    )
     assert response.status_code == 200, response.text
     return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
@@ -86,8 +99,9 @@ def test_cache_view_is_per_tenant_and_flush_is_admin_only(isolated: ServerProces
 
 
 def test_tenant_from_a_trusted_header(tiny_model_dir: Path) -> None:
-    proc = ServerProcess("--tenant-isolation", "--tenant-header", "X-Tenant", "--log-level", "warning",
-                         model_path=tiny_model_dir).start()  # fmt: skip
+    proc = ServerProcess(
+        "--tenant-isolation", "--tenant-header", "X-Tenant", "--log-level", "warning", model_path=tiny_model_dir
+    ).start()
     try:
         url = proc.url
         missing = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
