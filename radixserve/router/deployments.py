@@ -102,6 +102,7 @@ class EngineReplica:
             "kv_events_endpoint": events.endpoint,
             "kv_events_replay_endpoint": events.replay_endpoint,
             "kv_events_block_size": events.block_size,
+            "kv_events_topic": events.topic,
         }
 
     def record_routing_stats(self) -> dict[str, Any]:

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from radixserve.cache.key import page_hashes
+from radixserve.kv_events.subscriber import KVEventSubscriber
+from radixserve.kv_events.wire import block_hashes
 from radixserve.router.choice import PrefixIndex, RouterConfig, choose_replica, imbalanced
-from radixserve.router.kv_subscriber import KVEventSubscriber
 from radixserve.server.args import ROUTER_INDEXES, ROUTER_POLICIES
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class ReplicaView:
     index: PrefixIndex | None = None  # approximate
     mirror: KVEventSubscriber | None = None  # precise (owned by the mirror thread)
     block_size: int = 16
+    topic: str = ""  # the replica's KV events topic
     inflight: dict[str, RouteKey] = field(default_factory=dict)
     routed: int = 0
 
@@ -85,8 +86,8 @@ class ReplicaView:
         if self.mirror is not None:
             blocks = self.mirror.blocks  # read-only here; the mirror thread swaps or updates it
             held = 0
-            for digest in page_hashes(tokens, key.namespace, self.block_size, shared_len=key.shared_len):
-                if digest not in blocks:
+            for block in block_hashes(tokens, key.namespace, self.block_size, shared_len=key.shared_len):
+                if block not in blocks:
                     break
                 held += 1
             best = max(best, held * self.block_size)
@@ -122,7 +123,7 @@ class MirrorThread:
             while not self._commands.empty():
                 op, view, endpoint, replay = self._commands.get()
                 if op == "follow":
-                    subscriber = KVEventSubscriber(endpoint, replay)
+                    subscriber = KVEventSubscriber(endpoint, replay, view.topic)
                     try:
                         subscriber.snapshot()  # a replica's cache as of now, however late we start
                     except Exception as exc:  # it will be retried on the first gap
@@ -218,6 +219,7 @@ class RoutingTable:
         if self._mirrors is None:
             self._mirrors = MirrorThread()
         view.block_size = int(metadata.get("kv_events_block_size", 16))
+        view.topic = str(metadata.get("kv_events_topic", ""))
         view.index = None
         self._mirrors.follow(view, str(endpoint), str(replay))
         return True

@@ -28,11 +28,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.cache.summary import summarize
 from radixserve.engine import Engine
+from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.args import ServerArgs
 from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import ServerState
-from radixserve.server.kv_publisher import KVEventPublisher
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.native_api import NativeCall
 from radixserve.server.openai_api import ChatCall, CompletionCall
@@ -48,7 +48,14 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     metrics = ServerMetrics(args.hit_rate_window) if args.enable_metrics else None
     events = None
     if args.kv_events_endpoint:
-        events = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_block_size)
+        events = KVEventPublisher(
+            args.kv_events_endpoint,
+            args.kv_events_replay_endpoint,
+            args.kv_events_block_size,
+            args.kv_events_buffer_steps,
+            args.kv_events_topic,
+            args.kv_events_hwm,
+        )
     state = ServerState(
         engine,
         args,

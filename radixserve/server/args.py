@@ -17,6 +17,7 @@ from typing import Any
 from radixserve.cache import PREFIX_CACHES
 from radixserve.cache.policy import EVICTION_POLICIES
 from radixserve.engine import DTYPES, EngineConfig
+from radixserve.kv_events.config import KVEventsConfig, parse_kv_events_config
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
 
 DEFAULT_PORT = 30000
@@ -39,6 +40,9 @@ class ServerArgs:
     kv_events_endpoint: str | None = None  # ZMQ PUB endpoint for KV events (off when None)
     kv_events_replay_endpoint: str | None = None  # None: the next port (tcp) or <path>.replay (ipc)
     kv_events_block_size: int = 16
+    kv_events_topic: str = ""  # the first frame of every message (SUB sockets filter on it)
+    kv_events_buffer_steps: int = 10_000  # batches the replay socket keeps
+    kv_events_hwm: int = 100_000
     shared_prefixes: tuple[str, ...] = ()  # raw text prompt heads shared across namespaces
     shared_system_prompts: tuple[str, ...] = ()  # system messages (through the chat template) shared likewise
     enable_metrics: bool = False
@@ -169,7 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--kv-events-replay-endpoint",
         default=None,
-        help="ZMQ REP endpoint for missed-batch replays and snapshots (default: the next port)",
+        help="ZMQ ROUTER endpoint for missed-batch replays and snapshots (default: the next port)",
+    )
+    server.add_argument(
+        "--kv-events-config",
+        default=None,
+        help='KV events as vLLM and SGLang configure them, a JSON object: {"publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps": 10000, '
+        '"hwm": 100000} (--kv-events-endpoint is a shorthand for its endpoint)',
     )
     server.add_argument(
         "--kv-events-block-size",
@@ -289,15 +300,16 @@ def parse_args(argv: list[str]) -> ServerArgs:
             dtype=ns.dtype,
             device=ns.device,
             num_threads=ns.num_threads,
-            enable_kv_events=ns.kv_events_endpoint is not None,
+            enable_kv_events=ns.kv_events_endpoint is not None or ns.kv_events_config is not None,
         )
+        kv_events = kv_events_fields(ns)
         if ns.kv_events_block_size < 1:
             raise ValueError("--kv-events-block-size must be >= 1")
         if ns.tenant_isolation and not (ns.api_key or ns.api_key_file or ns.tenant_header):
             raise ValueError("--tenant-isolation needs identities: --api-key, --api-key-file or --tenant-header")
         if ns.replicas < 0 or ns.router_abs_threshold < 0 or ns.router_rel_threshold < 1:
             raise ValueError("--replicas and --router-abs-threshold must be >= 0, --router-rel-threshold >= 1")
-        if ns.replicas and (ns.kv_events_endpoint or ns.kv_events_replay_endpoint):
+        if ns.replicas and (ns.kv_events_endpoint or ns.kv_events_replay_endpoint or ns.kv_events_config):
             raise ValueError(
                 "--kv-events-endpoint is per server: with --replicas each replica publishes on a free "
                 "port of its node (GET /router shows them)"
@@ -318,6 +330,28 @@ def parse_args(argv: list[str]) -> ServerArgs:
         "api_keys": tuple(ns.api_key),
         "shared_prefixes": tuple(ns.shared_prefix),
         "shared_system_prompts": tuple(ns.shared_system_prompt),
+        **kv_events,
     }
     same = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if f.name not in renamed}
     return ServerArgs(**same, **renamed)
+
+
+def kv_events_fields(ns: argparse.Namespace) -> dict[str, Any]:
+    """The ServerArgs kv_events_* fields from ``--kv-events-config`` or its shorthand flags (checked)."""
+    if ns.kv_events_config is not None:
+        if ns.kv_events_endpoint or ns.kv_events_replay_endpoint:
+            raise ValueError("--kv-events-config names the endpoints: drop --kv-events-endpoint / -replay-endpoint")
+        config = parse_kv_events_config(ns.kv_events_config)
+    elif ns.kv_events_endpoint is not None:
+        config = KVEventsConfig(ns.kv_events_endpoint, ns.kv_events_replay_endpoint)
+    elif ns.kv_events_replay_endpoint is not None:
+        raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint (or --kv-events-config)")
+    else:
+        config = KVEventsConfig()
+    return {
+        "kv_events_endpoint": config.endpoint if ns.kv_events_config or ns.kv_events_endpoint else None,
+        "kv_events_replay_endpoint": config.replay_endpoint,
+        "kv_events_topic": config.topic,
+        "kv_events_buffer_steps": config.buffer_steps,
+        "kv_events_hwm": config.hwm,
+    }

@@ -26,8 +26,8 @@ from typing import TypeVar
 
 from radixserve.core import GenerateResult, TopLogprobs
 from radixserve.engine import Engine
+from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.scheduler.request import Request, Status
-from radixserve.server.kv_publisher import KVEventPublisher
 from radixserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

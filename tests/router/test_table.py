@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from radixserve.cache import RadixCache
-from radixserve.cache.key import page_hashes
+from radixserve.kv_events.publisher import KVEventPublisher
+from radixserve.kv_events.wire import block_hashes
 from radixserve.memory import TokenAllocator
 from radixserve.router import table as table_module
 from radixserve.router.choice import RouterConfig
 from radixserve.router.table import RouteKey, RoutingTable, common_prefix_len
-from radixserve.server.kv_publisher import KVEventPublisher
 
 BLOCK = 16
 SYSTEM = tuple(range(100, 164))  # 64 tokens every request below starts with
@@ -279,8 +279,8 @@ def replica() -> Iterator[Replica]:
     replica.publisher.close()
 
 
-def blocks_of(*prompts: tuple[Sequence[int], str | None, int]) -> set[bytes]:
-    return {h for tokens, ns, shared in prompts for h in page_hashes(np.asarray(tokens), ns, BLOCK, shared_len=shared)}
+def blocks_of(*prompts: tuple[Sequence[int], str | None, int]) -> set[int]:
+    return {h for tokens, ns, shared in prompts for h in block_hashes(np.asarray(tokens), ns, BLOCK, shared_len=shared)}
 
 
 def test_a_late_router_rebuilds_the_index_from_a_snapshot_then_follows(replica: Replica) -> None:

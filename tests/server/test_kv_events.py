@@ -18,20 +18,20 @@ import pytest
 
 from radixserve import Engine
 from radixserve.cache import RadixCache
-from radixserve.cache.key import page_hashes
-from radixserve.router.kv_subscriber import KVEventSubscriber
-from radixserve.server.kv_publisher import KVEventPublisher
+from radixserve.kv_events.publisher import KVEventPublisher
+from radixserve.kv_events.subscriber import KVEventSubscriber
+from radixserve.kv_events.wire import block_hashes
 
 BLOCK = 16
 
 
-def expected_blocks(cache: RadixCache) -> set[bytes]:
+def expected_blocks(cache: RadixCache) -> set[int]:
     """Every whole block on every cached path, hashed from the tokens (the documented recipe)."""
-    blocks: set[bytes] = set()
+    blocks: set[int] = set()
     for node in cache.nodes():
         if not node.children:
             path = cache._path_tokens(node)
-            blocks.update(page_hashes(path, node.key.extra_key, BLOCK, shared_len=cache._shared_depth(node)))
+            blocks.update(block_hashes(path, node.key.extra_key, BLOCK, shared_len=cache._shared_depth(node)))
     return blocks
 
 
@@ -83,7 +83,7 @@ def test_a_late_subscriber_rebuilds_exactly_the_cached_blocks(
     publisher = KVEventPublisher(*endpoints, block_size=BLOCK, buffer=buffer)
     try:
         serve_and_publish(engine, publisher, workload(1))  # nobody listens yet
-        assert publisher.seq > 2
+        assert publisher.seq > 1
         subscriber = KVEventSubscriber(*endpoints)
         time.sleep(0.2)  # let the subscription reach the publisher
         serve_and_publish(engine, publisher, workload(2))
@@ -105,8 +105,11 @@ def test_a_bad_replay_request_gets_an_error_not_a_dead_thread(endpoints: tuple[s
     publisher = KVEventPublisher(*endpoints)
     try:
         subscriber = KVEventSubscriber(*endpoints)
-        assert subscriber._request({"op": "nonsense"})["ok"] is False
-        assert subscriber._request({"op": "snapshot"}) == {"ok": True, "seq": 0, "blocks": []}
+        with pytest.raises(RuntimeError, match="refused"):
+            list(subscriber._request(b"what?"))  # neither a seq nor b"snapshot"
+        assert list(subscriber._request(b"\x00" * 8)) == []  # nothing to replay: only the end message
+        subscriber.snapshot()  # the thread still answers
+        assert subscriber.mirror.seq == -1 and subscriber.blocks == set()
         subscriber.close()
     finally:
         publisher.close()
@@ -134,7 +137,7 @@ def test_the_server_publishes_blocks_a_router_recomputes_from_token_ids(tiny_mod
         assert httpx.post(proc.url + "/generate", json=body, timeout=60).status_code == 200
         subscriber.poll(500)
         subscriber.catch_up()  # whatever the SUB socket missed while joining
-        wanted = list(page_hashes(np.asarray(prompt), None, BLOCK))
+        wanted = block_hashes(np.asarray(prompt), None, BLOCK)
         assert set(wanted) <= subscriber.blocks
         assert httpx.post(proc.url + "/flush_cache", timeout=30).status_code == 200
         time.sleep(0.6)  # the scheduler publishes within its 0.5 s idle wait

@@ -1,0 +1,134 @@
+"""KV events for routers outside the process: a ZMQ PUB socket and a ROUTER replay socket, as vLLM and SGLang.
+
+The scheduler thread drains the cache's event log after every step and
+publishes one batch (``wire.py``) as ``[topic, seq, payload]``. The replay
+socket speaks their protocol: a client (REQ, or DEALER with an empty
+delimiter frame) sends a starting seq as 8 bytes big-endian and gets every
+kept batch from that seq on as ``[topic, seq, payload]`` (the last ``buffer``
+batches are kept), then ``[b"", seq -1, b""]``. A client that asked for seq n
+and gets a first batch after n knows the rest are gone.
+
+Our addition, which their clients never send: the body ``b"snapshot"``
+answers ``[b"snapshot", seq, msgpack array of every cached block hash]`` as of
+batch ``seq`` (from a mirror the publisher keeps of its own batches), then the
+same end message. A request that is neither gets the end message with an error
+text as its payload.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+import msgspec
+import zmq
+
+from radixserve.cache.events import KVEvent
+from radixserve.kv_events.wire import (
+    END_SEQ,
+    SNAPSHOT,
+    BlockMirror,
+    KVEventBatch,
+    decode_seq,
+    encode_batch,
+    encode_seq,
+    event_record,
+)
+
+logger = logging.getLogger(__name__)
+Frames = list[bytes]
+
+
+def replay_endpoint_for(endpoint: str) -> str:
+    """The default replay endpoint: the next TCP port (any free one for ``tcp://host:*``), or ``<path>.replay``."""
+    if endpoint.startswith("tcp://"):
+        host, port = endpoint.rsplit(":", 1)
+        if port == "*":
+            return endpoint
+        if port.isdigit():
+            return f"{host}:{int(port) + 1}"
+    return endpoint + ".replay"
+
+
+class KVEventPublisher:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        block_size: int = 16,
+        buffer: int = 10_000,
+        topic: str = "",
+        hwm: int = 100_000,
+    ) -> None:
+        self.block_size, self.topic = block_size, topic
+        self._topic = topic.encode()
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._pub = context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.bind(endpoint)
+        self._replay = context.socket(zmq.ROUTER)
+        self._replay.setsockopt(zmq.LINGER, 0)
+        self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer + 1))  # a whole replay must fit: ROUTER drops past it
+        self._replay.bind(replay_endpoint or replay_endpoint_for(endpoint))
+        # Where subscribers connect: the bound addresses (a ``tcp://host:*`` wildcard resolved to its port).
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=buffer)
+        self._mirror = BlockMirror()
+        self._lock = threading.Lock()  # ring + mirror: the scheduler thread writes, the replay thread reads
+        self._seq = -1
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve_requests, name="radixserve-kv-replay", daemon=True)
+        self._thread.start()
+
+    @property
+    def seq(self) -> int:
+        """The last batch published (-1: none yet)."""
+        return self._seq
+
+    def publish(self, events: list[KVEvent]) -> None:
+        """One batch for ``events`` (scheduler thread only: the PUB socket is not thread-safe)."""
+        records = [r for r in (event_record(e, self.block_size) for e in events) if r is not None]
+        if not records:
+            return
+        data = encode_batch(records)
+        with self._lock:
+            self._seq += 1
+            self._ring.append((self._seq, data))
+            self._mirror.apply(self._seq, KVEventBatch(0.0, records))
+        self._pub.send_multipart([self._topic, encode_seq(self._seq), data])
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(2)
+        self._pub.close()
+        self._replay.close()
+
+    def _serve_requests(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._replay, zmq.POLLIN)
+        while not self._closed.is_set():
+            if not poller.poll(100):
+                continue
+            frames = self._replay.recv_multipart()
+            try:
+                replies = self._answer(frames[1:])
+            except Exception as exc:  # a malformed request gets an error, never kills the thread
+                replies = [[b"", encode_seq(END_SEQ), f"{type(exc).__name__}: {exc}".encode()]]
+            for reply in replies:
+                self._replay.send_multipart([frames[0], b"", *reply])
+
+    def _answer(self, request: Frames) -> list[Frames]:
+        """The messages answering one request (after the client's identity), the end message last."""
+        end = [b"", encode_seq(END_SEQ), b""]
+        if len(request) != 2 or request[0] != b"":
+            raise ValueError("a request is [b'', body]: a start seq (8 bytes big-endian) or b'snapshot'")
+        body = request[1]
+        with self._lock:
+            if body == SNAPSHOT:
+                blocks = msgspec.msgpack.encode(sorted(self._mirror.blocks))
+                return [[SNAPSHOT, encode_seq(self._mirror.seq), blocks], end]
+            start = decode_seq(body)
+            return [[self._topic, encode_seq(seq), data] for seq, data in self._ring if seq >= start] + [end]

@@ -1,0 +1,153 @@
+"""KV events on the wire: the format vLLM and SGLang publish, so the routers built for them read ours.
+
+One message per batch, three ZMQ frames: ``[topic, seq, payload]``. ``seq``
+counts batches from 0 with no gaps, as 8 bytes big-endian; ``payload`` is a
+msgpack ``KVEventBatch``, an array ``[ts, events, data_parallel_rank]`` whose
+events are tagged maps (``"type"`` is the class name):
+
+    {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": h | None,
+     "token_ids": [...], "block_size": B, "lora_id": None, "medium": None, "lora_name": None,
+     "namespace": ns | None, "shared_len": s}
+    {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": None}
+    {"type": "AllBlocksCleared"}
+
+``namespace`` and ``shared_len`` are ours: a peer decoder skips keys it does
+not know. Blocks are whole runs of ``B`` tokens (16 by default, whatever the
+cache's page size), announced once all their tokens are cached and removed as
+soon as one is evicted. A hash is the first 8 bytes, as a signed big-endian
+int64, of the chained 16-byte page hash of ``radixserve.cache.key.page_hashes``:
+
+    c_-1 = 16 zero bytes
+    c_i  = blake2b(c_{i-1} || tag_i || int64-LE tokens of block i, digest_size=16)
+    tag_i = ff ff ff ff if block i starts before shared_len, else len(ns) as 4 bytes LE || ns (UTF-8)
+    h_i  = int.from_bytes(c_i[:8], "big", signed=True)
+
+``namespace`` is the cache namespace: a hash already (server/tenancy.py), never a raw salt.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import msgspec
+
+from radixserve.cache.events import KVEvent
+from radixserve.cache.key import TokenArray, page_hashes
+
+END_SEQ = -1  # the seq frame of the message that ends a replay (empty topic and payload)
+SNAPSHOT = b"snapshot"  # our addition on the replay socket: a request body, and the topic frame of its answer
+
+
+class BlockStored(msgspec.Struct, tag=True, gc=False):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None  # vLLM's decoder requires the key, even when empty
+    medium: str | None = None  # None: the engine's KV pool (we have no other tier yet)
+    lora_name: str | None = None
+    namespace: str | None = None
+    shared_len: int = 0
+
+
+class BlockRemoved(msgspec.Struct, tag=True, gc=False):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
+    pass
+
+
+WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[WireEvent]
+    data_parallel_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def wire_hash(digest: bytes) -> int:
+    """A chained page hash as it goes on the wire: its first 8 bytes, a signed big-endian int64."""
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def block_hashes(token_ids: TokenArray, namespace: str | None, block_size: int, shared_len: int = 0) -> list[int]:
+    """The wire hashes of every whole block of ``token_ids`` (what a router computes for a prompt)."""
+    return [wire_hash(d) for d in page_hashes(token_ids, namespace, block_size, shared_len=shared_len)]
+
+
+def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
+    """One cache event as a wire event at ``block_size`` (None if it covers no whole block)."""
+    if event.kind == "clear":
+        return AllBlocksCleared()
+    first = event.start // block_size
+    # The chain up to the event's end: its tail is the event's blocks, the one before is their parent.
+    chain = list(
+        itertools.islice(
+            page_hashes(event.prefix[: event.end], event.extra_key, block_size, shared_len=event.shared_len),
+            max(first - 1, 0),
+            None,
+        )
+    )
+    hashes = [wire_hash(d) for d in (chain[1:] if first > 0 else chain)]
+    if not hashes:
+        return None
+    if event.kind == "remove":
+        return BlockRemoved(hashes)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=wire_hash(chain[0]) if first > 0 else None,
+        token_ids=event.prefix[first * block_size : (first + len(hashes)) * block_size].tolist(),
+        block_size=block_size,
+        namespace=event.extra_key,
+        shared_len=event.shared_len,
+    )
+
+
+def encode_batch(events: list[WireEvent], ts: float | None = None) -> bytes:
+    return _encoder.encode(KVEventBatch(time.time() if ts is None else ts, events))
+
+
+def decode_batch(data: bytes) -> KVEventBatch:
+    """A batch from its payload frame (``msgspec.ValidationError`` / ``DecodeError`` if it is not one)."""
+    return _decoder.decode(data)
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise ValueError(f"a seq frame is 8 bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+class BlockMirror:
+    """The set of cached block hashes, rebuilt from batches (or a snapshot) in seq order."""
+
+    def __init__(self) -> None:
+        self.blocks: set[int] = set()
+        self.seq = -1  # the last batch applied (-1: none)
+
+    def apply(self, seq: int, batch: KVEventBatch) -> None:
+        if seq != self.seq + 1:
+            raise ValueError(f"batch {seq} after {self.seq}: events were missed (replay or snapshot)")
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.blocks.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.blocks.difference_update(event.block_hashes)
+            else:
+                self.blocks.clear()
+        self.seq = seq
+
+    def load_snapshot(self, seq: int, blocks: list[int]) -> None:
+        self.blocks, self.seq = set(blocks), seq
