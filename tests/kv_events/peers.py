@@ -1,5 +1,14 @@
 """A router written against a peer engine's own KV event structs: its decoder, its replay protocol, no radixserve.
 
+``peer_kv_events(name)`` is the peer's own module, unchanged: SGLang's always
+(``make install`` adds it), vLLM's where it is installed (the test skips
+otherwise): ``vllm`` installs ``--no-deps`` and ``vllm.distributed.kv_events``
+imports on CPU with torch and ten small packages more (cbor2, openai-harmony,
+cachetools, cloudpickle, pybase64, py-cpuinfo, xgrammar, apache-tvm-ffi,
+partial-json-parser, llguidance), but it is a 336 MB wheel whose import of that
+one module loads 276 of its modules and torch: too heavy for every ``make
+install``.
+
 ``sglang_kv_events()`` imports SGLang's ``srt/disaggregation/kv_events.py`` from
 the installed ``sglang`` package (installed ``--no-deps`` by the Makefile). That
 module needs only msgspec, zmq, pydantic and psutil, but ``import sglang`` runs
@@ -22,6 +31,13 @@ import pytest
 import zmq
 
 END_SEQ = -1
+
+
+def peer_kv_events(name: str) -> types.ModuleType:
+    if name == "vllm":
+        return pytest.importorskip("vllm.distributed.kv_events", reason="vllm is not installed (see tests/kv_events)")
+    assert name == "sglang"
+    return sglang_kv_events()
 
 
 def sglang_kv_events() -> types.ModuleType:

@@ -1,13 +1,13 @@
-"""Routers built for SGLang read radixserve's KV events with SGLang's own decoder and replay protocol.
+"""Routers built for SGLang and vLLM read radixserve's KV events with the peer's own decoder and replay protocol.
 
 A real server (HTTP on a port, its scheduler thread, the publisher from
 ``--kv-events-config``) serves a random workload in a pool small enough to
-evict, in two cache namespaces. A router written against SGLang's
+evict, in two cache namespaces. A router written against the peer's
 ``KVEventBatch`` joins after the first half (the gap is filled through SGLang's
 replay protocol) and must end with exactly the blocks the engine's tree holds,
 hashed from token ids by the documented recipe. A second one that never
 subscribed rebuilds the same set from one replay. And the other way round:
-radixserve's subscriber follows SGLang's own publisher.
+radixserve's subscriber follows the peer's own publisher.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ from radixserve.kv_events.subscriber import KVEventSubscriber
 from radixserve.kv_events.wire import block_hashes
 from radixserve.server.app import create_app
 from radixserve.server.args import parse_args
-from tests.kv_events.peers import PeerRouter, sglang_kv_events
+from tests.kv_events.peers import PeerRouter, peer_kv_events
 from tests.server.test_kv_events import expected_blocks
 
 BLOCK = 16
 TOPIC = "kv@radixserve"
+PEERS = pytest.mark.parametrize("peer", ["sglang", "vllm"])
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
@@ -88,8 +89,9 @@ def idle(url: str) -> bool:
     return bool(state["running_requests"] == state["waiting_requests"] == 0)
 
 
-def test_an_sglang_router_follows_a_real_server_through_evictions_and_a_gap(tiny_model_dir: Path) -> None:
-    sglang = sglang_kv_events()
+@PEERS
+def test_a_peer_router_follows_a_real_server_through_evictions_and_a_gap(tiny_model_dir: Path, peer: str) -> None:
+    peer_module = peer_kv_events(peer)
     pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     config = {"publisher": "zmq", "endpoint": pub, "replay_endpoint": rep, "topic": TOPIC}
     flags = ("--max-total-tokens", "512", "--kv-events-config", json.dumps(config))
@@ -97,7 +99,7 @@ def test_an_sglang_router_follows_a_real_server_through_evictions_and_a_gap(tiny
         send_workload(url, seed=1)  # no router listens yet
         wait_for(lambda: idle(url), "the first half to finish")
         assert publisher.seq > 2
-        router = PeerRouter(sglang, pub, rep, TOPIC)
+        router = PeerRouter(peer_module, pub, rep, TOPIC)
         try:
             time.sleep(0.3)  # let the subscription reach the publisher (the gap itself is the point)
             send_workload(url, seed=2)
@@ -108,7 +110,7 @@ def test_an_sglang_router_follows_a_real_server_through_evictions_and_a_gap(tiny
             assert router.blocks == expected_blocks(engine.cache)  # type: ignore[arg-type]
             assert len({node.key.extra_key for node in engine.cache.nodes()}) == 2  # unsalted and ns-a
 
-            late = PeerRouter(sglang, pub, rep, TOPIC)  # never saw a live batch: one replay from 0
+            late = PeerRouter(peer_module, pub, rep, TOPIC)  # never saw a live batch: one replay from 0
             late.replay(0)
             assert late.last_seq == publisher.seq and late.blocks == router.blocks
             late.close()
@@ -119,12 +121,13 @@ def test_an_sglang_router_follows_a_real_server_through_evictions_and_a_gap(tiny
             router.close()
 
 
-def test_a_router_rebuilds_hashes_for_a_prompt_from_token_ids(tiny_model_dir: Path) -> None:
+@PEERS
+def test_a_router_rebuilds_hashes_for_a_prompt_from_token_ids(tiny_model_dir: Path, peer: str) -> None:
     """What a router does to route: hash a prompt by the README's recipe and find it in the stored events."""
-    sglang = sglang_kv_events()
+    peer_module = peer_kv_events(peer)
     pub = f"tcp://127.0.0.1:{free_port()}"
     with live_server(tiny_model_dir, "--kv-events-endpoint", pub) as (url, engine, publisher):
-        router = PeerRouter(sglang, pub, publisher.replay_endpoint)
+        router = PeerRouter(peer_module, pub, publisher.replay_endpoint)
         try:
             prompt = list(range(10, 50))  # 40 tokens: blocks 0 and 1 are whole
             body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}}
@@ -135,27 +138,35 @@ def test_a_router_rebuilds_hashes_for_a_prompt_from_token_ids(tiny_model_dir: Pa
             router.close()
 
 
-def test_our_subscriber_follows_sglangs_own_publisher(tmp_path: Path) -> None:
-    """The other direction: radixserve's router reads an SGLang server's stream, its replay included."""
-    sglang = sglang_kv_events()
+@PEERS
+def test_our_subscriber_follows_the_peers_own_publisher(tmp_path: Path, peer: str) -> None:
+    """The other direction: radixserve's router reads an SGLang or vLLM server's stream, its replay included."""
+    peer_module = peer_kv_events(peer)
     pub, rep = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/rep"
-    publisher = sglang.ZmqEventPublisher(attn_dp_rank=0, endpoint=pub, replay_endpoint=rep, topic="t")
+    rank = {"sglang": "attn_dp_rank", "vllm": "data_parallel_rank"}[peer]
+    publisher = peer_module.ZmqEventPublisher(**{rank: 0}, endpoint=pub, replay_endpoint=rep, topic="t")
 
     def batch(*events: object) -> object:
-        return sglang.KVEventBatch(ts=time.time(), events=list(events))
+        return peer_module.KVEventBatch(ts=time.time(), events=list(events))
 
     try:
-        stored = sglang.BlockStored(
-            block_hashes=[1, 2], parent_block_hash=None, token_ids=list(range(32)), block_size=16, lora_id=None
+        stored = peer_module.BlockStored(
+            block_hashes=[1, 2],
+            parent_block_hash=None,
+            token_ids=list(range(32)),
+            block_size=16,
+            lora_id=None,
+            medium=None,
+            lora_name=None,
         )
         publisher.publish(batch(stored))  # before anyone listens: seq 0
-        wait_for(lambda: len(publisher._buffer) == 1, "SGLang's publisher thread to send seq 0")
+        wait_for(lambda: len(publisher._buffer) == 1, "the peer's publisher thread to send seq 0")
         subscriber = KVEventSubscriber(pub, rep, topic="t")
         time.sleep(0.3)
-        publisher.publish(batch(sglang.BlockRemoved(block_hashes=[2])))
-        wait_for(lambda: (subscriber.poll(50), subscriber.mirror.seq == 1)[1], "SGLang's batches")
+        publisher.publish(batch(peer_module.BlockRemoved(block_hashes=[2], medium=None)))
+        wait_for(lambda: (subscriber.poll(50), subscriber.mirror.seq == 1)[1], "the peer's batches")
         assert subscriber.blocks == {1} and subscriber.replays == 1
-        publisher.publish(batch(sglang.AllBlocksCleared()))
+        publisher.publish(batch(peer_module.AllBlocksCleared()))
         wait_for(lambda: (subscriber.poll(50), subscriber.mirror.seq == 2)[1], "the clear")
         assert subscriber.blocks == set()
         subscriber.close()
