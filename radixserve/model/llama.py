@@ -19,10 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention import Attention, AttentionPlan, GatherWorkspace
+from radixserve.model.attention import Attention, AttentionPlan
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
+from radixserve.model.gather import GatherWorkspace
 from radixserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rotary_cos_sin
+from radixserve.model.paged_kernel import resolve_backend
+from radixserve.model.quant import QUANTIZATIONS, Int8Linear, quantize_linears
 
 
 class DecoderLayer(nn.Module):
@@ -69,20 +72,26 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, config: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+        self,
+        config: ModelConfig,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        attention_backend: str = "auto",
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         device = torch.device(device)
+        self.attention_backend = resolve_backend(attention_backend, device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         self.rotary = RotaryEmbedding(config, device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, device, dtype) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: nn.Module | None = None  # None: tied to the embedding
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
         self.workspace = GatherWorkspace()
+        self.quantization = "none"
         self.requires_grad_(False)  # inference only: no autograd graph even outside inference_mode
 
     def forward(self, batch: ForwardBatch, kv_pool: KVPool, return_all_logits: bool = False) -> torch.Tensor:
@@ -92,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if batch.input_ids.shape[0] != sum(batch.extend_lens) or len(batch.context_slots) != batch.batch_size:
             raise ValueError("ForwardBatch: input_ids, extend_lens and context_slots disagree")
-        plan = AttentionPlan.build(batch, self.workspace)
+        plan = AttentionPlan.build(batch, self.workspace, self.attention_backend)
         seq_lens = [slots.shape[0] for slots in batch.context_slots]
         angles = self.rotary(batch.positions, seq_lens, batch.extend_lens)
         cos, sin = rotary_cos_sin(angles, self.dtype)
@@ -103,8 +112,26 @@ class LlamaForCausalLM(nn.Module):
             last_rows = torch.tensor(list(accumulate(batch.extend_lens)), device=h.device) - 1
             h = h[last_rows]  # the final norm is per row: select first, skip the rest of lm_head
         h = self.norm(h)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        if self.lm_head is None:
+            return F.linear(h, self.embed_tokens.weight).float()
+        logits: torch.Tensor = self.lm_head(h)
+        return logits.float()
+
+    def quantize(self, method: str) -> None:
+        """Weight-only quantization of every linear and the lm_head, in place, after ``load_weights``.
+
+        A tied lm_head gets its own quantized copy of the embedding (the lookup keeps the
+        float one). A quantized model loads no more weights.
+        """
+        if method not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
+        if method == "none":
+            return
+        quantize_linears(self.layers, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), self.dtype)
+        head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        assert isinstance(head_weight, torch.Tensor)
+        self.lm_head = Int8Linear(head_weight.detach(), None, self.dtype)
+        self.quantization = method
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into this model (cast to its dtype); all or nothing.
@@ -113,6 +140,8 @@ class LlamaForCausalLM(nn.Module):
         mismatch. Rotary ``inv_freq`` buffers are ignored (we compute our own);
         a tied model accepts an ``lm_head.weight`` only if it equals the embedding.
         """
+        if self.quantization != "none":
+            raise ValueError("load_weights on a quantized model: load first, then quantize")
         targets = self._weight_targets()
         names = {n for n in state_dict if not n.endswith("rotary_emb.inv_freq")}
         if self.lm_head is None and "lm_head.weight" in names:
@@ -136,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         targets = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm.weight}
-        if self.lm_head is not None:
+        if isinstance(self.lm_head, nn.Linear):
             targets["lm_head.weight"] = self.lm_head.weight
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)

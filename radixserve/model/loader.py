@@ -35,10 +35,18 @@ def read_checkpoint(model_path: str | None) -> tuple[str, ModelConfig, dict[str,
     raise FileNotFoundError(f"model_path {path!r} is neither an HF folder nor a .gguf file")
 
 
-def load_model(model_path: str | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Load weights, build the decoder on ``device`` in ``dtype``, and load the tokenizer."""
+def load_model(
+    model_path: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention_backend: str = "auto",
+    quantization: str = "none",
+) -> LoadedModel:
+    """Load weights, build the decoder on ``device`` in ``dtype`` (then quantize), and load the tokenizer."""
     path, config, weights = read_checkpoint(model_path)
-    model = LlamaForCausalLM(config, device=device, dtype=dtype)
+    model = LlamaForCausalLM(config, device=device, dtype=dtype, attention_backend=attention_backend)
     model.load_weights(weights)
+    del weights  # the float32 checkpoint: free it before quantizing makes more copies
+    model.quantize(quantization)
     model.eval()
     return LoadedModel(path, config, model, Tokenizer.from_model_path(path))

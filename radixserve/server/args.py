@@ -18,6 +18,8 @@ from radixserve.cache import PREFIX_CACHES
 from radixserve.cache.policy import EVICTION_POLICIES
 from radixserve.engine import DTYPES, EngineConfig
 from radixserve.kv_events.config import KVEventsConfig, parse_kv_events_config
+from radixserve.model.paged_kernel import ATTENTION_BACKENDS
+from radixserve.model.quant import QUANTIZATIONS
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
 
 DEFAULT_PORT = 30000
@@ -97,7 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default=d.dtype,
         choices=["auto", *DTYPES],
-        help="weights and KV cache; auto = float32 on CPU, bfloat16 on CUDA",
+        help="weights and KV cache; auto = bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32",
+    )
+    model.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=QUANTIZATIONS,
+        help="weight-only: int8 = int8 weights with per-channel scales (~4x fewer weight bytes than float32)",
+    )
+    model.add_argument(
+        "--attention-backend",
+        default=d.attention_backend,
+        choices=ATTENTION_BACKENDS,
+        help="auto = paged (reads the KV pool in place; CPU, C++ kernel) where it builds, else reference (gather+SDPA)",
     )
     model.add_argument("--device", default=d.device, help="auto (cuda when present), cpu, cuda or cuda:N")
     model.add_argument(
@@ -298,6 +312,8 @@ def parse_args(argv: list[str]) -> ServerArgs:
             max_running_requests=ns.max_running_requests,
             chunked_prefill_size=ns.chunked_prefill_size,
             dtype=ns.dtype,
+            quantization=ns.quantization,
+            attention_backend=ns.attention_backend,
             device=ns.device,
             num_threads=ns.num_threads,
             enable_kv_events=ns.kv_events_endpoint is not None or ns.kv_events_config is not None,

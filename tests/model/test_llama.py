@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.model.attention import _grouped_matmul_attention
+from radixserve.model.gather import grouped_matmul_attention
 from radixserve.model.llama import LlamaForCausalLM
 from tests.model.tiny import alloc, build_hf_model, load_ours, make_batch, make_pool
 
@@ -176,4 +176,4 @@ def test_grouped_matmul_decode_attention_matches_sdpa() -> None:
     k, v = torch.randn(2, 3, 2, 10, 16, generator=generator)
     mask = (torch.arange(10)[None, :] < torch.tensor([10, 4, 7])[:, None])[:, None, None, :]
     expected = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
-    assert torch.allclose(_grouped_matmul_attention(q, k, v, mask), expected, atol=1e-5)
+    assert torch.allclose(grouped_matmul_attention(q, k, v, mask), expected, atol=1e-5)

@@ -1,0 +1,53 @@
+// torch binding of paged_attention.h: torch.ops.radixserve.paged_attention (CPU).
+// q and out travel as float32 (q is small: the new tokens); the pool keeps its own dtype.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "paged_attention.h"
+
+namespace {
+
+at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                              const at::Tensor& q_starts, const at::Tensor& ctx_starts, int64_t num_splits,
+                              double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "q [T,H,D], k/v [Hkv,N,D]");
+  TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(0) == 0, "head dims / groups disagree");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == v.scalar_type(), "k, v: one layout");
+  for (const at::Tensor* t : {&slots, &q_starts, &ctx_starts})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(), "int64 cpu indices");
+  const int64_t batch = q_starts.numel() - 1;
+  TORCH_CHECK(batch >= 0 && ctx_starts.numel() == batch + 1, "q_starts and ctx_starts disagree");
+  const int64_t* qs = q_starts.data_ptr<int64_t>();
+  const int64_t* cs = ctx_starts.data_ptr<int64_t>();
+  TORCH_CHECK(qs[batch] == q.size(0) && cs[batch] == slots.numel(), "q_starts / ctx_starts do not cover q / slots");
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  const radixserve::Shape s{q.size(1), k.size(0), q.size(2), k.size(1), q.size(1) / k.size(0), float(scale)};
+  auto parallel = [](int64_t n, auto fn) { at::parallel_for(0, n, 1, fn); };
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  if (k.scalar_type() == at::kFloat) {
+    radixserve::paged_attention<float>(qf.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), sl, qs, cs,
+                                       batch, num_splits, s, out.data_ptr<float>(), parallel);
+  } else if (k.scalar_type() == at::kBFloat16) {
+    radixserve::paged_attention<c10::BFloat16>(qf.data_ptr<float>(), k.data_ptr<c10::BFloat16>(),
+                                               v.data_ptr<c10::BFloat16>(), sl, qs, cs, batch, num_splits, s,
+                                               out.data_ptr<float>(), parallel);
+  } else if (k.scalar_type() == at::kHalf) {
+    radixserve::paged_attention<c10::Half>(qf.data_ptr<float>(), k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(),
+                                           sl, qs, cs, batch, num_splits, s, out.data_ptr<float>(), parallel);
+  } else {
+    TORCH_CHECK(false, "paged_attention: pool dtype must be float32, bfloat16 or float16");
+  }
+  return out.to(q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(radixserve, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor q_starts, Tensor ctx_starts, "
+      "int num_splits, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("paged_attention", &paged_attention_op); }

@@ -1,0 +1,116 @@
+"""The in-place paged attention kernel (csrc/paged_attention.cpp): built once per machine, loaded on demand.
+
+``make install`` builds it (``python -m radixserve.model.paged_kernel``); at run
+time ``load()`` finds the build in torch's extension folder, or builds it then.
+Where no C++ compiler is present, or the build fails, ``load()`` returns False
+and attention falls back to the reference gather + SDPA path.
+
+The build is named after the CPU's feature flags: it is compiled with
+``-march=native``, and a home folder shared with a machine of another CPU
+must not hand that machine an illegal instruction.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCE, SOURCES = CSRC / "paged_attention.cpp", (CSRC / "paged_attention.cpp", CSRC / "paged_attention.h")
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = "unknown"
+    sources = "".join(p.read_text() for p in SOURCES)
+    digest = hashlib.sha256((flags + sources + torch.__version__).encode()).hexdigest()
+    return digest[:12]
+
+
+@functools.cache
+def load() -> bool:
+    """True once ``torch.ops.radixserve.paged_attention`` is usable; False (logged once) where it cannot be built."""
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name=f"radixserve_paged_{_cpu_fingerprint()}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a compile error: the reference path still works
+        logger.warning("paged attention kernel unavailable, using gather + SDPA: %s", str(exc).splitlines()[0])
+        return False
+    return True
+
+
+ATTENTION_BACKENDS = ("auto", "paged", "reference")
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """auto: "paged" on CPU where the kernel builds, else "reference". An explicit "paged" that cannot run raises."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+    if requested == "reference":
+        return requested
+    usable = device.type == "cpu" and load()
+    if requested == "paged" and not usable:
+        raise ValueError("attention_backend 'paged' needs a CPU device and the built kernel (see the log)")
+    return "paged" if usable else "reference"
+
+
+@dataclass(frozen=True)
+class PagedIndex:
+    """Where each request's query rows and context slots lie, built once per step (CPU int64).
+
+    Request b: rows q_starts[b] .. q_starts[b+1] of q, context slots[ctx_starts[b] .. ctx_starts[b+1]].
+    """
+
+    slots: torch.Tensor
+    q_starts: torch.Tensor
+    ctx_starts: torch.Tensor
+    num_splits: int  # a decode request's context is cut in up to this many pieces, one per work item
+
+    @classmethod
+    def build(cls, context_slots: list[torch.Tensor], extend_lens: list[int]) -> PagedIndex:
+        ctx_lens = [int(slots.shape[0]) for slots in context_slots]
+        starts = torch.tensor([0, *itertools.accumulate(extend_lens)], dtype=torch.int64)
+        ctx_starts = torch.tensor([0, *itertools.accumulate(ctx_lens)], dtype=torch.int64)
+        slots = torch.cat(context_slots).to("cpu", torch.int64) if context_slots else torch.zeros(0, dtype=torch.int64)
+        # Enough work items for every thread: split contexts when requests x heads are few.
+        threads = torch.get_num_threads()
+        return cls(slots, starts, ctx_starts, 1 if threads == 1 else max(1, 2 * threads // max(1, len(extend_lens))))
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, index: PagedIndex) -> torch.Tensor:
+    """q [T, H, D] against K/V [Hkv, N, D] read in place at ``index`` -> [T, H, D] in q's dtype (causal per request)."""
+    out: torch.Tensor = torch.ops.radixserve.paged_attention(
+        q.contiguous(),
+        k_pool,
+        v_pool,
+        index.slots,
+        index.q_starts,
+        index.ctx_starts,
+        index.num_splits,
+        q.shape[-1] ** -0.5,
+    )
+    return out
+
+
+if __name__ == "__main__":
+    ok = load()
+    print("paged attention kernel:", "built" if ok else "unavailable (gather + SDPA fallback)")
+    sys.exit(0)

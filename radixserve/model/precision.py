@@ -1,0 +1,54 @@
+"""Which dtype ``--dtype auto`` becomes, and why (logged and shown in /server_info).
+
+bfloat16 halves the bytes every step reads (weights and K/V), but it only pays
+where the CPU multiplies bf16 natively: AMX tiles or AVX512-BF16. Elsewhere
+(AVX2, most AMD and ARM parts today) torch emulates bf16 matmuls in float32
+with conversions and they run slower than float32 itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    capability: str  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
+    amx_bf16: bool
+    avx512_bf16: bool
+
+    @classmethod
+    def detect(cls) -> CpuFeatures:
+        """Ask torch, and the kernel's cpuinfo flags as a second opinion (Linux only)."""
+        flags: set[str] = set()
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+            flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+        except OSError:
+            pass
+        cpu = torch.cpu
+        amx = bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)()) or "amx_bf16" in flags
+        avx512_bf16 = bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()) or "avx512_bf16" in flags
+        return cls(torch.backends.cpu.get_cpu_capability(), amx, avx512_bf16)
+
+
+def resolve_dtype(requested: str, device: torch.device, cpu: CpuFeatures | None = None) -> tuple[torch.dtype, str]:
+    """(dtype, reason) for ``requested`` ("auto" or a DTYPES name) on ``device``."""
+    if requested != "auto":
+        return DTYPES[requested], f"{requested} as asked"
+    if device.type == "cuda":
+        return torch.bfloat16, "auto: bfloat16 on CUDA"
+    cpu = cpu or CpuFeatures.detect()
+    if cpu.amx_bf16:
+        return torch.bfloat16, f"auto: bfloat16, the CPU has AMX-BF16 (torch capability {cpu.capability})"
+    if cpu.avx512_bf16:
+        return torch.bfloat16, f"auto: bfloat16, the CPU has AVX512-BF16 (torch capability {cpu.capability})"
+    return torch.float32, (
+        f"auto: float32, the CPU has neither AMX nor AVX512-BF16 (torch capability {cpu.capability}): "
+        "bfloat16 matmuls would be emulated"
+    )
