@@ -1,9 +1,10 @@
-"""The in-place paged attention kernel (csrc/paged_attention.cpp): built once per machine, loaded on demand.
+"""Our C++ CPU kernels (csrc/): in-place paged attention and the int8 linear; built once per machine.
 
 ``make install`` builds it (``python -m radixserve.model.paged_kernel``); at run
 time ``load()`` finds the build in torch's extension folder, or builds it then.
 Where no C++ compiler is present, or the build fails, ``load()`` returns False
-and attention falls back to the reference gather + SDPA path.
+and attention falls back to the reference gather + SDPA path (int8 linears to
+torch's ``_weight_int8pack_mm``).
 
 The build is named after the CPU's feature flags: it is compiled with
 ``-march=native``, and a home folder shared with a machine of another CPU
@@ -25,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCE, SOURCES = CSRC / "paged_attention.cpp", (CSRC / "paged_attention.cpp", CSRC / "paged_attention.h")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "paged_attention.h", CSRC / "int8_linear.cpp")
 
 
 def _cpu_fingerprint() -> str:
@@ -40,13 +41,15 @@ def _cpu_fingerprint() -> str:
 
 @functools.cache
 def load() -> bool:
-    """True once ``torch.ops.radixserve.paged_attention`` is usable; False (logged once) where it cannot be built."""
+    """True once ``torch.ops.radixserve.paged_attention`` and ``.int8_linear`` are usable.
+
+    False (logged once) where they cannot be built."""
     try:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
             name=f"radixserve_paged_{_cpu_fingerprint()}",
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES if p.suffix == ".cpp"],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             is_python_module=False,
             verbose=False,

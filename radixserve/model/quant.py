@@ -1,14 +1,19 @@
 """Weight-only int8: each linear's weight as int8 with one float scale per output channel.
 
 Batch-1 decode reads every weight once per token, so 1-byte weights cut the
-bytes a step reads ~4x against float32. The matmul is torch's own
-``aten._weight_int8pack_mm``: activations stay in the model dtype and each
-row's result depends only on that row, so batch composition and cache hits
-change nothing. Its CPU kernel is vectorised for AVX512; on AVX2 it runs
-slower than a float32 matmul (measured: SmolLM2's shapes ~10x), so there int8
-buys memory, not speed. fbgemm's dynamic int8 linear is faster on AVX2 but it
-quantizes activations per tensor: a token's output then depends on the other
-tokens in the batch, and a cache hit changed greedy answers in our tests.
+bytes a step reads ~4x against float32. Activations stay in the model dtype
+and each row's result depends only on that row, so batch composition and
+cache hits change nothing. Three matmuls, by what the machine offers:
+
+- CPU, up to 16 rows (decode): our kernel (csrc/int8_linear.cpp);
+- CPU, more rows (prefill): dequantize the weight once per call, then the dtype's GEMM;
+- otherwise (no compiler, CUDA): torch's ``aten._weight_int8pack_mm``. Its CPU
+  kernel is vectorised for AVX512 only: on AVX2 it ran ~10x slower than a
+  float32 matmul at 1 row and ~25x at 16 (SmolLM2's shapes).
+
+fbgemm's dynamic int8 linear is fast on AVX2 too, but it quantizes activations
+per tensor: a token's output then depends on the other tokens of the batch,
+and a cache hit changed greedy answers in our tests.
 
 The embedding stays in the model dtype (a lookup reads one row per token); a
 tied lm_head gets its own int8 copy.
@@ -17,9 +22,13 @@ tied lm_head gets its own int8 copy.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model import paged_kernel
+
 QUANTIZATIONS = ("none", "int8")
+OWN_KERNEL_MAX_ROWS = 16  # decode-sized batches: our weight-reading kernel; more rows: dequantize + GEMM
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,8 +53,19 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
+        out = self._matmul(x)
         return out if self.bias is None else out + self.bias
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and paged_kernel.load():
+            if x.shape[0] <= OWN_KERNEL_MAX_ROWS:
+                out: torch.Tensor = torch.ops.radixserve.int8_linear(x, self.weight_int8, self.scales)
+                return out
+            # Many rows (prefill): dequantize once, then the dtype's own GEMM; the conversion is
+            # amortised over the rows and each row's result still depends on that row alone.
+            return F.linear(x, self.weight_int8.to(x.dtype) * self.scales[:, None])
+        out = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
+        return out
 
 
 def quantize_linears(root: nn.Module, names: tuple[str, ...], dtype: torch.dtype) -> None:

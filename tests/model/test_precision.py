@@ -88,6 +88,18 @@ def test_int8_holds_a_quarter_of_the_float32_weight_bytes(folder: Path) -> None:
         model.load_weights({})
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])  # 17: past our kernel, dequantize + GEMM
+def test_int8_linear_equals_the_dequantized_matmul_row_by_row(rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(40, 24, generator=generator), torch.randn(40, generator=generator)
+    x = torch.randn(rows, 24, generator=generator)
+    layer = Int8Linear(weight, bias, torch.float32)
+    expected = torch.nn.functional.linear(x, layer.weight_int8.float() * layer.scales[:, None], bias)
+    got = layer(x)
+    assert (got - expected).abs().max().item() <= 1e-4
+    assert (layer(x[:1]) - got[:1]).abs().max().item() <= 1e-5  # a row's output barely depends on its batch
+
+
 def test_per_channel_scales_round_trip_within_half_a_step() -> None:
     weight = torch.randn(16, 32) * torch.logspace(-3, 1, 16)[:, None]  # rows of very different ranges
     q, scales = quantize_per_channel(weight)
