@@ -15,6 +15,9 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
 def make_engine(tiny_model_dir: Path, **options: Any) -> Engine:
+    # Exact token equality across cache hits and batch shapes: float32 (where --dtype auto means bf16,
+    # a different split of the same tokens rounds differently).
+    options.setdefault("dtype", "float32")
     return Engine(model_path=str(tiny_model_dir), max_total_tokens=options.pop("max_total_tokens", 2048), **options)
 
 

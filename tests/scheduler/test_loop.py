@@ -22,6 +22,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(model_dir: Path, **options: Any) -> Engine:
+    # Exact token equality across cache hits and batch shapes: float32 (where --dtype auto means bf16,
+    # a different split of the same tokens rounds differently).
+    options.setdefault("dtype", "float32")
     return Engine(model_path=str(model_dir), max_total_tokens=options.pop("max_total_tokens", 8192), **options)
 
 
