@@ -38,7 +38,7 @@ def chat(argv: list[str]) -> None:
 
     from radixserve import Engine
 
-    engine = Engine(model_path=args.model_path, prefix_cache=args.prefix_cache, num_threads=args.num_threads)
+    engine = Engine.create(model_path=args.model_path, prefix_cache=args.prefix_cache, num_threads=args.num_threads)
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     for question in args.questions:
         out = engine.chat([{"role": "user", "content": question}], params)

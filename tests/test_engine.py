@@ -15,7 +15,9 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
 def make_engine(tiny_model_dir: Path, **options: Any) -> Engine:
-    return Engine(model_path=str(tiny_model_dir), max_total_tokens=options.pop("max_total_tokens", 2048), **options)
+    return Engine.create(
+        model_path=str(tiny_model_dir), max_total_tokens=options.pop("max_total_tokens", 2048), **options
+    )
 
 
 def words(ids: list[int]) -> str:
@@ -137,6 +139,6 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(tiny_model_dir: Path, kw
 
 def test_unknown_engine_option_is_an_error(tiny_model_dir: Path) -> None:
     with pytest.raises(TypeError):
-        Engine(model_path=str(tiny_model_dir), max_total_tokenz=100)
+        Engine.create(model_path=str(tiny_model_dir), max_total_tokenz=100)
     with pytest.raises(ValueError, match="prefix_cache"):
-        Engine(model_path=str(tiny_model_dir), prefix_cache="lru")
+        Engine.create(model_path=str(tiny_model_dir), prefix_cache="lru")

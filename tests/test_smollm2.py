@@ -20,7 +20,7 @@ QUESTION = [{"role": "user", "content": "Name three colors of the rainbow."}]
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(max_total_tokens=4096)
+    return Engine.create(max_total_tokens=4096)
 
 
 def transformers_greedy(prompt_ids: list[int], num_tokens: int) -> list[int]:

@@ -85,13 +85,13 @@ def ours_decode(engine: Engine, batch: int, prompt_len: int, steps: int, rng: np
         ids = rng.integers(0, vocab, prompt_len)
         sched.add(Request(10**9 + int(rng.integers(10**9)), ids, _params(steps + 2)))
     while sched.waiting:
-        sched.step()
+        engine.step()
     t0 = time.perf_counter()
     for _ in range(steps):
-        sched.step()
+        engine.step()
     elapsed = time.perf_counter() - t0
     while sched.has_work():
-        sched.step()
+        engine.step()
     assert all(r.status is not Status.RUNNING for r in sched.running)
     return elapsed / steps
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
-    engine = Engine(model_path=args.model_path, num_threads=args.num_threads, max_total_tokens=40_000)
+    engine = Engine.create(model_path=args.model_path, num_threads=args.num_threads, max_total_tokens=40_000)
     vocab = engine.loaded.config.vocab_size
     hf = None if args.no_hf else hf_reference(engine)
     print(f"{'fp32, ' + str(args.num_threads) + ' thread(s)':<34} {'radixserve':>12} {'transformers':>14}")

@@ -32,7 +32,7 @@ POLICIES = ("fcfs", "lpm", "dfs-weight", "hrrn", "fcfs/no-dedup")  # the last: i
 
 def run_workload(model_path: str, label: str, trace: list[TraceRequest], max_new_tokens: int) -> str:
     policy, _, no_dedup = label.partition("/")
-    engine = Engine(
+    engine = Engine.create(
         model_path=model_path,
         schedule_policy=policy,
         max_total_tokens=160_000,

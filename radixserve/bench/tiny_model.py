@@ -70,7 +70,7 @@ def save_word_tokenizer(folder: Path) -> None:
 
 
 def build_engine_folder(folder: Path, **overrides: Any) -> Path:
-    """A tiny Llama with a word-level tokenizer: everything ``Engine(model_path=...)`` needs."""
+    """A tiny Llama with a word-level tokenizer: everything ``Engine.create(model_path=...)`` needs."""
     build_hf_model("llama", folder, seed=0, eos_token_id=EOS, bos_token_id=1, **overrides)
     save_word_tokenizer(folder)
     return folder

@@ -82,7 +82,7 @@ class EngineReplica:
                 kv_events_replay_endpoint=None,
                 engine=dataclasses.replace(args.engine, enable_kv_events=True),
             )
-        engine = Engine.from_config(args.engine)
+        engine = Engine(args.engine)
         self.app = create_app(engine, args)
         self.state = self.app.state.radixserve
         self.bridge = ASGIBridge(self.app)

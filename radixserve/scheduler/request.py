@@ -57,7 +57,20 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    sampling: SamplingState | None = None
+    sampling: SamplingState = field(init=False, repr=False)  # penalties and the seeded generator
+
+    def __post_init__(self) -> None:
+        self.sampling = SamplingState(self.params, self.prompt_ids.tolist())
+
+    def stops_on(self, token: int, eos_token_ids: frozenset[int]) -> bool:
+        """``token`` ends this request: an EOS (unless ignored) or one of its stop token ids."""
+        return token in eos_token_ids and not self.params.ignore_eos or token in self.params.stop_token_ids
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        """Mark it finished (the scheduler frees its slots first; see ``Scheduler.abort``)."""
+        self.finish_reason, self.error = reason, error
+        self.status = Status.ABORTED if reason == "abort" else Status.FINISHED
+        self.finish_time = time.perf_counter()
 
     @property
     def fill_ids(self) -> np.ndarray:

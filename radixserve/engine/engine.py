@@ -1,7 +1,8 @@
-"""The offline engine: ``Engine(...).generate(...)`` and ``.chat(...)``, no HTTP.
+"""The offline engine: ``Engine(config).generate(...)`` and ``.chat(...)``, no HTTP.
 
 Wires the layers: loader -> model + KV pool -> prefix cache over the slot
-allocator -> scheduler step loop. Every request's cached prefix is matched,
+allocator -> scheduler, with the engine step (``step.py``) between its
+``schedule()`` and ``process()``. Every request's cached prefix is matched,
 locked and reused; finished requests insert prompt + output into the cache.
 
     from radixserve import Engine
@@ -15,123 +16,82 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from radixserve.cache import PREFIX_CACHES, create_prefix_cache
-from radixserve.cache.policy import EVICTION_POLICIES
+from radixserve.cache import create_prefix_cache
 from radixserve.core import SamplingParams
-from radixserve.memory import TokenAllocator
+from radixserve.engine.config import EngineConfig, default_pool_tokens
+from radixserve.engine.step import StepExecutor
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.loop import Scheduler
-from radixserve.scheduler.policy import SCHEDULE_POLICIES, create_schedule_policy
+from radixserve.scheduler.policy import create_schedule_policy
 from radixserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
 Params = SamplingParams | dict[str, Any] | None
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything that shapes an engine; validated here, unknown options are an error."""
-
-    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
-    prefix_cache: str = "radix"  # radix | block | none
-    page_size: int = 1
-    radix_eviction_policy: str = "lru"
-    schedule_policy: str = "fcfs"  # fcfs | lpm | dfs-weight | lof | random | routing-key | priority | hrrn
-    in_batch_dedup: bool = True  # hold requests whose shared uncached prefix a sibling is computing
-    max_total_tokens: int | None = None  # KV pool size in tokens; None: a share of free memory
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts go in chunks
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto: cuda when present, else cpu
-    num_threads: int = 1  # torch CPU threads: 1 is the safe default on a small shared box
-    enable_kv_events: bool = False
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.prefix_cache in PREFIX_CACHES, f"prefix_cache must be one of {PREFIX_CACHES}"),
-            (
-                self.radix_eviction_policy in EVICTION_POLICIES,
-                f"radix_eviction_policy: one of {sorted(EVICTION_POLICIES)}",
-            ),
-            (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}"),
-            (self.page_size >= 1, "page_size must be >= 1"),
-            (self.max_total_tokens is None or self.max_total_tokens >= 16, "max_total_tokens must be >= 16"),
-            (self.max_running_requests >= 1 and self.chunked_prefill_size >= 1, "limits must be >= 1"),
-            (self.dtype == "auto" or self.dtype in DTYPES, f"dtype must be auto or one of {sorted(DTYPES)}"),
-            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device: auto|cpu|cuda[:N]"),
-            (self.num_threads >= 1, "num_threads must be >= 1"),
-        ]
-        problems = [message for ok, message in checks if not ok]
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
 
 
 class Engine:
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> Engine:
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+    """The offline engine over one ``EngineConfig``; ``Engine.create(**options)`` is the keyword form."""
 
-    def __init__(self, **options: Any) -> None:
-        self.config = config = EngineConfig(**options)
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
         torch.set_num_threads(config.num_threads)
         self.device = config.resolved_device()
         dtype = config.resolved_dtype(self.device)
         self.loaded: LoadedModel = load_model(config.model_path, self.device, dtype)
         self.tokenizer = self.loaded.tokenizer
-        model_config = self.loaded.config
-        page = config.page_size if config.prefix_cache == "radix" else 1
-        size = config.max_total_tokens or default_pool_tokens(
-            model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * 2 * dtype.itemsize,
-            self.device,
-        )
-        size -= size % max(page, 16)
-        self.allocator = TokenAllocator(size, page)
-        self.kv_pool = KVPool(
-            model_config.num_layers, size + page, model_config.num_kv_heads, model_config.head_dim, dtype, self.device
+        model = self.loaded.config
+        pool_tokens = config.max_total_tokens or default_pool_tokens(
+            KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype), self.device
         )
         self.cache = create_prefix_cache(
             config.prefix_cache,
-            self.allocator,
+            pool_tokens,
             config.page_size,
             config.radix_eviction_policy,
             enable_kv_events=config.enable_kv_events,
         )
-        runner = ModelRunner(self.loaded.model, model_config, self.kv_pool, self.device)
-        eos = tuple(model_config.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
-        policy = create_schedule_policy(config.schedule_policy, in_batch_dedup=config.in_batch_dedup)
+        self.allocator = self.cache.allocator
+        # size + one page of rows: the allocator's page 0 is reserved for padding writes
+        self.kv_pool = KVPool(
+            model.num_layers,
+            self.allocator.size + self.allocator.page_size,
+            model.num_kv_heads,
+            model.head_dim,
+            dtype,
+            self.device,
+        )
+        eos = tuple(model.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
+        runner = ModelRunner(self.loaded.model, model, self.kv_pool, self.device)
+        self.executor = StepExecutor(runner, self.tokenizer.decode_continuation, eos)
         self.scheduler = Scheduler(
-            runner,
             self.cache,
             self.tokenizer.decode_continuation,
             eos,
             config.max_running_requests,
             config.chunked_prefill_size,
-            policy,
+            create_schedule_policy(config.schedule_policy, in_batch_dedup=config.in_batch_dedup),
         )
         self._rids = itertools.count()
-        logger.info("engine ready: %s, %d KV slots, %s on %s", config, size, dtype, self.device)
+        logger.info("engine ready: %s, %d KV slots, %s on %s", config, self.allocator.size, dtype, self.device)
+
+    @classmethod
+    def create(cls, **options: Any) -> Engine:
+        """``Engine(EngineConfig(**options))``; an unknown option is a TypeError, a bad value a ValueError."""
+        return cls(EngineConfig(**options))
+
+    def step(self) -> list[Request]:
+        """One scheduling round and model step; the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        return self.scheduler.process(batch, self.executor.run(batch))
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -195,7 +155,7 @@ class Engine:
         for req in requests:
             self.scheduler.add(req)
         while any(req.finish_reason is None for req in requests):
-            self.scheduler.step()
+            self.step()
         return [req.result().to_dict() for req in requests]
 
     @property
@@ -256,13 +216,3 @@ class Engine:
                 model.num_layers, model.num_kv_heads, model.head_dim, self.kv_pool.dtype
             ),
         }
-
-
-def default_pool_tokens(bytes_per_token: int, device: torch.device) -> int:
-    """A quarter of free memory, at least 2k tokens, at most 32k on CPU (1.5 GB for SmolLM2
-    in fp32: zero-filling more costs seconds at start) and 1M on CUDA."""
-    if device.type == "cuda":
-        free, cap = torch.cuda.mem_get_info(device)[0], 1 << 20
-    else:
-        free, cap = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), 1 << 15
-    return int(min(max(free // 4 // bytes_per_token, 2048), cap))
