@@ -24,6 +24,7 @@ class EngineConfig:
     radix_eviction_policy: str = "lru"
     schedule_policy: str = "fcfs"  # fcfs | lpm | dfs-weight | lof | random | routing-key | priority | hrrn
     in_batch_dedup: bool = True  # hold requests whose shared uncached prefix a sibling is computing
+    schedule_seed: int = 0  # schedule_policy=random: the same seed gives the same order
     max_total_tokens: int | None = None  # KV pool size in tokens; None: a share of free memory
     max_running_requests: int = 64
     chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts go in chunks

@@ -78,7 +78,7 @@ class Engine:
             eos,
             config.max_running_requests,
             config.chunked_prefill_size,
-            create_schedule_policy(config.schedule_policy, in_batch_dedup=config.in_batch_dedup),
+            create_schedule_policy(config.schedule_policy, config.in_batch_dedup, config.schedule_seed),
         )
         self._rids = itertools.count()
         logger.info("engine ready: %s, %d KV slots, %s on %s", config, self.allocator.size, dtype, self.device)

@@ -35,13 +35,17 @@ import zmq
 
 from radixserve.kv_events.subscriber import KVEventSubscriber
 from radixserve.kv_events.wire import block_hashes
-from radixserve.router.choice import PrefixIndex, RouterConfig, choose_replica, imbalanced
-from radixserve.server.args import ROUTER_INDEXES, ROUTER_POLICIES
+from radixserve.router.choice import (
+    ROUTER_INDEXES,
+    ROUTER_POLICIES,
+    PrefixIndex,
+    RouterConfig,
+    choose_replica,
+    imbalanced,
+)
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ROUTER_POLICIES
-INDEXES = ROUTER_INDEXES
 Reports = Mapping[str, Mapping[str, Any]]  # replica -> its last record_routing_stats
 UNCONFIRMED_S = 30.0  # a request chosen but not confirmed sent for this long is no longer counted
 
@@ -159,10 +163,10 @@ class RoutingTable:
         index_capacity: int = 1 << 20,
         seed: int | None = None,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown routing policy {policy!r}: one of {', '.join(POLICIES)}")
-        if index not in INDEXES:
-            raise ValueError(f"unknown router index {index!r}: one of {', '.join(INDEXES)}")
+        if policy not in ROUTER_POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}: one of {', '.join(ROUTER_POLICIES)}")
+        if index not in ROUTER_INDEXES:
+            raise ValueError(f"unknown router index {index!r}: one of {', '.join(ROUTER_INDEXES)}")
         self.policy, self.index_kind = policy, index
         self.config = config or RouterConfig()
         self.index_capacity = index_capacity
