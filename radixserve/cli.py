@@ -11,6 +11,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import TYPE_CHECKING
+
+from radixserve.extras import missing_extra
+
+if TYPE_CHECKING:
+    from radixserve.server.args import ServerArgs
 
 # radixserve bench NAME -> the radixserve.bench module whose main(argv) runs it
 BENCHMARKS = {
@@ -50,6 +56,16 @@ def chat(argv: list[str]) -> None:
         )
 
 
+def serve_replicas(server_args: ServerArgs) -> None:
+    try:
+        from radixserve.router.deployments import serve_replicas as serve_on_ray
+    except ImportError as exc:
+        if not (exc.name or "").startswith("ray"):
+            raise
+        raise missing_extra("router", "--replicas (Ray Serve)") from None
+    serve_on_ray(server_args)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="radixserve", description="A RadixAttention LLM serving engine.")
@@ -66,8 +82,6 @@ def main(argv: list[str] | None = None) -> None:
 
         server_args = parse_args(rest)
         if server_args.replicas:
-            from radixserve.router.deployments import serve_replicas
-
             serve_replicas(server_args)
         else:
             from radixserve.server.launch import serve

@@ -39,6 +39,7 @@ from radixserve.bench.serve import BenchResult, run_benchmark, server_vocab_size
 from radixserve.bench.server_process import ServerProcess
 from radixserve.bench.tiny_model import build_engine_folder
 from radixserve.bench.workloads import TraceRequest, generated_shared_prefix
+from radixserve.extras import missing_extra
 
 RUNS: dict[str, tuple[str, ...]] = {
     "baseline": (),
@@ -128,8 +129,11 @@ def format_table(runs: list[RunResult]) -> str:
 
 def plot(runs: list[RunResult], path: Path, title: str) -> None:
     """One bar panel per figure, the runs side by side (Agg: no display needed)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise missing_extra("bench", "a plot") from None
 
     panels: list[tuple[str, Callable[[BenchResult], float]]] = [
         ("cache hit rate (%)", lambda r: 100 * r.cache_hit_rate),

@@ -34,6 +34,7 @@ from radixserve.bench.belady import BeladyCache, FutureIndex
 from radixserve.bench.traces import load_trace, working_set_tokens
 from radixserve.bench.workloads import TraceRequest, make_workload
 from radixserve.cache import EVICTION_POLICIES, BasePrefixCache, CacheReq, create_prefix_cache
+from radixserve.extras import missing_extra
 from radixserve.memory import TokenAllocator
 
 DEFAULT_CACHES = tuple(
@@ -198,7 +199,10 @@ def format_table(results: Sequence[SimResult]) -> str:
 
 
 def plot(results: Sequence[SimResult], path: Path, title: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise missing_extra("bench", "a plot") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
