@@ -67,7 +67,9 @@ def default_pool_tokens(bytes_per_token: int, device: torch.device) -> int:
     """A quarter of free memory, at least 2k tokens, at most 32k on CPU (1.5 GB for SmolLM2
     in fp32: zero-filling more costs seconds at start) and 1M on CUDA."""
     if device.type == "cuda":
-        free, cap = torch.cuda.mem_get_info(device)[0], 1 << 20
+        free = torch.cuda.mem_get_info(device)[0]
+        cap = 1 << 20
     else:
-        free, cap = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), 1 << 15
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        cap = 1 << 15
     return int(min(max(free // 4 // bytes_per_token, 2048), cap))

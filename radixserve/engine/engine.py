@@ -183,7 +183,8 @@ class Engine:
             ids = np.asarray(prompt, dtype=np.int64)
         except (TypeError, ValueError, OverflowError):
             raise ValueError("a prompt must be a sequence of integer token ids") from None
-        vocab, max_pos = self.loaded.config.vocab_size, self.context_length
+        vocab = self.loaded.config.vocab_size
+        max_pos = self.context_length
         if ids.ndim != 1 or len(ids) == 0:
             raise ValueError("a prompt must be a non-empty sequence of token ids")
         if ids.min() < 0 or ids.max() >= vocab:

@@ -72,7 +72,8 @@ class StepExecutor:
                 errors[0] = _message(exc)
                 return [], None
             logger.warning("a %d-request %s step failed (%s); retrying each request alone", len(entries), mode, exc)
-        rows, logits = [], []
+        rows: list[int] = []
+        logits = []
         for i, entry in enumerate(entries):
             try:
                 logits.append(self.runner.forward([_step_input(entry)], mode))

@@ -191,11 +191,11 @@ class Scheduler:
         for req in self.running:
             if not req.prefill_done and req.kv is not None and adder.add(req, req.kv, len(req.fill_ids)):
                 batch.append(req)
-        if not self.waiting or adder.slots_left <= 0 or adder.room() <= 0:
+        if not self.waiting or adder.requests_left <= 0 or adder.room() <= 0:
             return batch
         result = self.policy.order(list(self.waiting), self.cache, self.running, self.clock())
         for req in result.order:
-            if adder.slots_left <= 0 or adder.room() <= 0 or not self._admit(req, adder):
+            if adder.requests_left <= 0 or adder.room() <= 0 or not self._admit(req, adder):
                 break
             batch.append(req)
         return batch
@@ -218,8 +218,9 @@ class Scheduler:
             self.stats.cached_tokens += matched
         else:  # what it had computed before retraction and eviction took since
             self.stats.recomputed_tokens += max(req.computed_len - matched, 0)
-        req.kv, req.status = kv, Status.RUNNING
-        adder.slots_left -= 1
+        req.kv = kv
+        req.status = Status.RUNNING
+        adder.requests_left -= 1
         self.running.append(req)
         return True
 
@@ -270,7 +271,9 @@ class Scheduler:
         assert req.kv is not None
         req.computed_len = len(req.kv.token_ids)
         self.cache.cache_finished_req(req.kv, is_insert=True)
-        req.kv, req.status, req.prefill_done = None, Status.WAITING, False
+        req.kv = None
+        req.status = Status.WAITING
+        req.prefill_done = False
         req.num_retractions += 1
         self.stats.retractions += 1
         self.stats.decode_retractions += bool(req.output_ids)

@@ -68,7 +68,8 @@ class Request:
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         """Mark it finished (the scheduler frees its slots first; see ``Scheduler.abort``)."""
-        self.finish_reason, self.error = reason, error
+        self.finish_reason = reason
+        self.error = error
         self.status = Status.ABORTED if reason == "abort" else Status.FINISHED
         self.finish_time = time.perf_counter()
 
