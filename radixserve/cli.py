@@ -48,11 +48,10 @@ def chat(argv: list[str]) -> None:
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     for question in args.questions:
         out = engine.chat([{"role": "user", "content": question}], params)
-        meta = out["meta_info"]  # type: ignore[call-overload]
-        print(f"\n> {question}\n{out['text']}")  # type: ignore[call-overload]
+        print(f"\n> {question}\n{out.text}")
         print(
-            f"  [{meta['prompt_tokens']} prompt tokens, {meta['cached_tokens']} from the cache, "
-            f"{meta['completion_tokens']} generated, {meta['e2e_latency'] * 1000:.0f} ms]"
+            f"  [{out.prompt_tokens} prompt tokens, {out.cached_tokens} from the cache, "
+            f"{len(out.output_ids)} generated, {out.e2e_latency * 1000:.0f} ms]"
         )
 
 

@@ -28,7 +28,7 @@ PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 9, 10], [5, 6, POISON, 11], [20, 21, 22]]
 @pytest.fixture(scope="module")
 def clean(tiny_model_dir: Path) -> list[list[int]]:
     engine = Engine.create(model_path=str(tiny_model_dir), max_total_tokens=2048)
-    return [out["output_ids"] for out in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]  # type: ignore[index]
+    return [out.output_ids for out in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
 
 
 def run_with(tiny_model_dir: Path, patch: Callable[[Engine], None], params: Any = PARAMS) -> tuple[Engine, list[Any]]:
@@ -40,10 +40,10 @@ def run_with(tiny_model_dir: Path, patch: Callable[[Engine], None], params: Any 
 
 
 def check_contained(engine: Engine, outs: list[Any], clean: list[list[int]], words: str) -> None:
-    faulty = outs[2]["meta_info"]
-    assert faulty["finish_reason"] == "abort" and words in faulty["error"], faulty
+    faulty = outs[2]
+    assert faulty.finish_reason == "abort" and faulty.error is not None and words in faulty.error, faulty
     for i in (0, 1, 3):
-        assert outs[i]["meta_info"]["finish_reason"] == "length" and outs[i]["output_ids"] == clean[i]
+        assert outs[i].finish_reason == "length" and outs[i].output_ids == clean[i]
     engine.check_idle_invariants()
     assert len(engine.cache.match_prefix(RadixKey([5, 6, POISON])).indices) == 2  # its own tokens never cached
 

@@ -8,7 +8,7 @@ locked and reused; finished requests insert prompt + output into the cache.
     from radixserve import Engine
     engine = Engine()                     # the embedded SmolLM2-135M-Instruct
     out = engine.chat([{"role": "user", "content": "Hi!"}], {"max_new_tokens": 32})
-    print(out["text"], out["meta_info"]["cached_tokens"])
+    print(out.text, out.cached_tokens)
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
 
 from radixserve.cache import create_prefix_cache
-from radixserve.core import SamplingParams
+from radixserve.core import GenerateResult, SamplingParams
 from radixserve.engine.config import EngineConfig, default_pool_tokens
 from radixserve.engine.step import StepExecutor
 from radixserve.memory.kv_pool import KVPool
@@ -95,40 +95,77 @@ class Engine:
 
     # ---- public API -------------------------------------------------------------------------------
 
+    @overload
+    def generate(
+        self, prompt: str, sampling_params: Params = None, input_ids: None = None, extra_key: str | None = None
+    ) -> GenerateResult: ...
+    @overload
+    def generate(
+        self,
+        prompt: list[str],
+        sampling_params: Params | list[Params] = None,
+        input_ids: None = None,
+        extra_key: str | None = None,
+    ) -> list[GenerateResult]: ...
+    @overload
+    def generate(
+        self, prompt: None = None, sampling_params: Params = None, *, input_ids: list[int], extra_key: str | None = None
+    ) -> GenerateResult: ...
+    @overload
+    def generate(
+        self,
+        prompt: None = None,
+        sampling_params: Params | list[Params] = None,
+        *,
+        input_ids: list[list[int]],
+        extra_key: str | None = None,
+    ) -> list[GenerateResult]: ...
     def generate(
         self,
         prompt: str | list[str] | None = None,
         sampling_params: Params | list[Params] = None,
         input_ids: list[int] | list[list[int]] | None = None,
         extra_key: str | None = None,
-    ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Generate for one prompt (returns a dict) or a list (returns a list, same order).
+    ) -> GenerateResult | list[GenerateResult]:
+        """Generate for one prompt (one result) or a list (a list, same order); give text or token ids.
 
-        Each result: ``{"text", "output_ids", "meta_info": {"prompt_tokens", "cached_tokens",
-        "completion_tokens", "finish_reason", "e2e_latency", ...}}``.
+        ``result.to_dict()`` is the shape SGLang's native API returns: ``{"text", "output_ids",
+        "meta_info": {"prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason", ...}}``.
         """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
-        single = isinstance(prompt, str) or (input_ids is not None and (not input_ids or isinstance(input_ids[0], int)))
+        if isinstance(prompt, str):
+            return self._run([self.tokenizer.encode(prompt)], sampling_params, extra_key)[0]
         if prompt is not None:
-            texts = [prompt] if isinstance(prompt, str) else list(prompt)
-            prompts = [self.tokenizer.encode(text) for text in texts]
-        else:
-            prompts = [input_ids] if single else list(input_ids)  # type: ignore[list-item,arg-type]
-        results = self._run(prompts, sampling_params, extra_key)  # type: ignore[arg-type]
-        return results[0] if single else results
+            return self._run([self.tokenizer.encode(text) for text in prompt], sampling_params, extra_key)
+        assert input_ids is not None
+        if not input_ids or isinstance(input_ids[0], int):
+            return self._run([input_ids], sampling_params, extra_key)[0]  # type: ignore[list-item]
+        return self._run(input_ids, sampling_params, extra_key)
 
+    @overload
+    def chat(
+        self, messages: list[dict[str, str]], sampling_params: Params = None, extra_key: str | None = None
+    ) -> GenerateResult: ...
+    @overload
+    def chat(
+        self,
+        messages: list[list[dict[str, str]]],
+        sampling_params: Params | list[Params] = None,
+        extra_key: str | None = None,
+    ) -> list[GenerateResult]: ...
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: Params | list[Params] = None,
         extra_key: str | None = None,
-    ) -> dict[str, Any] | list[dict[str, Any]]:
+    ) -> GenerateResult | list[GenerateResult]:
         """Apply the model's chat template, then ``generate``. A list of conversations gives a list."""
-        single = bool(messages) and isinstance(messages[0], dict)
-        conversations = [messages] if single else list(messages)
-        ids = [self.tokenizer.apply_chat_template(conv) for conv in conversations]  # type: ignore[arg-type]
-        return self.generate(input_ids=ids[0] if single else ids, sampling_params=sampling_params, extra_key=extra_key)
+        if messages and isinstance(messages[0], dict):
+            ids = self.tokenizer.apply_chat_template(messages)
+            return self._run([ids], sampling_params, extra_key)[0]
+        conversations = [self.tokenizer.apply_chat_template(conv) for conv in messages]  # type: ignore[arg-type]
+        return self._run(conversations, sampling_params, extra_key)
 
     def flush_cache(self) -> None:
         """Drop every cached prefix (only when no request is in flight)."""
@@ -146,8 +183,8 @@ class Engine:
     # ---- internals --------------------------------------------------------------------------------
 
     def _run(
-        self, prompts: list[Sequence[int]], params: Params | list[Params], extra_key: str | None
-    ) -> list[dict[str, Any]]:
+        self, prompts: Sequence[Sequence[int]], params: Params | list[Params], extra_key: str | None
+    ) -> list[GenerateResult]:
         per_request = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_request) != len(prompts):
             raise ValueError(f"{len(per_request)} sampling_params for {len(prompts)} prompts")
@@ -156,7 +193,7 @@ class Engine:
             self.scheduler.add(req)
         while any(req.finish_reason is None for req in requests):
             self.step()
-        return [req.result().to_dict() for req in requests]
+        return [req.result() for req in requests]
 
     @property
     def context_length(self) -> int:

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from radixserve.cache.base import BasePrefixCache
-from radixserve.core import FinishReason
+from radixserve.core import ErrorKind, FinishReason
 from radixserve.scheduler.admission import PrefillAdder, decode_reserve
 from radixserve.scheduler.batch import Mode, ScheduledBatch, ScheduledRequest, StepOutput
 from radixserve.scheduler.policy import BaseSchedulePolicy, create_schedule_policy
@@ -82,7 +82,7 @@ class Scheduler:
             "cache_tokens": self.cache.total_size(),
         }
 
-    def abort(self, req: Request, error: str | None = None) -> bool:
+    def abort(self, req: Request, error: str | None = None, kind: ErrorKind = "engine") -> bool:
         """End ``req`` now, whatever its state: waiting, running, or not queued yet.
 
         Its locks are released and its private slots freed; nothing it computed is
@@ -92,7 +92,7 @@ class Scheduler:
             return False
         if req in self.waiting:
             self.waiting.remove(req)
-        self._finish(req, "abort", error=error, insert=False)
+        self._finish(req, "abort", error=error, kind=kind, insert=False)
         self.running = [r for r in self.running if r is not req]
         return True
 
@@ -171,8 +171,9 @@ class Scheduler:
         if not stuck:
             return
         victim = max(stuck, key=lambda r: r.arrival_time)
-        victim.retryable = True  # it fits alone: once the running requests finish, it will run
-        self._finish(victim, "abort", error="the KV pool cannot hold this prompt next to the running requests")
+        # It fits alone: once the running requests finish, it will run (capacity: a server answers 503).
+        error = "the KV pool cannot hold this prompt next to the running requests"
+        self._finish(victim, "abort", error=error, kind="capacity")
         self._ended.append(victim)
         self.running = [r for r in self.running if r is not victim]
 
@@ -307,14 +308,21 @@ class Scheduler:
         return req.status is not Status.RUNNING
 
     def _finish(
-        self, req: Request, reason: FinishReason, *, error: str | None = None, insert: bool = True, decode: bool = True
+        self,
+        req: Request,
+        reason: FinishReason,
+        *,
+        error: str | None = None,
+        kind: ErrorKind = "engine",
+        insert: bool = True,
+        decode: bool = True,
     ) -> None:
         if req.kv is not None:
             self.cache.cache_finished_req(req.kv, is_insert=insert)
             req.kv = None
         if decode:
             req.text = self.detokenize(req.output_ids, req.prompt_ids[-16:].tolist())
-        req.finish(reason, error)
+        req.finish(reason, error, kind)
         self.stats.count_finish(reason)
 
 

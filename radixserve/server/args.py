@@ -76,11 +76,6 @@ class ServerArgs:
                 self.replicas >= 0 and self.router_abs_threshold >= 0 and self.router_rel_threshold >= 1,
                 "--replicas and --router-abs-threshold must be >= 0, --router-rel-threshold >= 1",
             ),
-            (
-                not (self.replicas and (self.kv_events_endpoint or self.kv_events_replay_endpoint)),
-                "--kv-events-endpoint is per server: with --replicas each replica publishes on a free "
-                "port of its node (GET /router shows them)",
-            ),
             (self.replica_cpus is None or self.replica_cpus >= 0, "--replica-cpus must be >= 0"),
             (0 < self.port < 65536, f"--port must be in 1..65535, got {self.port}"),
             (
@@ -355,6 +350,12 @@ def parse_args(argv: list[str]) -> ServerArgs:
     parser = build_parser()
     ns = parser.parse_args(argv)
     flags = vars(ns)
+    # A check of the flags, not of ServerArgs: each replica's own ServerArgs sets its endpoint.
+    if ns.replicas and (ns.kv_events_endpoint or ns.kv_events_replay_endpoint):
+        parser.error(
+            "--kv-events-endpoint is per server: with --replicas each replica publishes on a free "
+            "port of its node (GET /router shows them)"
+        )
     try:
         engine = EngineConfig(
             **_same_named(EngineConfig, flags),

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from radixserve.core import GenerateResult, TopLogprobs
+from radixserve.core import ErrorKind, GenerateResult, TopLogprobs
 from radixserve.engine import Engine
 from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.scheduler.request import Request
@@ -146,7 +146,7 @@ class EngineWorker:
                 if self._stopping.is_set():
                     self._drain(block=False)
                     for rid in list(self._live):
-                        self._abort(rid, error="the server is shutting down")
+                        self._abort(rid, "the server is shutting down", "shutdown")
                     break
                 if self.scheduler.has_work():
                     self.engine.step()
@@ -182,7 +182,7 @@ class EngineWorker:
 
     def _add(self, req: Request, sink: Sink, index: int) -> None:
         if self._stopping.is_set():
-            self.scheduler.abort(req, "the server is shutting down")
+            self.scheduler.abort(req, "the server is shutting down", "shutdown")
             self._deliver(_Live(req, sink, index), final=True)
             return
         live = _Live(req, sink, index)
@@ -191,11 +191,11 @@ class EngineWorker:
         if req.finish_reason is not None:  # finished on arrival (max_new_tokens = 0)
             self._publish()
 
-    def _abort(self, rid: int, error: str | None = None) -> None:
+    def _abort(self, rid: int, error: str | None = None, kind: ErrorKind = "engine") -> None:
         live = self._live.get(rid)
         if live is None:
             return  # already finished, or never submitted
-        self.scheduler.abort(live.req, error)
+        self.scheduler.abort(live.req, error, kind)
         self._publish()
 
     def _publish(self) -> None:

@@ -40,11 +40,11 @@ def test_burst_on_a_cold_prefix_prefills_it_once_with_dedup(model_dir: Path) -> 
     control = make_engine(model_dir, schedule_policy="fcfs", in_batch_dedup=False, **options)
     with_dedup = deduped.generate(input_ids=prompts, sampling_params=GREEDY)
     without = control.generate(input_ids=prompts, sampling_params=GREEDY)
-    assert [r["output_ids"] for r in with_dedup] == [r["output_ids"] for r in without]
+    assert [r.output_ids for r in with_dedup] == [r.output_ids for r in without]
     # The first request computes the 2,000 shared tokens; every request computes its own 50.
     assert deduped.scheduler.stats.prefill_tokens == 2000 + 64 * 50
     assert control.scheduler.stats.prefill_tokens == 64 * 2050
-    assert sum(r["meta_info"]["cached_tokens"] for r in with_dedup) == 63 * 2000
+    assert sum(r.cached_tokens for r in with_dedup) == 63 * 2000
     deduped.check_idle_invariants()
     control.check_idle_invariants()
 
@@ -55,9 +55,9 @@ def test_memory_pressure_retracts_resumes_and_recomputes_only_what_was_evicted(m
     params = {**GREEDY, "max_new_tokens": 80}
     roomy = make_engine(model_dir)
     tight = make_engine(model_dir, max_total_tokens=1024)
-    expected = [r["output_ids"] for r in roomy.generate(input_ids=prompts, sampling_params=params)]
+    expected = [r.output_ids for r in roomy.generate(input_ids=prompts, sampling_params=params)]
     got = tight.generate(input_ids=prompts, sampling_params=params)
-    assert [r["output_ids"] for r in got] == expected
+    assert [r.output_ids for r in got] == expected
     stats = tight.scheduler.stats
     assert stats.retractions > 0
     # Everything prefilled is the prompts once, plus exactly what resumptions recomputed, plus
@@ -75,7 +75,7 @@ def test_chunked_prefill_gives_the_same_tokens(model_dir: Path) -> None:
     whole = make_engine(model_dir).generate(input_ids=prompts, sampling_params=GREEDY)
     engine = make_engine(model_dir, chunked_prefill_size=32)
     chunked = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-    assert [r["output_ids"] for r in chunked] == [r["output_ids"] for r in whole]
+    assert [r.output_ids for r in chunked] == [r.output_ids for r in whole]
     engine.check_idle_invariants()
 
 
@@ -127,7 +127,7 @@ def test_abort_in_any_state_frees_everything(model_dir: Path, when: str) -> None
 def test_a_prompt_that_fills_the_pool_is_prefilled_in_chunks_and_finishes(model_dir: Path) -> None:
     engine = make_engine(model_dir, max_total_tokens=256, chunked_prefill_size=64)
     out = engine.generate(input_ids=list(range(3, 123)) * 2, sampling_params={**GREEDY, "max_new_tokens": 10})
-    assert out["meta_info"]["finish_reason"] == "length" and len(out["output_ids"]) == 10
+    assert out.finish_reason == "length" and len(out.output_ids) == 10
     engine.check_idle_invariants()
 
 
@@ -135,9 +135,9 @@ def test_requests_that_cannot_fit_next_to_each_other_end_with_a_clear_error_not_
     engine = make_engine(model_dir, max_total_tokens=256, chunked_prefill_size=64)
     prompts = [list(range(3, 123)) * 2, list(range(120, 2, -1)) * 2]  # 240 tokens each, nothing shared
     outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 10})
-    reasons = sorted(str(r["meta_info"]["finish_reason"]) for r in outs)
+    reasons = sorted(str(r.finish_reason) for r in outs)
     assert reasons in (["abort", "length"], ["length", "length"])
-    assert all("error" in r["meta_info"] for r in outs if r["meta_info"]["finish_reason"] == "abort")
+    assert all(r.error for r in outs if r.finish_reason == "abort")
     engine.check_idle_invariants()
 
 

@@ -113,8 +113,8 @@ def test_server_args_check_themselves_without_flags() -> None:
     """The Ray path builds ServerArgs directly: the same checks as the flags."""
     with pytest.raises(ValueError, match="tenant-isolation needs identities"):
         ServerArgs(tenant_isolation=True)
-    with pytest.raises(ValueError, match="kv-events-endpoint is per server"):
-        ServerArgs(replicas=2, kv_events_endpoint="tcp://127.0.0.1:5557")
+    with pytest.raises(ValueError, match="--replicas and --router-abs-threshold must be >= 0"):
+        ServerArgs(replicas=-1)
     with pytest.raises(ValueError, match="--router must be one of"):
         ServerArgs(router="random")
     assert ServerArgs(tenant_isolation=True, tenant_header="x-tenant").tenant_isolation
