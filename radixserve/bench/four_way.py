@@ -184,7 +184,7 @@ def run_four_way(
     return runs
 
 
-def main(argv: list[str]) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve bench four-way", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -213,6 +213,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--runs", default=",".join(RUNS), help=f"a subset of {','.join(RUNS)}")
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    parser = build_parser()
+    names = [f.name for f in fields(WorkloadSizes) if f.type == "int"]
     args = parser.parse_args(argv)
     selected = [n.strip() for n in args.runs.split(",") if n.strip()]
     unknown = [n for n in selected if n not in RUNS]
@@ -244,6 +250,14 @@ def main(argv: list[str]) -> None:
     workload = f"{sizes.describe()}; KV pool {pool or 'server default'}"
     print(f"\n{model_name}: {workload}; {len(runs)} runs in {wall:.0f} s (start-ups included)")
     print(format_table(runs))
+    write_report(args, runs, sizes, pool, model_name, wall)
+
+
+def write_report(
+    args: argparse.Namespace, runs: list[RunResult], sizes: WorkloadSizes, pool: int, model_name: str, wall: float
+) -> None:
+    """The plot and the JSON report in ``--output-dir``."""
+    workload = f"{sizes.describe()}; KV pool {pool or 'server default'}"
     args.output_dir.mkdir(parents=True, exist_ok=True)
     png, out_json = args.output_dir / "four-way.png", args.output_dir / "four-way.json"
     plot(runs, png, f"{model_name}: {workload}")

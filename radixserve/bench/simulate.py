@@ -260,7 +260,7 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
-def main(argv: list[str]) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve bench simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -289,6 +289,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--router", default="round-robin,power-of-two,cache-aware,cache-aware-precise", help="routers for --replicas"
     )
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     if args.trace:
