@@ -70,17 +70,21 @@ class Scheduler:
 
     def snapshot(self) -> dict[str, object]:
         """The figures the server exports each step (see SchedulerStats for the counters)."""
-        allocator = self.cache.allocator
-        held = allocator.size - allocator.free_size() - self.cache.evictable_size()
         return {
             **self.stats.snapshot(),
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "evicted_tokens": self.cache.evicted_tokens,
             "policy_fallbacks": getattr(self.policy, "fallbacks", 0),
-            "token_usage": held / allocator.size,  # share of KV slots live requests hold (not reclaimable)
+            "token_usage": self.token_usage(),
             "cache_tokens": self.cache.total_size(),
         }
+
+    def token_usage(self) -> float:
+        """The share of KV slots live requests hold (neither free nor reclaimable by eviction)."""
+        allocator = self.cache.allocator
+        held = allocator.size - allocator.free_size() - self.cache.evictable_size()
+        return held / allocator.size
 
     def abort(self, req: Request, error: str | None = None, kind: ErrorKind = "engine") -> bool:
         """End ``req`` now, whatever its state: waiting, running, or not queued yet.

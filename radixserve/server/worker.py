@@ -214,11 +214,10 @@ class EngineWorker:
             del self._live[rid]
         if self.metrics is not None:
             scheduler = self.scheduler
-            snap = scheduler.snapshot()
             self.metrics.on_step(
                 len(scheduler.running),
                 len(scheduler.waiting),
-                float(snap["token_usage"]),  # type: ignore[arg-type]
+                scheduler.token_usage(),
                 scheduler.cache.evicted_tokens,
                 scheduler.stats.retractions,
             )
