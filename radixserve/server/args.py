@@ -351,7 +351,7 @@ def parse_args(argv: list[str]) -> ServerArgs:
     ns = parser.parse_args(argv)
     flags = vars(ns)
     # A check of the flags, not of ServerArgs: each replica's own ServerArgs sets its endpoint.
-    if ns.replicas and (ns.kv_events_endpoint or ns.kv_events_replay_endpoint):
+    if ns.replicas and (ns.kv_events_endpoint or ns.kv_events_replay_endpoint or ns.kv_events_config):
         parser.error(
             "--kv-events-endpoint is per server: with --replicas each replica publishes on a free "
             "port of its node (GET /router shows them)"
