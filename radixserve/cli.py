@@ -11,6 +11,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import TYPE_CHECKING
+
+from radixserve.extras import missing_extra
+
+if TYPE_CHECKING:
+    from radixserve.server.args import ServerArgs
 
 # radixserve bench NAME -> the radixserve.bench module whose main(argv) runs it
 BENCHMARKS = {
@@ -38,16 +44,25 @@ def chat(argv: list[str]) -> None:
 
     from radixserve import Engine
 
-    engine = Engine(model_path=args.model_path, prefix_cache=args.prefix_cache, num_threads=args.num_threads)
+    engine = Engine.create(model_path=args.model_path, prefix_cache=args.prefix_cache, num_threads=args.num_threads)
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     for question in args.questions:
         out = engine.chat([{"role": "user", "content": question}], params)
-        meta = out["meta_info"]  # type: ignore[call-overload]
-        print(f"\n> {question}\n{out['text']}")  # type: ignore[call-overload]
+        print(f"\n> {question}\n{out.text}")
         print(
-            f"  [{meta['prompt_tokens']} prompt tokens, {meta['cached_tokens']} from the cache, "
-            f"{meta['completion_tokens']} generated, {meta['e2e_latency'] * 1000:.0f} ms]"
+            f"  [{out.prompt_tokens} prompt tokens, {out.cached_tokens} from the cache, "
+            f"{len(out.output_ids)} generated, {out.e2e_latency * 1000:.0f} ms]"
         )
+
+
+def serve_replicas(server_args: ServerArgs) -> None:
+    try:
+        from radixserve.router.deployments import serve_replicas as serve_on_ray
+    except ImportError as exc:
+        if not (exc.name or "").startswith("ray"):
+            raise
+        raise missing_extra("router", "--replicas (Ray Serve)") from None
+    serve_on_ray(server_args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,8 +81,6 @@ def main(argv: list[str] | None = None) -> None:
 
         server_args = parse_args(rest)
         if server_args.replicas:
-            from radixserve.router.deployments import serve_replicas
-
             serve_replicas(server_args)
         else:
             from radixserve.server.launch import serve

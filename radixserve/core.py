@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+# Why a request failed: the engine broke on it (500), it lacked room now (503, retry), the server is stopping (503).
+ErrorKind = Literal["engine", "capacity", "shutdown"]
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 # Per generated token: the most likely (token id, logprob) pairs, best first.
 TopLogprobs = list[tuple[int, float]]
@@ -119,9 +121,9 @@ def _type_problems(params: SamplingParams) -> list[str]:
     return problems
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateResult:
-    """One request's outcome, shaped like SGLang's offline Engine returns it (see ``to_dict``)."""
+    """One request's outcome; ``to_dict`` gives the shape SGLang's native API returns."""
 
     text: str
     output_ids: list[int]
@@ -133,7 +135,12 @@ class GenerateResult:
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     matched_stop: int | str | None = None
     error: str | None = None
-    retryable: bool = False  # the error was a transient lack of capacity (a server answers 503)
+    error_kind: ErrorKind | None = None  # set with ``error``
+
+    @property
+    def retryable(self) -> bool:
+        """The error was a transient lack of capacity: the same request may succeed later."""
+        return self.error_kind == "capacity"
 
     def to_dict(self) -> dict[str, Any]:
         meta: dict[str, Any] = {

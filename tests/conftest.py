@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from radixserve.bench.tiny_model import build_engine_folder
+from tests.model.tiny import build_engine_folder
 
 # One thread: libgomp's spinning pool makes 2 threads 3-50x slower on a busy 2-core box.
 torch.set_num_threads(1)

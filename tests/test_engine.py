@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from radixserve import Engine
+from radixserve.core import GenerateResult
 from tests.model.tiny import VOCAB
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -18,7 +19,9 @@ def make_engine(tiny_model_dir: Path, **options: Any) -> Engine:
     # Exact token equality across cache hits and batch shapes: float32 (where --dtype auto means bf16,
     # a different split of the same tokens rounds differently).
     options.setdefault("dtype", "float32")
-    return Engine(model_path=str(tiny_model_dir), max_total_tokens=options.pop("max_total_tokens", 2048), **options)
+    return Engine.create(
+        model_path=str(tiny_model_dir), max_total_tokens=options.pop("max_total_tokens", 2048), **options
+    )
 
 
 def words(ids: list[int]) -> str:
@@ -32,12 +35,11 @@ PROMPTS = [SHARED + [50, 51, 52], SHARED + [60, 61], SHARED[:20] + [70] * 9, [5,
 def test_generate_result_shape_and_slots_conserved(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir)
     out = engine.generate(words([3, 4, 5]), GREEDY)
-    assert isinstance(out, dict) and len(out["output_ids"]) == 12
-    meta = out["meta_info"]
-    assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 12
-    assert meta["finish_reason"] == "length" and meta["e2e_latency"] > 0 and meta["cached_tokens"] == 0
+    assert isinstance(out, GenerateResult) and len(out.output_ids) == 12
+    assert out.prompt_tokens == 3 and out.to_dict()["meta_info"]["completion_tokens"] == 12
+    assert out.finish_reason == "length" and out.e2e_latency > 0 and out.cached_tokens == 0
     # specials are skipped; the text reads on from the prompt (prompt + text is the whole text)
-    assert out["text"] == " " + words([i for i in out["output_ids"] if i > 2])
+    assert out.text == " " + words([i for i in out.output_ids if i > 2])
     engine.check_idle_invariants()
 
 
@@ -48,7 +50,7 @@ def test_greedy_output_equals_transformers_generate(tiny_model_dir: Path) -> Non
     prompt = [1, 9, 17, 33, 4, 88]
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None)
     out = make_engine(tiny_model_dir).generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 20})
-    assert out["output_ids"] == expected[0, len(prompt) :].tolist()
+    assert out.output_ids == expected[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("prefix_cache,page_size", [("radix", 1), ("radix", 16), ("block", 16)])
@@ -60,18 +62,18 @@ def test_shared_prefix_hits_and_gives_the_same_tokens_as_no_cache(
     for prompt in PROMPTS[:2]:
         cold = control.generate(input_ids=prompt, sampling_params=GREEDY)
         warm = cached.generate(input_ids=prompt, sampling_params=GREEDY)
-        assert warm["output_ids"] == cold["output_ids"]
-        assert cold["meta_info"]["cached_tokens"] == 0
-    assert warm["meta_info"]["cached_tokens"] == (40 if page_size == 1 else 32)
+        assert warm.output_ids == cold.output_ids
+        assert cold.cached_tokens == 0
+    assert warm.cached_tokens == (40 if page_size == 1 else 32)
     cached.check_idle_invariants()
     control.check_idle_invariants()
 
 
 def test_a_mixed_batch_equals_one_by_one(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir)
-    alone = [make_engine(tiny_model_dir).generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
+    alone = [make_engine(tiny_model_dir).generate(input_ids=p, sampling_params=GREEDY).output_ids for p in PROMPTS]
     together = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-    assert [r["output_ids"] for r in together] == alone
+    assert [r.output_ids for r in together] == alone
     engine.check_idle_invariants()
 
 
@@ -79,40 +81,40 @@ def test_a_tiny_pool_retracts_and_still_gives_the_same_tokens(tiny_model_dir: Pa
     roomy = make_engine(tiny_model_dir)
     tight = make_engine(tiny_model_dir, max_total_tokens=160)
     params = {**GREEDY, "max_new_tokens": 30}
-    expected = [r["output_ids"] for r in roomy.generate(input_ids=PROMPTS, sampling_params=params)]
+    expected = [r.output_ids for r in roomy.generate(input_ids=PROMPTS, sampling_params=params)]
     got = tight.generate(input_ids=PROMPTS, sampling_params=params)
-    assert [r["output_ids"] for r in got] == expected
+    assert [r.output_ids for r in got] == expected
     assert tight.scheduler.stats.retractions > 0
     tight.check_idle_invariants()
 
 
 def test_stop_conditions(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir)
-    free = engine.generate(input_ids=[3, 4, 5], sampling_params=GREEDY)["output_ids"]
+    free = engine.generate(input_ids=[3, 4, 5], sampling_params=GREEDY).output_ids
     by_id = engine.generate(input_ids=[3, 4, 5], sampling_params={**GREEDY, "stop_token_ids": [free[3]]})
-    assert by_id["output_ids"] == free[: free.index(free[3]) + 1]
-    assert by_id["meta_info"]["finish_reason"] == "stop" and by_id["meta_info"]["matched_stop"] == free[3]
+    assert by_id.output_ids == free[: free.index(free[3]) + 1]
+    assert by_id.finish_reason == "stop" and by_id.matched_stop == free[3]
     stop_word = f"w{free[2]}"
     by_text = engine.generate(input_ids=[3, 4, 5], sampling_params={**GREEDY, "stop": [stop_word]})
-    assert stop_word not in by_text["text"] and by_text["meta_info"]["matched_stop"] == stop_word
+    assert stop_word not in by_text.text and by_text.matched_stop == stop_word
     none = engine.generate(input_ids=[3, 4, 5], sampling_params={**GREEDY, "max_new_tokens": 0})
-    assert none["output_ids"] == [] and none["meta_info"]["finish_reason"] == "length"
+    assert none.output_ids == [] and none.finish_reason == "length"
     engine.check_idle_invariants()
 
 
 def test_seeded_sampling_is_reproducible_inside_any_batch(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir)
     params = {"max_new_tokens": 10, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
-    alone = engine.generate(input_ids=[3, 4, 5], sampling_params=params)["output_ids"]
+    alone = engine.generate(input_ids=[3, 4, 5], sampling_params=params).output_ids
     batch = engine.generate(input_ids=[[9, 9], [3, 4, 5]], sampling_params=[{"max_new_tokens": 10}, params])
-    assert batch[1]["output_ids"] == alone
+    assert batch[1].output_ids == alone
 
 
 def test_chat_applies_the_template(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir)
     via_chat = engine.chat([{"role": "user", "content": "w10 w11"}], GREEDY)
     direct = engine.generate(input_ids=[4, 10, 11, 99], sampling_params=GREEDY)
-    assert via_chat["output_ids"] == direct["output_ids"] and via_chat["meta_info"]["prompt_tokens"] == 4
+    assert via_chat.output_ids == direct.output_ids and via_chat.prompt_tokens == 4
 
 
 @pytest.mark.parametrize(
@@ -135,11 +137,11 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(tiny_model_dir: Path, kw
         engine.generate(**kwargs)
     assert (engine.allocator.free_size(), engine.cache.total_size()) == before
     engine.check_idle_invariants()
-    assert engine.generate(input_ids=SHARED, sampling_params=GREEDY)["meta_info"]["cached_tokens"] == 39
+    assert engine.generate(input_ids=SHARED, sampling_params=GREEDY).cached_tokens == 39
 
 
 def test_unknown_engine_option_is_an_error(tiny_model_dir: Path) -> None:
     with pytest.raises(TypeError):
-        Engine(model_path=str(tiny_model_dir), max_total_tokenz=100)
+        Engine.create(model_path=str(tiny_model_dir), max_total_tokenz=100)
     with pytest.raises(ValueError, match="prefix_cache"):
-        Engine(model_path=str(tiny_model_dir), prefix_cache="lru")
+        Engine.create(model_path=str(tiny_model_dir), prefix_cache="lru")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import radixserve.scheduler.loop as loop
+import radixserve.engine.step as step_module
 from radixserve import Engine
 from radixserve.cache import RadixKey
 
@@ -27,12 +27,12 @@ PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 9, 10], [5, 6, POISON, 11], [20, 21, 22]]
 
 @pytest.fixture(scope="module")
 def clean(tiny_model_dir: Path) -> list[list[int]]:
-    engine = Engine(model_path=str(tiny_model_dir), max_total_tokens=2048)
-    return [out["output_ids"] for out in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]  # type: ignore[index]
+    engine = Engine.create(model_path=str(tiny_model_dir), max_total_tokens=2048)
+    return [out.output_ids for out in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
 
 
 def run_with(tiny_model_dir: Path, patch: Callable[[Engine], None], params: Any = PARAMS) -> tuple[Engine, list[Any]]:
-    engine = Engine(model_path=str(tiny_model_dir), max_total_tokens=2048)
+    engine = Engine.create(model_path=str(tiny_model_dir), max_total_tokens=2048)
     patch(engine)
     outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
     assert isinstance(outs, list)
@@ -40,17 +40,17 @@ def run_with(tiny_model_dir: Path, patch: Callable[[Engine], None], params: Any 
 
 
 def check_contained(engine: Engine, outs: list[Any], clean: list[list[int]], words: str) -> None:
-    faulty = outs[2]["meta_info"]
-    assert faulty["finish_reason"] == "abort" and words in faulty["error"], faulty
+    faulty = outs[2]
+    assert faulty.finish_reason == "abort" and faulty.error is not None and words in faulty.error, faulty
     for i in (0, 1, 3):
-        assert outs[i]["meta_info"]["finish_reason"] == "length" and outs[i]["output_ids"] == clean[i]
+        assert outs[i].finish_reason == "length" and outs[i].output_ids == clean[i]
     engine.check_idle_invariants()
     assert len(engine.cache.match_prefix(RadixKey([5, 6, POISON])).indices) == 2  # its own tokens never cached
 
 
 def test_a_model_call_that_fails_for_one_request(tiny_model_dir: Path, clean: list[list[int]]) -> None:
     def patch(engine: Engine) -> None:
-        forward = engine.scheduler.runner.forward
+        forward = engine.executor.runner.forward
 
         def failing(inputs: Any, mode: str) -> torch.Tensor:
             for step in inputs:
@@ -58,7 +58,7 @@ def test_a_model_call_that_fails_for_one_request(tiny_model_dir: Path, clean: li
                     raise RuntimeError("injected kernel failure")
             return forward(inputs, mode)
 
-        engine.scheduler.runner.forward = failing  # type: ignore[method-assign]
+        engine.executor.runner.forward = failing  # type: ignore[method-assign]
 
     engine, outs = run_with(tiny_model_dir, patch)
     check_contained(engine, outs, clean, "injected kernel failure")
@@ -66,7 +66,7 @@ def test_a_model_call_that_fails_for_one_request(tiny_model_dir: Path, clean: li
 
 def test_nan_logits_for_one_request(tiny_model_dir: Path, clean: list[list[int]]) -> None:
     def patch(engine: Engine) -> None:
-        forward = engine.scheduler.runner.forward
+        forward = engine.executor.runner.forward
 
         def poisoned(inputs: Any, mode: str) -> torch.Tensor:
             logits = forward(inputs, mode).clone()  # an inference tensor: copy before writing
@@ -75,7 +75,7 @@ def test_nan_logits_for_one_request(tiny_model_dir: Path, clean: list[list[int]]
                     logits[row, 3] = float("nan")
             return logits
 
-        engine.scheduler.runner.forward = poisoned  # type: ignore[method-assign]
+        engine.executor.runner.forward = poisoned  # type: ignore[method-assign]
 
     engine, outs = run_with(tiny_model_dir, patch)
     check_contained(engine, outs, clean, "non-finite logits")
@@ -84,28 +84,28 @@ def test_nan_logits_for_one_request(tiny_model_dir: Path, clean: list[list[int]]
 def test_a_sampler_error_for_one_request(
     tiny_model_dir: Path, clean: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = loop.sample
+    real = step_module.sample
 
     def picky(logits: torch.Tensor, states: Any) -> Any:
         if any(POISON in s.prompt_ids for s in states):
             raise ValueError("injected sampler failure")
         return real(logits, states)
 
-    monkeypatch.setattr(loop, "sample", picky)
+    monkeypatch.setattr(step_module, "sample", picky)
     engine, outs = run_with(tiny_model_dir, lambda engine: None)
     check_contained(engine, outs, clean, "injected sampler failure")
 
 
 def test_a_detokenizer_error_for_one_request(tiny_model_dir: Path, clean: list[list[int]]) -> None:
     def patch(engine: Engine) -> None:
-        detokenize = engine.scheduler.detokenize
+        detokenize = engine.executor.detokenize
 
         def fragile(output_ids: Any, prompt_ids: Any) -> str:
             if POISON in list(prompt_ids):
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
             return detokenize(output_ids, prompt_ids)
 
-        engine.scheduler.detokenize = fragile
+        engine.executor.detokenize = fragile
 
     engine, outs = run_with(tiny_model_dir, patch, {**PARAMS, "stop": ["never-generated"]})
     check_contained(engine, outs, clean, "UnicodeDecodeError")

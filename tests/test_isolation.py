@@ -24,7 +24,7 @@ PARAMS = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
 def tenant_b_view(tiny_model_dir: Path, a_cached: bool, isolated: bool, policy: str) -> tuple[list[int], list[int]]:
-    engine = Engine(
+    engine = Engine.create(
         model_path=str(tiny_model_dir), schedule_policy=policy, max_running_requests=1, max_total_tokens=2048
     )
     ns_a, ns_b = (tenant_namespace("A"), tenant_namespace("B")) if isolated else (None, None)
@@ -35,7 +35,7 @@ def tenant_b_view(tiny_model_dir: Path, a_cached: bool, isolated: bool, policy: 
         engine.scheduler.add(req)
     admitted: list[int] = []
     while engine.scheduler.has_work():
-        engine.scheduler.step()
+        engine.step()
         admitted += [i for i, r in enumerate(guesses) if r.status is not Status.WAITING and i not in admitted]
     return [r.cached_tokens for r in guesses], admitted
 

@@ -20,7 +20,7 @@ QUESTION = [{"role": "user", "content": "Name three colors of the rainbow."}]
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(max_total_tokens=4096, dtype="float32")  # equal to transformers: float32 only
+    return Engine.create(max_total_tokens=4096, dtype="float32")  # equal to transformers: float32 only
 
 
 def transformers_greedy(prompt_ids: list[int], num_tokens: int) -> list[int]:
@@ -55,13 +55,13 @@ def test_greedy_chat_equals_transformers_on_the_same_gguf(engine: Engine) -> Non
     ours = engine.generate(
         input_ids=prompt, sampling_params={"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
     )
-    assert ours["output_ids"] == transformers_greedy(prompt, 16)
-    assert ours["text"].strip()
+    assert ours.output_ids == transformers_greedy(prompt, 16)
+    assert ours.text.strip()
 
 
 def test_a_second_question_reuses_the_system_prompt(engine: Engine) -> None:
     first = engine.chat(QUESTION, {"max_new_tokens": 8, "temperature": 0})
     second = engine.chat([{"role": "user", "content": "Name three animals."}], {"max_new_tokens": 8, "temperature": 0})
-    assert second["meta_info"]["cached_tokens"] >= 20  # the default system message and the user header
-    assert first["meta_info"]["prompt_tokens"] > 20
+    assert second.cached_tokens >= 20  # the default system message and the user header
+    assert first.prompt_tokens > 20
     engine.check_idle_invariants()

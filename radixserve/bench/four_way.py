@@ -39,6 +39,7 @@ from radixserve.bench.serve import BenchResult, run_benchmark, server_vocab_size
 from radixserve.bench.server_process import ServerProcess
 from radixserve.bench.tiny_model import build_engine_folder
 from radixserve.bench.workloads import TraceRequest, generated_shared_prefix
+from radixserve.extras import missing_extra
 
 RUNS: dict[str, tuple[str, ...]] = {
     "baseline": (),
@@ -128,8 +129,11 @@ def format_table(runs: list[RunResult]) -> str:
 
 def plot(runs: list[RunResult], path: Path, title: str) -> None:
     """One bar panel per figure, the runs side by side (Agg: no display needed)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise missing_extra("bench", "a plot") from None
 
     panels: list[tuple[str, Callable[[BenchResult], float]]] = [
         ("cache hit rate (%)", lambda r: 100 * r.cache_hit_rate),
@@ -180,7 +184,7 @@ def run_four_way(
     return runs
 
 
-def main(argv: list[str]) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve bench four-way", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -209,6 +213,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--runs", default=",".join(RUNS), help=f"a subset of {','.join(RUNS)}")
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    parser = build_parser()
+    names = [f.name for f in fields(WorkloadSizes) if f.type == "int"]
     args = parser.parse_args(argv)
     selected = [n.strip() for n in args.runs.split(",") if n.strip()]
     unknown = [n for n in selected if n not in RUNS]
@@ -240,6 +250,14 @@ def main(argv: list[str]) -> None:
     workload = f"{sizes.describe()}; KV pool {pool or 'server default'}"
     print(f"\n{model_name}: {workload}; {len(runs)} runs in {wall:.0f} s (start-ups included)")
     print(format_table(runs))
+    write_report(args, runs, sizes, pool, model_name, wall)
+
+
+def write_report(
+    args: argparse.Namespace, runs: list[RunResult], sizes: WorkloadSizes, pool: int, model_name: str, wall: float
+) -> None:
+    """The plot and the JSON report in ``--output-dir``."""
+    workload = f"{sizes.describe()}; KV pool {pool or 'server default'}"
     args.output_dir.mkdir(parents=True, exist_ok=True)
     png, out_json = args.output_dir / "four-way.png", args.output_dir / "four-way.json"
     plot(runs, png, f"{model_name}: {workload}")

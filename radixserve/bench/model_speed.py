@@ -50,7 +50,7 @@ def timed(fn: Callable[[], object], repeat: int = 2) -> float:
 
 
 def prefill_tok_s(engine: Engine, num_tokens: int, rng: np.random.Generator) -> float:
-    runner, allocator = engine.scheduler.runner, engine.allocator
+    runner, allocator = engine.executor.runner, engine.allocator
     ids = rng.integers(0, engine.loaded.config.vocab_size, num_tokens)
     slots = allocator.alloc(num_tokens)
     assert slots is not None
@@ -67,7 +67,7 @@ def _one_slot(allocator: TokenAllocator) -> np.ndarray:
 
 def decode_tok_s(engine: Engine, batch: int, context_len: int, steps: int, rng: np.random.Generator) -> float:
     """Aggregate tokens/s of ``steps`` decode steps for ``batch`` requests at ``context_len`` tokens."""
-    runner, allocator = engine.scheduler.runner, engine.allocator
+    runner, allocator = engine.executor.runner, engine.allocator
     contexts = [allocator.alloc(context_len) for _ in range(batch)]
     assert all(c is not None for c in contexts), "pool too small"
     ctx: list[np.ndarray] = [c for c in contexts if c is not None]
@@ -85,7 +85,9 @@ def decode_tok_s(engine: Engine, batch: int, context_len: int, steps: int, rng: 
 
 def measure(options: dict[str, str], args: argparse.Namespace, batches: list[int]) -> dict[str, str]:
     pool_tokens = max(batches) * (args.context + args.decode_steps + 1) + args.context + 64
-    engine = Engine(model_path=args.model_path, num_threads=args.num_threads, max_total_tokens=pool_tokens, **options)
+    engine = Engine.create(
+        model_path=args.model_path, num_threads=args.num_threads, max_total_tokens=pool_tokens, **options
+    )
     rng = np.random.default_rng(0)
     cells = {"prefill": f"{prefill_tok_s(engine, args.context, rng):.0f}"}
     decode = {b: decode_tok_s(engine, b, args.context, args.decode_steps, rng) for b in batches}

@@ -27,6 +27,7 @@ import numpy as np
 from radixserve.bench.simulate import TokenCounts
 from radixserve.bench.workloads import TraceRequest
 from radixserve.cache import RadixCache, RadixKey
+from radixserve.extras import missing_extra
 from radixserve.memory import TokenAllocator
 from radixserve.router.choice import PrefixIndex, RouterConfig, choose_replica
 
@@ -127,7 +128,10 @@ def format_replica_table(results: Sequence[ReplicaResult]) -> str:
 
 
 def plot_replicas(results: Sequence[ReplicaResult], path: str, title: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise missing_extra("bench", "a plot") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -32,7 +32,7 @@ POLICIES = ("fcfs", "lpm", "dfs-weight", "hrrn", "fcfs/no-dedup")  # the last: i
 
 def run_workload(model_path: str, label: str, trace: list[TraceRequest], max_new_tokens: int) -> str:
     policy, _, no_dedup = label.partition("/")
-    engine = Engine(
+    engine = Engine.create(
         model_path=model_path,
         schedule_policy=policy,
         max_total_tokens=160_000,
@@ -46,7 +46,7 @@ def run_workload(model_path: str, label: str, trace: list[TraceRequest], max_new
     elapsed = time.perf_counter() - t0
     stats = engine.scheduler.stats
     prompt_tokens = sum(len(r.prompt) for r in trace)
-    cached = sum(int(r["meta_info"]["cached_tokens"]) for r in results if isinstance(r, dict))
+    cached = sum(r.cached_tokens for r in results)
     hit_rate = cached / prompt_tokens
     return (
         f"{label:<14} {stats.prefill_tokens:>15,} {hit_rate:>9.1%} {len(trace) / elapsed:>8.2f} "

@@ -27,12 +27,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
-from tqdm import tqdm  # type: ignore[import-untyped]
 
 from radixserve.bench.traces import load_trace, text_of, with_poisson_arrivals
 from radixserve.bench.workloads import VOCAB_SIZE, WORKLOADS, TraceRequest, make_workload
@@ -293,7 +292,7 @@ async def run_benchmark(
         model_id = model or await first_model_id(client, base_url)
         before = await server_counters(client, base_url)
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        bar = tqdm(total=len(requests), disable=not progress, file=sys.stderr, desc="requests")
+        bar = progress_bar(len(requests), progress)
         url = base_url + "/v1/completions"
         t0 = time.perf_counter()
 
@@ -423,3 +422,28 @@ def main(argv: list[str]) -> None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result.to_dict(), indent=1))
         print(f"wrote {args.output}")
+
+
+class _Progress(Protocol):
+    def update(self, n: int = 1) -> object: ...
+    def close(self) -> None: ...
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> object:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def progress_bar(total: int, enabled: bool) -> _Progress:
+    """tqdm's bar on stderr; none when not wanted or when the [bench] extra (tqdm) is missing."""
+    if not enabled:
+        return _NoProgress()
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+    except ImportError:
+        return _NoProgress()
+    bar: _Progress = tqdm(total=total, file=sys.stderr, desc="requests")
+    return bar

@@ -34,6 +34,7 @@ from radixserve.bench.belady import BeladyCache, FutureIndex
 from radixserve.bench.traces import load_trace, working_set_tokens
 from radixserve.bench.workloads import TraceRequest, make_workload
 from radixserve.cache import EVICTION_POLICIES, BasePrefixCache, CacheReq, create_prefix_cache
+from radixserve.extras import missing_extra
 from radixserve.memory import TokenAllocator
 
 DEFAULT_CACHES = tuple(
@@ -198,7 +199,10 @@ def format_table(results: Sequence[SimResult]) -> str:
 
 
 def plot(results: Sequence[SimResult], path: Path, title: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise missing_extra("bench", "a plot") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -256,7 +260,7 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
-def main(argv: list[str]) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve bench simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -285,6 +289,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--router", default="round-robin,power-of-two,cache-aware,cache-aware-precise", help="routers for --replicas"
     )
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     if args.trace:

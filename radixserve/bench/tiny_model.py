@@ -3,6 +3,9 @@
 Weights are HF's own init with the norms and biases perturbed, so a swapped
 norm or a dropped bias shows in the logits (HF inits them to ones and zeros).
 The word-level tokenizer maps "w3 w7" to [3, 7], so prompts are easy to write.
+
+It stays in the package, not under tests/: ``bench four-way --tiny``, ``scale-out``,
+``schedule`` and ``soak`` build one at run time (tests reach it through tests/model/tiny.py).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def save_word_tokenizer(folder: Path) -> None:
 
 
 def build_engine_folder(folder: Path, **overrides: Any) -> Path:
-    """A tiny Llama with a word-level tokenizer: everything ``Engine(model_path=...)`` needs."""
+    """A tiny Llama with a word-level tokenizer: everything ``Engine.create(model_path=...)`` needs."""
     build_hf_model("llama", folder, seed=0, eos_token_id=EOS, bos_token_id=1, **overrides)
     save_word_tokenizer(folder)
     return folder

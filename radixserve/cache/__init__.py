@@ -22,7 +22,7 @@ PREFIX_CACHES = ("radix", "block", "none")
 
 def create_prefix_cache(
     kind: str,
-    allocator: TokenAllocator,
+    allocator: TokenAllocator | int,
     page_size: int = 1,
     eviction_policy: str = "lru",
     clock: Clock | None = None,
@@ -31,7 +31,11 @@ def create_prefix_cache(
     """The cache variant named by ``--prefix-cache`` (``radix``, ``block`` or ``none``).
 
     For ``block``, ``page_size`` is the block size (16 when given as 1, vLLM's default).
+    ``allocator`` may be a pool size in tokens: then the allocator is built here,
+    with the page this variant needs (see ``pool_allocator``).
     """
+    if not isinstance(allocator, TokenAllocator):
+        allocator = pool_allocator(kind, allocator, page_size)
     if kind == "radix":
         return RadixCache(allocator, page_size, eviction_policy, clock, enable_kv_events)
     if kind == "block":
@@ -39,6 +43,18 @@ def create_prefix_cache(
     if kind == "none":
         return ChunkCache(allocator, page_size)
     raise ValueError(f"unknown prefix cache {kind!r}; choose from {PREFIX_CACHES}")
+
+
+def pool_allocator(kind: str, pool_tokens: int, page_size: int) -> TokenAllocator:
+    """The slot allocator under a ``kind`` cache of about ``pool_tokens`` tokens.
+
+    Only the radix tree allocates whole pages; the block cache keys 16-token
+    blocks over single slots, and the no-cache control reuses nothing. The pool
+    is rounded down to a multiple of max(page, 16) tokens.
+    """
+    page = page_size if kind == "radix" else 1
+    size = pool_tokens - pool_tokens % max(page, 16)
+    return TokenAllocator(size, page)
 
 
 __all__ = [
@@ -56,4 +72,5 @@ __all__ = [
     "TreeNode",
     "create_eviction_strategy",
     "create_prefix_cache",
+    "pool_allocator",
 ]

@@ -57,13 +57,12 @@ class LFUStrategy(EvictionStrategy):
 
 
 class SLRUStrategy(EvictionStrategy):
-    """Segmented LRU: nodes hit at least ``protect_hits`` times go after every probationary one."""
+    """Segmented LRU: nodes hit at least ``PROTECT_HITS`` times go after every probationary one."""
 
-    def __init__(self, protect_hits: int = 2) -> None:
-        self.protect_hits = protect_hits
+    PROTECT_HITS = 2  # a second hit is what tells a reused prefix from a one-off
 
     def rank(self, node: NodeStats) -> Rank:
-        return (float(node.hit_count >= self.protect_hits), node.last_access_time)
+        return (float(node.hit_count >= self.PROTECT_HITS), node.last_access_time)
 
 
 class PriorityStrategy(EvictionStrategy):

@@ -82,7 +82,7 @@ class EngineReplica:
                 kv_events_replay_endpoint=None,
                 engine=dataclasses.replace(args.engine, enable_kv_events=True),
             )
-        engine = Engine.from_config(args.engine)
+        engine = Engine(args.engine)
         self.app = create_app(engine, args)
         self.state = self.app.state.radixserve
         self.bridge = ASGIBridge(self.app)
@@ -158,25 +158,130 @@ def _first_prompt(prompt: str | list[str] | list[int] | list[list[int]], tokeniz
     return tokenizer.encode(first) if isinstance(first, str) else list(first)
 
 
+class FrontBase:
+    """What the front does; ``make_front`` binds it to routes (Serve's ingress wants an app per class)."""
+
+    def __init__(self, engine: DeploymentHandle, args: ServerArgs) -> None:
+        self.engine = engine
+        self.args = args
+        self.tokenizer = Tokenizer.from_model_path(args.engine.model_path)
+        self.tenancy = build_tenancy(args)
+        self.heads = shared_heads(self.tokenizer, args)
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixserve-route-key")
+
+    async def describe_router(self, request: Request) -> dict[str, Any]:
+        self.tenancy.authenticate(request.headers)
+        router = await self.router()
+        return router.describe()
+
+    async def merged_metrics(self, request: Request) -> Response:
+        """Every replica's metrics in one exposition, each sample labelled with its ``replica``."""
+        answers = await self.fan_out(request)
+        failed = [(status, data) for status, data in answers.values() if status != 200]
+        if failed:  # metrics off (404), or a replica unwell: its own answer says why
+            status, data = max(failed)
+            return Response(data, status_code=status, media_type="application/json")
+        return Response(
+            merge_metrics({replica: data.decode() for replica, (_, data) in answers.items()}),
+            media_type=CONTENT_TYPE_LATEST,
+        )
+
+    async def relay(self, request: Request) -> Response:
+        """The call, routed by its key to one replica; that replica's answer streamed back."""
+        call = await http_call(request)
+        key = await asyncio.get_running_loop().run_in_executor(
+            self.pool, route_key_for, call.path, call.body, request.headers, self.tokenizer, self.tenancy, self.heads
+        )
+        stream = self.engine.options(stream=True).forward.remote(call, key)
+        try:
+            head = await stream.__anext__()
+        except Exception as exc:  # the replica died or is gone: the client may retry
+            stream.cancel()
+            logger.warning("no replica answered %s: %s", call.path, exc)
+            return JSONResponse(
+                error_body(503, f"no engine replica answered: {type(exc).__name__}", "replica_unavailable"),
+                503,
+                {"Retry-After": "1"},
+            )
+        assert isinstance(head, dict)
+        headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_HEADERS}
+        return StreamingResponse(_body(stream), status_code=head["status"], headers=headers)
+
+    async def router(self) -> RoutingTable:
+        """The routing table of this process's engine handle (made on its first call; wait for replicas)."""
+        for _ in range(100):
+            routers = [t for t in list(tables.TABLES) if t.views]
+            if routers:
+                return routers[0]
+            if not tables.TABLES:  # the handle builds its router on its first call
+                await self.collect(HTTPCall("GET", "/health"), None)
+            await asyncio.sleep(0.1)
+        raise APIError(503, "no engine replicas yet", "replica_unavailable")
+
+    async def collect(self, call: HTTPCall, key: RouteKey | None) -> tuple[int, bytes]:
+        """One extra call of the front's own, answered whole.
+
+        It runs in an empty context: the calls a handler makes otherwise share the
+        HTTP request's Serve-internal request id, by which Serve's router pairs a
+        routing decision with its pending call, so the calls could wait for each
+        other's replica forever.
+        """
+
+        async def run() -> tuple[int, bytes]:
+            status = 500
+            chunks = []
+            async for part in self.engine.options(stream=True).forward.remote(call, key):
+                if isinstance(part, dict):
+                    status = int(part["status"])
+                else:
+                    chunks.append(part)
+            return status, b"".join(chunks)
+
+        return await asyncio.create_task(run(), context=contextvars.Context())
+
+    async def fan_out(self, request: Request) -> dict[str, tuple[int, bytes]]:
+        """The call sent to every replica: each one's status and body, by replica id."""
+        call = await http_call(request)
+        replicas = (await self.router()).replicas()
+        answers = await asyncio.gather(*(self.collect(call, RouteKey(target=r)) for r in replicas))
+        return dict(zip(replicas, answers))
+
+    async def everywhere(self, request: Request) -> Response:
+        """Send the call to every replica; one JSON answer, keyed by replica id (the worst status)."""
+        answers = await self.fan_out(request)
+        out: dict[str, Any] = {}
+        for replica, (status, data) in answers.items():
+            try:
+                out[replica] = json.loads(data)
+            except ValueError:
+                out[replica] = {"status": status, "body": data.decode(errors="replace")}
+        worst = max((status for status, _ in answers.values()), default=200)
+        return JSONResponse({"replicas": out}, status_code=worst)
+
+
+async def _body(stream: Any) -> AsyncIterator[bytes]:
+    """A replica's streamed body; if the client leaves first, the replica's side is cancelled."""
+    done = False
+    try:
+        async for part in stream:
+            assert isinstance(part, bytes)
+            yield part
+        done = True
+    finally:
+        if not done:  # the client left: cancel the replica's side (its requests are aborted)
+            stream.cancel()
+
+
 def make_front(args: ServerArgs) -> type:
-    """The front deployment's class (a FastAPI app per deployment, as Serve's ingress wants it)."""
+    """The front deployment's class: FrontBase's work behind one FastAPI app's routes."""
     app = FastAPI(title="radixserve", version="0.1.0", description="radixserve replicas behind a cache-aware router.")
     install_error_handlers(app)
 
     @serve.ingress(app)
-    class Front:
-        def __init__(self, engine: DeploymentHandle, args: ServerArgs) -> None:
-            self.engine, self.args = engine, args
-            self.tokenizer = Tokenizer.from_model_path(args.engine.model_path)
-            self.tenancy = build_tenancy(args)
-            self.heads = shared_heads(self.tokenizer, args)
-            self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixserve-route-key")
-
+    class Front(FrontBase):
         @app.get("/router")
         async def router_state(self, request: Request) -> dict[str, Any]:
-            self.tenancy.authenticate(request.headers)
-            router = await self.router()
-            return router.describe()
+            return await self.describe_router(request)
 
         @app.get("/cache")
         async def cache(self, request: Request) -> Response:
@@ -192,106 +297,11 @@ def make_front(args: ServerArgs) -> type:
 
         @app.get("/metrics")
         async def metrics(self, request: Request) -> Response:
-            """Every replica's metrics in one exposition, each sample labelled with its ``replica``."""
-            answers = await self.fan_out(request)
-            failed = [(status, data) for status, data in answers.values() if status != 200]
-            if failed:  # metrics off (404), or a replica unwell: its own answer says why
-                status, data = max(failed)
-                return Response(data, status_code=status, media_type="application/json")
-            return Response(
-                merge_metrics({replica: data.decode() for replica, (_, data) in answers.items()}),
-                media_type=CONTENT_TYPE_LATEST,
-            )
+            return await self.merged_metrics(request)
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
         async def forward(self, request: Request) -> Response:
-            call = await http_call(request)
-            key = await asyncio.get_running_loop().run_in_executor(
-                self.pool,
-                route_key_for,
-                call.path,
-                call.body,
-                request.headers,
-                self.tokenizer,
-                self.tenancy,
-                self.heads,
-            )
-            stream = self.engine.options(stream=True).forward.remote(call, key)
-            try:
-                head = await stream.__anext__()
-            except Exception as exc:  # the replica died or is gone: the client may retry
-                stream.cancel()
-                logger.warning("no replica answered %s: %s", call.path, exc)
-                return JSONResponse(
-                    error_body(503, f"no engine replica answered: {type(exc).__name__}", "replica_unavailable"),
-                    503,
-                    {"Retry-After": "1"},
-                )
-            assert isinstance(head, dict)
-
-            async def body() -> AsyncIterator[bytes]:
-                done = False
-                try:
-                    async for part in stream:
-                        assert isinstance(part, bytes)
-                        yield part
-                    done = True
-                finally:
-                    if not done:  # the client left: cancel the replica's side (its requests are aborted)
-                        stream.cancel()
-
-            headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_HEADERS}
-            return StreamingResponse(body(), status_code=head["status"], headers=headers)
-
-        async def router(self) -> RoutingTable:
-            """The routing table of this process's engine handle (made on its first call; wait for replicas)."""
-            for _ in range(100):
-                routers = [t for t in list(tables.TABLES) if t.views]
-                if routers:
-                    return routers[0]
-                if not tables.TABLES:  # the handle builds its router on its first call
-                    await self.collect(HTTPCall("GET", "/health"), None)
-                await asyncio.sleep(0.1)
-            raise APIError(503, "no engine replicas yet", "replica_unavailable")
-
-        async def collect(self, call: HTTPCall, key: RouteKey | None) -> tuple[int, bytes]:
-            """One extra call of the front's own, answered whole.
-
-            It runs in an empty context: the calls a handler makes otherwise share the
-            HTTP request's Serve-internal request id, by which Serve's router pairs a
-            routing decision with its pending call, so the calls could wait for each
-            other's replica forever.
-            """
-
-            async def run() -> tuple[int, bytes]:
-                status, chunks = 500, []
-                async for part in self.engine.options(stream=True).forward.remote(call, key):
-                    if isinstance(part, dict):
-                        status = int(part["status"])
-                    else:
-                        chunks.append(part)
-                return status, b"".join(chunks)
-
-            return await asyncio.create_task(run(), context=contextvars.Context())
-
-        async def fan_out(self, request: Request) -> dict[str, tuple[int, bytes]]:
-            """The call sent to every replica: each one's status and body, by replica id."""
-            call = await http_call(request)
-            replicas = (await self.router()).replicas()
-            answers = await asyncio.gather(*(self.collect(call, RouteKey(target=r)) for r in replicas))
-            return dict(zip(replicas, answers))
-
-        async def everywhere(self, request: Request) -> Response:
-            """Send the call to every replica; one JSON answer, keyed by replica id (the worst status)."""
-            answers = await self.fan_out(request)
-            out: dict[str, Any] = {}
-            for replica, (status, data) in answers.items():
-                try:
-                    out[replica] = json.loads(data)
-                except ValueError:
-                    out[replica] = {"status": status, "body": data.decode(errors="replace")}
-            worst = max((status for status, _ in answers.values()), default=200)
-            return JSONResponse({"replicas": out}, status_code=worst)
+            return await self.relay(request)
 
     return Front
 

@@ -35,13 +35,17 @@ import zmq
 
 from radixserve.kv_events.subscriber import KVEventSubscriber
 from radixserve.kv_events.wire import block_hashes
-from radixserve.router.choice import PrefixIndex, RouterConfig, choose_replica, imbalanced
-from radixserve.server.args import ROUTER_INDEXES, ROUTER_POLICIES
+from radixserve.router.choice import (
+    ROUTER_INDEXES,
+    ROUTER_POLICIES,
+    PrefixIndex,
+    RouterConfig,
+    choose_replica,
+    imbalanced,
+)
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ROUTER_POLICIES
-INDEXES = ROUTER_INDEXES
 Reports = Mapping[str, Mapping[str, Any]]  # replica -> its last record_routing_stats
 UNCONFIRMED_S = 30.0  # a request chosen but not confirmed sent for this long is no longer counted
 
@@ -159,11 +163,12 @@ class RoutingTable:
         index_capacity: int = 1 << 20,
         seed: int | None = None,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown routing policy {policy!r}: one of {', '.join(POLICIES)}")
-        if index not in INDEXES:
-            raise ValueError(f"unknown router index {index!r}: one of {', '.join(INDEXES)}")
-        self.policy, self.index_kind = policy, index
+        if policy not in ROUTER_POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}: one of {', '.join(ROUTER_POLICIES)}")
+        if index not in ROUTER_INDEXES:
+            raise ValueError(f"unknown router index {index!r}: one of {', '.join(ROUTER_INDEXES)}")
+        self.policy = policy
+        self.index_kind = index
         self.config = config or RouterConfig()
         self.index_capacity = index_capacity
         self.views: dict[str, ReplicaView] = {}
@@ -213,7 +218,8 @@ class RoutingTable:
 
     def _follow(self, view: ReplicaView, metadata: Mapping[str, Any]) -> bool:
         """Mirror the replica's KV events if its metadata says where (a precise view from then on)."""
-        endpoint, replay = metadata.get("kv_events_endpoint"), metadata.get("kv_events_replay_endpoint")
+        endpoint = metadata.get("kv_events_endpoint")
+        replay = metadata.get("kv_events_replay_endpoint")
         if not (endpoint and replay):
             return False
         if self._mirrors is None:
@@ -267,24 +273,9 @@ class RoutingTable:
                 if replica not in self.views:  # routed before sync() heard of it
                     self.views[replica] = self._new_view(replica, {})
             loads = [self.load(r, reported.get(r)) for r in candidates]
-            turn, self.turn = self.turn, self.turn + 1
-            if self.policy == "round-robin":
-                pick, why = turn % len(candidates), "round-robin"
-            elif self.policy == "power-of-two":
-                two = self.random.sample(range(len(candidates)), min(2, len(candidates)))
-                pick, why = min(two, key=lambda i: loads[i]), "power-of-two"
-            elif key is None or not key.tokens:
-                pick, why = choose_replica([0] * len(candidates), loads, 1, self.config, turn), "least-loaded"
-            else:
-                matches = [self.views[r].match(key) for r in candidates]
-                pick = choose_replica(matches, loads, len(key.tokens), self.config, turn)
-                best = max(matches)
-                if imbalanced(loads, self.config):
-                    why = "balance"  # load out of balance: the least loaded, whatever it holds
-                elif best > 0 and matches[pick] == best and best >= self.config.min_match_fraction * len(key.tokens):
-                    why = "prefix"
-                else:
-                    why = "least-loaded"
+            turn = self.turn
+            self.turn += 1
+            pick, why = self._pick(candidates, key, loads, turn)
             self.decisions[why] += 1
             if request_id is not None and key is not None:
                 self._place(request_id, candidates[pick], key)
@@ -294,6 +285,24 @@ class RoutingTable:
         if rest:
             ranked.append([candidates[i] for i in rest])
         return ranked
+
+    def _pick(self, candidates: Sequence[str], key: RouteKey | None, loads: list[int], turn: int) -> tuple[int, str]:
+        """The chosen candidate's index, and why (the ``decisions`` counter it adds to)."""
+        if self.policy == "round-robin":
+            return turn % len(candidates), "round-robin"
+        if self.policy == "power-of-two":
+            two = self.random.sample(range(len(candidates)), min(2, len(candidates)))
+            return min(two, key=lambda i: loads[i]), "power-of-two"
+        if key is None or not key.tokens:
+            return choose_replica([0] * len(candidates), loads, 1, self.config, turn), "least-loaded"
+        matches = [self.views[r].match(key) for r in candidates]
+        pick = choose_replica(matches, loads, len(key.tokens), self.config, turn)
+        best = max(matches)
+        if imbalanced(loads, self.config):
+            return pick, "balance"  # load out of balance: the least loaded, whatever it holds
+        if best > 0 and matches[pick] == best and best >= self.config.min_match_fraction * len(key.tokens):
+            return pick, "prefix"
+        return pick, "least-loaded"
 
     def routed(self, replica: str, request_id: str, key: RouteKey | None) -> None:
         """The request went to ``replica``: count it in flight there and (approximate) index its prompt."""

@@ -30,7 +30,7 @@ def decode_reserve(running: list[Request]) -> int:
 class PrefillAdder:
     cache: BasePrefixCache
     budget: int  # prefill tokens left in this step
-    slots_left: int  # running-request slots left
+    requests_left: int  # requests it may still admit (the running-request cap minus those running)
     reserve: int  # decode headroom to keep
 
     def room(self) -> int:

@@ -39,7 +39,8 @@ def match_request(req: Request, cache: BasePrefixCache) -> MatchResult:
     """
     fill = req.fill_ids
     result = cache.match_prefix(RadixKey(fill[: len(fill) - 1], req.extra_key, req.shared_len))
-    req.match_len, req.match_node = len(result.indices), result.last_node
+    req.match_len = len(result.indices)
+    req.match_node = result.last_node
     return result
 
 
@@ -75,7 +76,8 @@ def hold_in_batch_duplicates(
     for req in ordered:
         if not matches_fresh:
             match_request(req, cache)
-        fill, end = req.fill_ids, req.match_len + span
+        fill = req.fill_ids
+        end = req.match_len + span
         if len(fill) - 1 < end:  # fewer than a span of uncached tokens: nothing worth waiting for
             kept.append(req)
             continue

@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key", "priority", "hrrn")
 
 MIN_SERVICE_S = 1e-3  # hrrn: floor on the estimated service, so a ratio never divides by ~0
+# hrrn's service estimate, tokens per second per request. Only their ratio matters
+# to the order: a prefill token is taken to cost 1/15 of a decode token's time.
+HRRN_PREFILL_RATE = 300.0
+HRRN_DECODE_RATE = 20.0
 
 
 @dataclass
@@ -42,12 +46,6 @@ class SchedulePolicyParams:
 
     in_batch_dedup: bool = True
     seed: int = 0  # random
-    prefill_rate: float = 300.0  # hrrn: estimated prefill tokens per second, per request
-    decode_rate: float = 20.0  # hrrn: estimated decode tokens per second, per request
-
-    def __post_init__(self) -> None:
-        if not (self.prefill_rate > 0 and self.decode_rate > 0):
-            raise ValueError(f"hrrn rates must be > 0, got {self.prefill_rate}, {self.decode_rate}")
 
 
 class BaseSchedulePolicy(ABC):
@@ -235,7 +233,7 @@ class HRRNPolicy(BaseSchedulePolicy):
     def service_s(self, req: Request) -> float:
         """Estimated seconds of work: uncached prefill plus the whole decode budget."""
         uncached_len = len(req.fill_ids) - req.match_len
-        service = uncached_len / self.params.prefill_rate + req.params.max_new_tokens / self.params.decode_rate
+        service = uncached_len / HRRN_PREFILL_RATE + req.params.max_new_tokens / HRRN_DECODE_RATE
         return max(service, MIN_SERVICE_S)
 
     def response_ratio(self, req: Request, now: float) -> float:
@@ -263,10 +261,8 @@ def create_schedule_policy(
     name: str,
     in_batch_dedup: bool = True,
     seed: int = 0,
-    prefill_rate: float = 300.0,
-    decode_rate: float = 20.0,
 ) -> BaseSchedulePolicy:
     """The policy named by ``--schedule-policy``; unknown names raise."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown schedule policy {name!r}; choose from {SCHEDULE_POLICIES}")
-    return _REGISTRY[name](SchedulePolicyParams(in_batch_dedup, seed, prefill_rate, decode_rate))
+    return _REGISTRY[name](SchedulePolicyParams(in_batch_dedup, seed))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixserve.cache.base import CacheReq
-from radixserve.core import FinishReason, GenerateResult, SamplingParams, TopLogprobs
+from radixserve.core import ErrorKind, FinishReason, GenerateResult, SamplingParams, TopLogprobs
 from radixserve.model.sampling import SamplingState
 
 
@@ -49,7 +49,7 @@ class Request:
     prefill_done: bool = False  # this admission's prefill has produced a token
     chunk_start: int = 0  # where in kv.token_ids this step's prefill chunk starts
     error: str | None = None
-    retryable: bool = False  # the error is a transient lack of capacity: the same request may succeed later
+    error_kind: ErrorKind | None = None  # set with ``error``: see core.ErrorKind
     num_retractions: int = 0
     computed_len: int = 0  # tokens whose K/V it had computed when last retracted
     finish_reason: FinishReason | None = None
@@ -57,7 +57,22 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    sampling: SamplingState | None = None
+    sampling: SamplingState = field(init=False, repr=False)  # penalties and the seeded generator
+
+    def __post_init__(self) -> None:
+        self.sampling = SamplingState(self.params, self.prompt_ids.tolist())
+
+    def stops_on(self, token: int, eos_token_ids: frozenset[int]) -> bool:
+        """``token`` ends this request: an EOS (unless ignored) or one of its stop token ids."""
+        return token in eos_token_ids and not self.params.ignore_eos or token in self.params.stop_token_ids
+
+    def finish(self, reason: FinishReason, error: str | None = None, kind: ErrorKind = "engine") -> None:
+        """Mark it finished (the scheduler frees its slots first; see ``Scheduler.abort``)."""
+        self.finish_reason = reason
+        self.error = error
+        self.error_kind = kind if error is not None else None
+        self.status = Status.ABORTED if reason == "abort" else Status.FINISHED
+        self.finish_time = time.perf_counter()
 
     @property
     def fill_ids(self) -> np.ndarray:
@@ -82,5 +97,5 @@ class Request:
             output_top_logprobs=list(self.output_top_logprobs),
             matched_stop=self.matched_stop,
             error=self.error,
-            retryable=self.retryable,
+            error_kind=self.error_kind,
         )

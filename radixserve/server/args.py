@@ -20,12 +20,11 @@ from radixserve.engine import DTYPES, EngineConfig
 from radixserve.kv_events.config import KVEventsConfig, parse_kv_events_config
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.quant import QUANTIZATIONS
+from radixserve.router.choice import ROUTER_INDEXES, ROUTER_POLICIES
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
 
 DEFAULT_PORT = 30000
 LOG_LEVELS = ("debug", "info", "warning", "error")
-ROUTER_POLICIES = ("cache-aware", "round-robin", "power-of-two")  # router/table.py implements them
-ROUTER_INDEXES = ("precise", "approximate")
 
 
 @dataclass(frozen=True)
@@ -61,6 +60,35 @@ class ServerArgs:
     router_rel_threshold: float = 1.5
     replica_cpus: float | None = None  # None: min(1, cluster CPUs / replicas)
 
+    def __post_init__(self) -> None:
+        """Every check here, so a ServerArgs built without flags (the Ray path, tests) is checked too."""
+        problems = [message for ok, message in self._checks() if not ok]
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def _checks(self) -> list[tuple[bool, str]]:
+        identified = bool(self.api_keys or self.api_key_file or self.tenant_header)
+        return [
+            (self.kv_events_block_size >= 1, "--kv-events-block-size must be >= 1"),
+            (
+                not self.tenant_isolation or identified,
+                "--tenant-isolation needs identities: --api-key, --api-key-file or --tenant-header",
+            ),
+            (
+                self.replicas >= 0 and self.router_abs_threshold >= 0 and self.router_rel_threshold >= 1,
+                "--replicas and --router-abs-threshold must be >= 0, --router-rel-threshold >= 1",
+            ),
+            (self.replica_cpus is None or self.replica_cpus >= 0, "--replica-cpus must be >= 0"),
+            (0 < self.port < 65536, f"--port must be in 1..65535, got {self.port}"),
+            (
+                self.hit_rate_window >= 1 and self.max_queued_requests >= 1 and self.graceful_shutdown_timeout >= 0,
+                "--hit-rate-window and --max-queued-requests must be >= 1, --graceful-shutdown-timeout >= 0",
+            ),
+            (self.router in ROUTER_POLICIES, f"--router must be one of {ROUTER_POLICIES}"),
+            (self.router_index in ROUTER_INDEXES, f"--router-index must be one of {ROUTER_INDEXES}"),
+            (self.log_level in LOG_LEVELS, f"--log-level must be one of {LOG_LEVELS}"),
+        ]
+
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
@@ -78,14 +106,27 @@ class ServerArgs:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = EngineConfig()
     parser = argparse.ArgumentParser(
         prog="radixserve serve",
         description="Serve a model over HTTP: OpenAI-compatible /v1 endpoints, the native /generate, "
         "/health, /server_info, /cache, /flush_cache and (with --enable-metrics) Prometheus /metrics.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    model = parser.add_argument_group("model")
+    defaults = EngineConfig()
+    _model_flags(parser.add_argument_group("model"), defaults)
+    _cache_flags(parser.add_argument_group("prefix cache"), defaults)
+    _scheduler_flags(parser.add_argument_group("scheduler"), defaults)
+    server = parser.add_argument_group("server")
+    _server_flags(server)
+    _kv_event_flags(server)
+    _tenancy_flags(parser.add_argument_group("tenants (see README: Security)"))
+    _limit_flags(server)
+    _scale_out_flags(parser.add_argument_group("scale-out on Ray Serve (see README: Scaling out)"))
+    return parser
+
+
+def _model_flags(model: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """Which model, on which device, in which dtype."""
     model.add_argument(
         "--model-path",
         default=None,
@@ -121,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch CPU threads; 1 is safe on a busy machine (libgomp spins)",
     )
 
-    cache = parser.add_argument_group("prefix cache")
+
+def _cache_flags(cache: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """The prefix cache variant, its page and eviction policy, the KV pool size."""
     cache.add_argument(
         "--prefix-cache",
         default=d.prefix_cache,
@@ -145,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV pool size in tokens (default: a quarter of free memory, at most 32k on CPU)",
     )
 
-    sched = parser.add_argument_group("scheduler")
+
+def _scheduler_flags(sched: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """The waiting queue's order and the per-step limits."""
     sched.add_argument(
         "--schedule-policy",
         default=d.schedule_policy,
@@ -157,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="admit requests sharing an uncached prefix together instead of one first",
     )
+    sched.add_argument("--schedule-seed", type=int, default=d.schedule_seed, help="seed of --schedule-policy random")
     sched.add_argument(
         "--chunked-prefill-size",
         type=int,
@@ -167,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-running-requests", type=int, default=d.max_running_requests, help="requests decoded together"
     )
 
-    server = parser.add_argument_group("server")
+
+def _server_flags(server: argparse._ArgumentGroup) -> None:
+    """Where to listen, who may call, metrics."""
     server.add_argument("--host", default=ServerArgs.host, help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port to listen on")
     server.add_argument(
@@ -178,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
         "repeat for several keys, each its own tenant",
     )
     server.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+
+
+def _kv_event_flags(server: argparse._ArgumentGroup) -> None:
+    """KV events for a router outside the process."""
     server.add_argument(
         "--kv-events-endpoint",
         default=None,
@@ -203,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per block in KV events (whatever the cache's page size)",
     )
 
-    tenancy = parser.add_argument_group("tenants (see README: Security)")
+
+def _tenancy_flags(tenancy: argparse._ArgumentGroup) -> None:
+    """Tenants: keys, namespaces, the prompt heads they share."""
     tenancy.add_argument("--api-key-file", default=None, help="API keys, one 'TENANT KEY' per line")
     tenancy.add_argument(
         "--admin-api-key", default=None, help="a key that may flush the cache and see every namespace in /cache"
@@ -230,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="derive each request's cache namespace from its tenant: tenants never share a "
         "prefix, and a client's cache_salt cannot reach another tenant's",
     )
+
+
+def _limit_flags(server: argparse._ArgumentGroup) -> None:
+    """Admission limits, metrics window, shutdown, logging."""
     server.add_argument(
         "--max-queued-requests",
         type=int,
@@ -251,7 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--log-level", default=ServerArgs.log_level, choices=LOG_LEVELS, help="debug also logs every HTTP request"
     )
-    scale = parser.add_argument_group("scale-out on Ray Serve (see README: Scaling out)")
+
+
+def _scale_out_flags(scale: argparse._ArgumentGroup) -> None:
+    """Engine replicas behind a cache-aware router (needs the [router] extra)."""
     scale.add_argument(
         "--replicas",
         type=int,
@@ -293,63 +354,39 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Ray CPUs per replica (default: min(1, cluster CPUs / replicas))",
     )
-    return parser
 
 
 def parse_args(argv: list[str]) -> ServerArgs:
-    """Flags -> ServerArgs; an invalid combination exits with argparse's usage error."""
+    """Flags -> ServerArgs; an invalid combination exits with argparse's usage error.
+
+    Every config field is the flag of the same name, but for the few derived below.
+    """
     parser = build_parser()
     ns = parser.parse_args(argv)
+    flags = vars(ns)
+    # A check of the flags, not of ServerArgs: each replica's own ServerArgs sets its endpoint.
+    if ns.replicas and (ns.kv_events_endpoint or ns.kv_events_replay_endpoint or ns.kv_events_config):
+        parser.error(
+            "--kv-events-endpoint is per server: with --replicas each replica publishes on a free "
+            "port of its node (GET /router shows them)"
+        )
     try:
         engine = EngineConfig(
-            model_path=ns.model_path,
+            **_same_named(EngineConfig, flags),
             prefix_cache="none" if ns.disable_radix_cache else ns.prefix_cache,
-            page_size=ns.page_size,
-            radix_eviction_policy=ns.radix_eviction_policy,
-            schedule_policy=ns.schedule_policy,
             in_batch_dedup=not ns.disable_in_batch_dedup,
-            max_total_tokens=ns.max_total_tokens,
-            max_running_requests=ns.max_running_requests,
-            chunked_prefill_size=ns.chunked_prefill_size,
-            dtype=ns.dtype,
-            quantization=ns.quantization,
-            attention_backend=ns.attention_backend,
-            device=ns.device,
-            num_threads=ns.num_threads,
             enable_kv_events=ns.kv_events_endpoint is not None or ns.kv_events_config is not None,
         )
-        kv_events = kv_events_fields(ns)
-        if ns.kv_events_block_size < 1:
-            raise ValueError("--kv-events-block-size must be >= 1")
-        if ns.tenant_isolation and not (ns.api_key or ns.api_key_file or ns.tenant_header):
-            raise ValueError("--tenant-isolation needs identities: --api-key, --api-key-file or --tenant-header")
-        if ns.replicas < 0 or ns.router_abs_threshold < 0 or ns.router_rel_threshold < 1:
-            raise ValueError("--replicas and --router-abs-threshold must be >= 0, --router-rel-threshold >= 1")
-        if ns.replicas and (ns.kv_events_endpoint or ns.kv_events_replay_endpoint or ns.kv_events_config):
-            raise ValueError(
-                "--kv-events-endpoint is per server: with --replicas each replica publishes on a free "
-                "port of its node (GET /router shows them)"
-            )
-        if ns.replica_cpus is not None and ns.replica_cpus < 0:
-            raise ValueError("--replica-cpus must be >= 0")
-        if not 0 < ns.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {ns.port}")
-        if ns.hit_rate_window < 1 or ns.graceful_shutdown_timeout < 0 or ns.max_queued_requests < 1:
-            raise ValueError(
-                "--hit-rate-window and --max-queued-requests must be >= 1, --graceful-shutdown-timeout >= 0"
-            )
+        return ServerArgs(
+            **_same_named(ServerArgs, flags),
+            **kv_events_fields(ns),
+            engine=engine,
+            api_keys=tuple(ns.api_key),
+            shared_prefixes=tuple(ns.shared_prefix),
+            shared_system_prompts=tuple(ns.shared_system_prompt),
+        )
     except ValueError as exc:
         parser.error(str(exc))
-    # Every other field is the flag of the same name.
-    renamed: dict[str, Any] = {
-        "engine": engine,
-        "api_keys": tuple(ns.api_key),
-        "shared_prefixes": tuple(ns.shared_prefix),
-        "shared_system_prompts": tuple(ns.shared_system_prompt),
-        **kv_events,
-    }
-    same = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if f.name not in renamed}
-    return ServerArgs(**same, **renamed)
 
 
 def kv_events_fields(ns: argparse.Namespace) -> dict[str, Any]:
@@ -371,3 +408,24 @@ def kv_events_fields(ns: argparse.Namespace) -> dict[str, Any]:
         "kv_events_buffer_steps": config.buffer_steps,
         "kv_events_hwm": config.hwm,
     }
+
+
+# Config fields that are not a flag's value as it stands (derived from other flags, or renamed).
+_DERIVED = frozenset(
+    {
+        "engine",
+        "prefix_cache",
+        "in_batch_dedup",
+        "enable_kv_events",
+        "api_keys",
+        "shared_prefixes",
+        "shared_system_prompts",
+        "kv_events_endpoint",
+        "kv_events_replay_endpoint",
+    }
+)
+
+
+def _same_named(config: type[Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """The flags whose name is a field of ``config``; a field with no flag keeps its default."""
+    return {f.name: flags[f.name] for f in dataclasses.fields(config) if f.name in flags and f.name not in _DERIVED}

@@ -51,8 +51,10 @@ def result_error(result: GenerateResult) -> APIError | None:
     """The HTTP error for a request the engine failed: 503 (+ Retry-After) for capacity, else 500."""
     if result.error is None:
         return None
-    if result.retryable or "shutting down" in result.error:
-        return APIError.overloaded(result.error, "shutting_down" if "shutting down" in result.error else "overloaded")
+    if result.error_kind == "shutdown":
+        return APIError.overloaded(result.error, "shutting_down")
+    if result.error_kind == "capacity":
+        return APIError.overloaded(result.error, "overloaded")
     return APIError(500, result.error, "engine_error")
 
 

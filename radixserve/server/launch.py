@@ -55,7 +55,7 @@ def serve(args: ServerArgs) -> None:
     from radixserve.engine import Engine
     from radixserve.server.app import create_app
 
-    engine = Engine.from_config(args.engine)
+    engine = Engine(args.engine)
     logger.info("engine: %s", json.dumps(engine.describe(), sort_keys=True))
     config = uvicorn.Config(
         create_app(engine, args),

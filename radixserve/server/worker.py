@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from radixserve.core import GenerateResult, TopLogprobs
+from radixserve.core import ErrorKind, GenerateResult, TopLogprobs
 from radixserve.engine import Engine
 from radixserve.kv_events.publisher import KVEventPublisher
-from radixserve.scheduler.request import Request, Status
+from radixserve.scheduler.request import Request
 from radixserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -146,20 +146,27 @@ class EngineWorker:
                 if self._stopping.is_set():
                     self._drain(block=False)
                     for rid in list(self._live):
-                        self._abort(rid, error="the server is shutting down")
+                        self._abort(rid, "the server is shutting down", "shutdown")
                     break
                 if self.scheduler.has_work():
-                    self.scheduler.step()
+                    self.engine.step()
                     self._publish()
                     self._publish_events()
         except BaseException as exc:  # a bug in the loop: fail everyone loudly rather than hang
             logger.exception("the scheduler loop died")
             self.failure = exc
-            for live in self._live.values():
-                live.req.finish_reason, live.req.error = "abort", f"internal error: {exc}"
-                live.req.finish_time = time.perf_counter()
-                self._deliver(live, final=True)
-            self._live.clear()
+            self._fail_everyone(f"internal error: {exc}")
+
+    def _fail_everyone(self, error: str) -> None:
+        for live in self._live.values():
+            try:
+                self.scheduler.abort(live.req, error)
+            except Exception:  # the scheduler's state is what broke: the request is over all the same
+                logger.exception("aborting request %d after the loop died", live.req.rid)
+                if live.req.finish_reason is None:
+                    live.req.finish("abort", error)
+            self._deliver(live, final=True)
+        self._live.clear()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -175,8 +182,7 @@ class EngineWorker:
 
     def _add(self, req: Request, sink: Sink, index: int) -> None:
         if self._stopping.is_set():
-            req.status = Status.ABORTED
-            req.finish_reason, req.error, req.finish_time = "abort", "the server is shutting down", time.perf_counter()
+            self.scheduler.abort(req, "the server is shutting down", "shutdown")
             self._deliver(_Live(req, sink, index), final=True)
             return
         live = _Live(req, sink, index)
@@ -185,15 +191,11 @@ class EngineWorker:
         if req.finish_reason is not None:  # finished on arrival (max_new_tokens = 0)
             self._publish()
 
-    def _abort(self, rid: int, error: str | None = None) -> None:
+    def _abort(self, rid: int, error: str | None = None, kind: ErrorKind = "engine") -> None:
         live = self._live.get(rid)
         if live is None:
             return  # already finished, or never submitted
-        if not self.scheduler.abort(rid):  # not queued yet: finish it by hand
-            live.req.status = Status.ABORTED
-            live.req.finish_reason, live.req.finish_time = "abort", time.perf_counter()
-        if error is not None:
-            live.req.error = error
+        self.scheduler.abort(live.req, error, kind)
         self._publish()
 
     def _publish(self) -> None:
@@ -212,11 +214,10 @@ class EngineWorker:
             del self._live[rid]
         if self.metrics is not None:
             scheduler = self.scheduler
-            snap = scheduler.snapshot()
             self.metrics.on_step(
                 len(scheduler.running),
                 len(scheduler.waiting),
-                float(snap["token_usage"]),  # type: ignore[arg-type]
+                scheduler.token_usage(),
                 scheduler.cache.evicted_tokens,
                 scheduler.stats.retractions,
             )
@@ -248,10 +249,6 @@ class EngineWorker:
         if final:
             with self._count_lock:
                 self._in_flight -= 1
-            if req.finish_time is None:
-                req.finish_time = time.perf_counter()
-            if req.finish_reason is None:
-                req.finish_reason = "abort"
             delta.result = result = req.result()
             if self.metrics is not None:
                 self.metrics.on_finish(

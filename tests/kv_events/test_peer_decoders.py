@@ -52,7 +52,7 @@ def live_server(model: Path, *flags: str) -> Iterator[tuple[str, Engine, KVEvent
     """The server ``radixserve serve`` runs, on a thread of this process so the test can read its tree."""
     port = free_port()
     args = parse_args(["--model-path", str(model), "--port", str(port), "--log-level", "warning", *flags])
-    engine = Engine.from_config(args.engine)
+    engine = Engine(args.engine)
     app = create_app(engine, args)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)

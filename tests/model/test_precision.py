@@ -131,7 +131,7 @@ def test_paged_backend_equals_reference_through_the_model(folder: Path) -> None:
 
 @pytest.mark.parametrize("options", [{"dtype": "float32"}, {"quantization": "int8"}])
 def test_a_cache_hit_never_changes_an_answer(tiny_model_dir: Path, options: dict[str, str]) -> None:
-    engine = Engine(model_path=str(tiny_model_dir), max_total_tokens=2048, **options)
+    engine = Engine.create(model_path=str(tiny_model_dir), max_total_tokens=2048, **options)
     greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     generator = torch.Generator().manual_seed(2)
     shared = torch.randint(3, 128, (40,), generator=generator).tolist()
@@ -144,8 +144,8 @@ def test_a_cache_hit_never_changes_an_answer(tiny_model_dir: Path, options: dict
     engine.generate(input_ids=shared, sampling_params={"max_new_tokens": 1})
     for ids, expected in zip(prompts, cold):
         hit = engine.generate(input_ids=ids, sampling_params=greedy)
-        assert hit["meta_info"]["cached_tokens"] >= 40 - 1
-        assert hit["output_ids"] == expected["output_ids"]
+        assert hit.cached_tokens >= 40 - 1
+        assert hit.output_ids == expected.output_ids
     engine.check_idle_invariants()
 
 

@@ -333,7 +333,7 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], bool]] = [
 
 @pytest.fixture(scope="module")
 def engine(chat_dir: Path) -> Engine:
-    return Engine(model_path=str(chat_dir), max_total_tokens=256, device="cpu", num_threads=1)
+    return Engine.create(model_path=str(chat_dir), max_total_tokens=256, device="cpu", num_threads=1)
 
 
 def replica_request(

@@ -10,6 +10,7 @@ import pytest
 
 from radixserve import Engine
 from radixserve.core import SamplingParams
+from radixserve.scheduler.batch import StepOutput
 from radixserve.scheduler.request import Request, Status
 from tests.model.tiny import build_engine_folder
 
@@ -25,7 +26,7 @@ def make_engine(model_dir: Path, **options: Any) -> Engine:
     # Exact token equality across cache hits and batch shapes: float32 (where --dtype auto means bf16,
     # a different split of the same tokens rounds differently).
     options.setdefault("dtype", "float32")
-    return Engine(model_path=str(model_dir), max_total_tokens=options.pop("max_total_tokens", 8192), **options)
+    return Engine.create(model_path=str(model_dir), max_total_tokens=options.pop("max_total_tokens", 8192), **options)
 
 
 def burst(rng: np.random.Generator, shared_len: int = 2000, suffix_len: int = 50, n: int = 64) -> list[list[int]]:
@@ -42,11 +43,11 @@ def test_burst_on_a_cold_prefix_prefills_it_once_with_dedup(model_dir: Path) -> 
     control = make_engine(model_dir, schedule_policy="fcfs", in_batch_dedup=False, **options)
     with_dedup = deduped.generate(input_ids=prompts, sampling_params=GREEDY)
     without = control.generate(input_ids=prompts, sampling_params=GREEDY)
-    assert [r["output_ids"] for r in with_dedup] == [r["output_ids"] for r in without]
+    assert [r.output_ids for r in with_dedup] == [r.output_ids for r in without]
     # The first request computes the 2,000 shared tokens; every request computes its own 50.
     assert deduped.scheduler.stats.prefill_tokens == 2000 + 64 * 50
     assert control.scheduler.stats.prefill_tokens == 64 * 2050
-    assert sum(r["meta_info"]["cached_tokens"] for r in with_dedup) == 63 * 2000
+    assert sum(r.cached_tokens for r in with_dedup) == 63 * 2000
     deduped.check_idle_invariants()
     control.check_idle_invariants()
 
@@ -57,9 +58,9 @@ def test_memory_pressure_retracts_resumes_and_recomputes_only_what_was_evicted(m
     params = {**GREEDY, "max_new_tokens": 80}
     roomy = make_engine(model_dir)
     tight = make_engine(model_dir, max_total_tokens=1024)
-    expected = [r["output_ids"] for r in roomy.generate(input_ids=prompts, sampling_params=params)]
+    expected = [r.output_ids for r in roomy.generate(input_ids=prompts, sampling_params=params)]
     got = tight.generate(input_ids=prompts, sampling_params=params)
-    assert [r["output_ids"] for r in got] == expected
+    assert [r.output_ids for r in got] == expected
     stats = tight.scheduler.stats
     assert stats.retractions > 0
     # Everything prefilled is the prompts once, plus exactly what resumptions recomputed, plus
@@ -77,7 +78,7 @@ def test_chunked_prefill_gives_the_same_tokens(model_dir: Path) -> None:
     whole = make_engine(model_dir).generate(input_ids=prompts, sampling_params=GREEDY)
     engine = make_engine(model_dir, chunked_prefill_size=32)
     chunked = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-    assert [r["output_ids"] for r in chunked] == [r["output_ids"] for r in whole]
+    assert [r.output_ids for r in chunked] == [r.output_ids for r in whole]
     engine.check_idle_invariants()
 
 
@@ -91,17 +92,17 @@ def test_a_second_request_hits_the_first_while_it_is_still_prefilling(model_dir:
     long_prompt = list(range(3, 123)) * 2  # 240 tokens: four chunks
     first = new_request(1, long_prompt)
     sched.add(first)
-    sched.step()
-    sched.step()  # two chunks in: 128 tokens cached and locked by the running request
+    engine.step()
+    engine.step()  # two chunks in: 128 tokens cached and locked by the running request
     assert first.status is Status.RUNNING and not first.prefill_done
     second = new_request(2, long_prompt[:100] + [7, 7, 7])
     sched.add(second)
     while second.status is Status.WAITING:
         first_still_prefilling = not first.prefill_done
-        sched.step()  # the step that admits the second request matches against the cache first
+        engine.step()  # the step that admits the second request matches against the cache first
     assert second.cached_tokens >= 99 and first_still_prefilling
     while sched.has_work():
-        sched.step()
+        engine.step()
     engine.check_idle_invariants()
 
 
@@ -114,14 +115,14 @@ def test_abort_in_any_state_frees_everything(model_dir: Path, when: str) -> None
     sched.add(victim)
     steps = {"waiting": 0, "mid-prefill": 2, "mid-decode": 8}[when]
     for _ in range(steps):
-        sched.step()
+        engine.step()
     state = {"waiting": Status.WAITING, "mid-prefill": Status.RUNNING, "mid-decode": Status.RUNNING}[when]
     assert victim.status is state and victim.prefill_done == (when == "mid-decode")
-    assert sched.abort(victim.rid) and not sched.abort(victim.rid)
+    assert sched.abort(victim) and not sched.abort(victim)
     assert victim.finish_reason == "abort" and victim.kv is None and victim.status is Status.ABORTED
     engine.cache.check_invariants()
     while sched.has_work():
-        sched.step()
+        engine.step()
     assert bystander.finish_reason == "length"
     engine.check_idle_invariants()
 
@@ -129,7 +130,7 @@ def test_abort_in_any_state_frees_everything(model_dir: Path, when: str) -> None
 def test_a_prompt_that_fills_the_pool_is_prefilled_in_chunks_and_finishes(model_dir: Path) -> None:
     engine = make_engine(model_dir, max_total_tokens=256, chunked_prefill_size=64)
     out = engine.generate(input_ids=list(range(3, 123)) * 2, sampling_params={**GREEDY, "max_new_tokens": 10})
-    assert out["meta_info"]["finish_reason"] == "length" and len(out["output_ids"]) == 10
+    assert out.finish_reason == "length" and len(out.output_ids) == 10
     engine.check_idle_invariants()
 
 
@@ -137,7 +138,59 @@ def test_requests_that_cannot_fit_next_to_each_other_end_with_a_clear_error_not_
     engine = make_engine(model_dir, max_total_tokens=256, chunked_prefill_size=64)
     prompts = [list(range(3, 123)) * 2, list(range(120, 2, -1)) * 2]  # 240 tokens each, nothing shared
     outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 10})
-    reasons = sorted(str(r["meta_info"]["finish_reason"]) for r in outs)
+    reasons = sorted(str(r.finish_reason) for r in outs)
     assert reasons in (["abort", "length"], ["length", "length"])
-    assert all("error" in r["meta_info"] for r in outs if r["meta_info"]["finish_reason"] == "abort")
+    assert all(r.error for r in outs if r.finish_reason == "abort")
+    engine.check_idle_invariants()
+
+
+def test_schedule_says_what_runs_the_step_reports_and_process_applies(model_dir: Path) -> None:
+    engine = make_engine(model_dir, chunked_prefill_size=64)
+    sched = engine.scheduler
+    req = new_request(1, list(range(3, 123)), max_new_tokens=2)  # 120 tokens: a 64-token chunk, then 56
+    sched.add(req)
+    batch = sched.schedule()
+    assert [(e.req, e.mode, len(e.new_token_ids), e.sample) for e in batch.entries] == [(req, "extend", 64, False)]
+    outputs = engine.executor.run(batch)
+    assert outputs == [StepOutput()] and not req.prefill_done  # a chunk: computed, no token
+    assert sched.process(batch, outputs) == []
+    batch = sched.schedule()
+    assert [(e.mode, len(e.new_token_ids), e.sample) for e in batch.entries] == [("extend", 56, True)]
+    outputs = engine.executor.run(batch)
+    token = outputs[0].token
+    assert token is not None and req.output_ids == []  # the step changes no request
+    sched.process(batch, outputs)
+    assert req.output_ids == [token] and req.prefill_done
+    batch = sched.schedule()
+    assert batch.mode == "decode" and len(batch.entries[0].new_token_ids) == 1
+    assert sched.process(batch, engine.executor.run(batch)) == [req] and req.finish_reason == "length"
+    assert sched.stats.prefill_tokens == 120
+    engine.check_idle_invariants()
+
+
+def test_a_failed_step_output_aborts_only_its_request(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    sched = engine.scheduler
+    broken, fine = new_request(1, [5, 6, 7]), new_request(2, [8, 9, 10])
+    sched.add(broken)
+    sched.add(fine)
+    batch = sched.schedule()
+    outputs = engine.executor.run(batch)
+    outputs[0] = StepOutput(computed=False, error="injected")
+    assert sched.process(batch, outputs) == [broken]
+    assert broken.error == "injected" and broken.status is Status.ABORTED and fine.status is Status.RUNNING
+    assert sched.stats.prefill_tokens == 3  # only what the forward computed
+    while sched.has_work():
+        engine.step()
+    engine.check_idle_invariants()
+
+
+def test_abort_covers_a_request_not_yet_queued(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    req = new_request(1, [5, 6, 7])
+    assert engine.scheduler.abort(req, "the client went away")
+    assert req.status is Status.ABORTED and req.finish_reason == "abort" and req.error == "the client went away"
+    assert req.finish_time is not None and req.result().error == "the client went away"
+    assert not engine.scheduler.abort(req, "twice") and req.error == "the client went away"
+    assert engine.scheduler.stats.finished["abort"] == 1
     engine.check_idle_invariants()

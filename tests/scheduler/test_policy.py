@@ -15,6 +15,8 @@ from radixserve.core import SamplingParams
 from radixserve.memory.allocator import TokenAllocator
 from radixserve.scheduler.dedup import DEDUP_THRESHOLD_LEN
 from radixserve.scheduler.policy import (
+    HRRN_DECODE_RATE,
+    HRRN_PREFILL_RATE,
     SCHEDULE_POLICIES,
     DFSWeightPolicy,
     HRRNPolicy,
@@ -63,8 +65,6 @@ def test_every_name_builds_and_unknown_raises() -> None:
         assert create_schedule_policy(name).order([], radix(), [], 0.0).order == []
     with pytest.raises(ValueError, match="unknown schedule policy"):
         create_schedule_policy("sjf")
-    with pytest.raises(ValueError, match="rates"):
-        create_schedule_policy("hrrn", prefill_rate=0.0)
 
 
 # ---- cache-agnostic policies ---------------------------------------------------------------------
@@ -140,7 +140,7 @@ def test_dfs_weight_equal_weights_follow_arrival() -> None:
 
 def test_hrrn_admits_a_cold_request_within_the_bound_lpm_never_does() -> None:
     """One warm request arrives per round and the first of the order is admitted each round."""
-    rate_prefill, rate_decode, dt, max_new = 300.0, 20.0, 1.0, 8
+    rate_prefill, rate_decode, dt, max_new = HRRN_PREFILL_RATE, HRRN_DECODE_RATE, 1.0, 8
     cache = radix()
     shared = cached(cache, fresh(1990))
     service_warm = 10 / rate_prefill + max_new / rate_decode  # 10 uncached tokens
@@ -149,7 +149,7 @@ def test_hrrn_admits_a_cold_request_within_the_bound_lpm_never_does() -> None:
     bound = math.ceil(service_cold / service_warm)  # 17 rounds
 
     def rounds_until_cold_admitted(name: str, max_rounds: int) -> int | None:
-        policy = create_schedule_policy(name, prefill_rate=rate_prefill, decode_rate=rate_decode)
+        policy = create_schedule_policy(name)
         cold = req(fresh(2000), max_new=max_new, arrival=0.0)
         waiting = [cold]
         for r in range(max_rounds):
@@ -168,13 +168,14 @@ def test_hrrn_admits_a_cold_request_within_the_bound_lpm_never_does() -> None:
 def test_hrrn_ratio_formula() -> None:
     cache = radix()
     shared = cached(cache, fresh(600))
-    policy = create_schedule_policy("hrrn", prefill_rate=100.0, decode_rate=10.0)
+    policy = create_schedule_policy("hrrn")
     assert isinstance(policy, HRRNPolicy)
     r = req(shared, fresh(400), max_new=50, arrival=2.0)
     policy.order([r], cache, [], 12.0)
     assert r.match_len == 600
-    assert policy.service_s(r) == pytest.approx(400 / 100 + 50 / 10)
-    assert policy.response_ratio(r, 12.0) == pytest.approx((10 + 9) / 9)
+    service = 400 / HRRN_PREFILL_RATE + 50 / HRRN_DECODE_RATE
+    assert policy.service_s(r) == pytest.approx(service)
+    assert policy.response_ratio(r, 12.0) == pytest.approx((10 + service) / service)
 
 
 def test_block_cache_dfs_weight_falls_back_to_lpm_and_counts(caplog: pytest.LogCaptureFixture) -> None:

@@ -277,7 +277,7 @@ PROMPTS = st.one_of(
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Engine:
-    return Engine(model_path=str(tiny_model_dir), max_total_tokens=4096)
+    return Engine.create(model_path=str(tiny_model_dir), max_total_tokens=4096)
 
 
 @FUZZ
@@ -352,9 +352,9 @@ def test_an_accepted_request_runs_without_an_engine_error(engine: Engine, prompt
     for _ in range(8):
         if req.finish_reason is not None:
             break
-        scheduler.step()
+        engine.step()
     if req.finish_reason is None:
-        scheduler.abort(req.rid)
+        scheduler.abort(req)
     result = req.result()
     engine.check_idle_invariants()
     assert result.error is None, f"{params} on {prompt}: {result.error}"

@@ -57,7 +57,7 @@ def serve_and_publish(
     for prompt, ns in requests:
         engine.scheduler.add(engine.make_request(prompt, {"max_new_tokens": 6, "ignore_eos": True}, ns))
     while engine.scheduler.has_work():
-        engine.scheduler.step()
+        engine.step()
         assert engine.cache.events is not None
         publisher.publish(engine.cache.events.drain())
 
@@ -79,7 +79,7 @@ def endpoints(tmp_path: Path) -> Iterator[tuple[str, str]]:
 def test_a_late_subscriber_rebuilds_exactly_the_cached_blocks(
     tiny_model_dir: Path, endpoints: tuple[str, str], buffer: int, expect: str
 ) -> None:
-    engine = Engine(model_path=str(tiny_model_dir), max_total_tokens=512, enable_kv_events=True)
+    engine = Engine.create(model_path=str(tiny_model_dir), max_total_tokens=512, enable_kv_events=True)
     publisher = KVEventPublisher(*endpoints, block_size=BLOCK, buffer=buffer)
     try:
         serve_and_publish(engine, publisher, workload(1))  # nobody listens yet

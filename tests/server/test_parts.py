@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from radixserve.engine import EngineConfig
 from radixserve.model.tokenizer import Tokenizer
-from radixserve.server.args import build_parser, parse_args
+from radixserve.server.args import ServerArgs, build_parser, parse_args
 from radixserve.server.generation import TextStream
 from radixserve.server.metrics import ServerMetrics
 
@@ -105,6 +107,25 @@ def test_bad_flags_exit_with_a_usage_error(argv: list[str], capsys: pytest.Captu
     with pytest.raises(SystemExit) as exc:
         parse_args(argv)
     assert exc.value.code == 2 and "error" in capsys.readouterr().err
+
+
+def test_server_args_check_themselves_without_flags() -> None:
+    """The Ray path builds ServerArgs directly: the same checks as the flags."""
+    with pytest.raises(ValueError, match="tenant-isolation needs identities"):
+        ServerArgs(tenant_isolation=True)
+    with pytest.raises(ValueError, match="--replicas and --router-abs-threshold must be >= 0"):
+        ServerArgs(replicas=-1)
+    with pytest.raises(ValueError, match="--router must be one of"):
+        ServerArgs(router="random")
+    assert ServerArgs(tenant_isolation=True, tenant_header="x-tenant").tenant_isolation
+
+
+def test_every_engine_option_with_a_flag_of_its_name_reaches_the_config() -> None:
+    args = parse_args(["--schedule-policy", "random", "--schedule-seed", "7", "--num-threads", "3"])
+    assert (args.engine.schedule_policy, args.engine.schedule_seed, args.engine.num_threads) == ("random", 7, 3)
+    flags = {a.dest for a in build_parser()._actions}
+    derived = {"prefix_cache", "in_batch_dedup", "enable_kv_events"}  # from --disable-* and --kv-events-endpoint
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - flags <= derived
 
 
 def test_hit_rate_gauge_averages_the_window_and_keeps_its_value() -> None:

@@ -1,0 +1,9 @@
+"""The engine: the step (forward + sample for one scheduled batch) and the offline ``Engine``."""
+
+from __future__ import annotations
+
+from radixserve.engine.config import DTYPES, EngineConfig
+from radixserve.engine.engine import Engine
+from radixserve.engine.step import StepExecutor
+
+__all__ = ["DTYPES", "Engine", "EngineConfig", "StepExecutor"]

@@ -1,0 +1,80 @@
+"""EngineConfig: everything that shapes an engine, validated at construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.cache import PREFIX_CACHES
+from radixserve.cache.policy import EVICTION_POLICIES
+from radixserve.model.paged_kernel import ATTENTION_BACKENDS
+from radixserve.model.precision import DTYPES as DTYPES  # re-exported: server/args.py builds --dtype from it
+from radixserve.model.precision import resolve_dtype
+from radixserve.model.quant import QUANTIZATIONS
+from radixserve.scheduler.policy import SCHEDULE_POLICIES
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes an engine; validated here, unknown options are an error."""
+
+    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    prefix_cache: str = "radix"  # radix | block | none
+    page_size: int = 1
+    radix_eviction_policy: str = "lru"
+    schedule_policy: str = "fcfs"  # fcfs | lpm | dfs-weight | lof | random | routing-key | priority | hrrn
+    in_batch_dedup: bool = True  # hold requests whose shared uncached prefix a sibling is computing
+    schedule_seed: int = 0  # schedule_policy=random: the same seed gives the same order
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: a share of free memory
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts go in chunks
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32
+    quantization: str = "none"  # none | int8 (weight-only, per-channel scales)
+    attention_backend: str = "auto"  # auto | paged (in place, CPU kernel) | reference (gather + SDPA)
+    device: str = "auto"  # auto: cuda when present, else cpu
+    num_threads: int = 1  # torch CPU threads: 1 is the safe default on a small shared box
+    enable_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.prefix_cache in PREFIX_CACHES, f"prefix_cache must be one of {PREFIX_CACHES}"),
+            (
+                self.radix_eviction_policy in EVICTION_POLICIES,
+                f"radix_eviction_policy: one of {sorted(EVICTION_POLICIES)}",
+            ),
+            (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}"),
+            (self.page_size >= 1, "page_size must be >= 1"),
+            (self.max_total_tokens is None or self.max_total_tokens >= 16, "max_total_tokens must be >= 16"),
+            (self.max_running_requests >= 1 and self.chunked_prefill_size >= 1, "limits must be >= 1"),
+            (self.dtype == "auto" or self.dtype in DTYPES, f"dtype must be auto or one of {sorted(DTYPES)}"),
+            (self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}"),
+            (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device: auto|cpu|cuda[:N]"),
+            (self.num_threads >= 1, "num_threads must be >= 1"),
+        ]
+        problems = [message for ok, message in checks if not ok]
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> tuple[torch.dtype, str]:
+        """(dtype, why): auto asks the CPU whether it multiplies bfloat16 natively."""
+        return resolve_dtype(self.dtype, device)
+
+
+def default_pool_tokens(bytes_per_token: int, device: torch.device) -> int:
+    """A quarter of free memory, at least 2k tokens, at most 32k on CPU (1.5 GB for SmolLM2
+    in fp32: zero-filling more costs seconds at start) and 1M on CUDA."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        cap = 1 << 20
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        cap = 1 << 15
+    return int(min(max(free // 4 // bytes_per_token, 2048), cap))

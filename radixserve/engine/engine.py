@@ -1,0 +1,263 @@
+"""The offline engine: ``Engine(config).generate(...)`` and ``.chat(...)``, no HTTP.
+
+Wires the layers: loader -> model + KV pool -> prefix cache over the slot
+allocator -> scheduler, with the engine step (``step.py``) between its
+``schedule()`` and ``process()``. Every request's cached prefix is matched,
+locked and reused; finished requests insert prompt + output into the cache.
+
+    from radixserve import Engine
+    engine = Engine()                     # the embedded SmolLM2-135M-Instruct
+    out = engine.chat([{"role": "user", "content": "Hi!"}], {"max_new_tokens": 32})
+    print(out.text, out.cached_tokens)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any, overload
+
+import numpy as np
+import torch
+
+from radixserve.cache import create_prefix_cache
+from radixserve.core import GenerateResult, SamplingParams
+from radixserve.engine.config import EngineConfig, default_pool_tokens
+from radixserve.engine.step import StepExecutor
+from radixserve.memory.kv_pool import KVPool
+from radixserve.model.loader import LoadedModel, load_model
+from radixserve.model.quant import weight_bytes
+from radixserve.model.runner import ModelRunner
+from radixserve.scheduler.loop import Scheduler
+from radixserve.scheduler.policy import create_schedule_policy
+from radixserve.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+Params = SamplingParams | dict[str, Any] | None
+
+
+class Engine:
+    """The offline engine over one ``EngineConfig``; ``Engine.create(**options)`` is the keyword form."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        torch.set_num_threads(config.num_threads)
+        self.device = config.resolved_device()
+        dtype, self.dtype_reason = config.resolved_dtype(self.device)
+        logger.info("dtype %s: %s", str(dtype).removeprefix("torch."), self.dtype_reason)
+        self.loaded: LoadedModel = load_model(
+            config.model_path, self.device, dtype, config.attention_backend, config.quantization
+        )
+        self.tokenizer = self.loaded.tokenizer
+        model = self.loaded.config
+        pool_tokens = config.max_total_tokens or default_pool_tokens(
+            KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype), self.device
+        )
+        self.cache = create_prefix_cache(
+            config.prefix_cache,
+            pool_tokens,
+            config.page_size,
+            config.radix_eviction_policy,
+            enable_kv_events=config.enable_kv_events,
+        )
+        self.allocator = self.cache.allocator
+        # size + one page of rows: the allocator's page 0 is reserved for padding writes
+        self.kv_pool = KVPool(
+            model.num_layers,
+            self.allocator.size + self.allocator.page_size,
+            model.num_kv_heads,
+            model.head_dim,
+            dtype,
+            self.device,
+        )
+        eos = tuple(model.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
+        runner = ModelRunner(self.loaded.model, model, self.kv_pool, self.device)
+        self.executor = StepExecutor(runner, self.tokenizer.decode_continuation, eos)
+        self.scheduler = Scheduler(
+            self.cache,
+            self.tokenizer.decode_continuation,
+            eos,
+            config.max_running_requests,
+            config.chunked_prefill_size,
+            create_schedule_policy(config.schedule_policy, config.in_batch_dedup, config.schedule_seed),
+        )
+        self._rids = itertools.count()
+        logger.info("engine ready: %s, %d KV slots, %s on %s", config, self.allocator.size, dtype, self.device)
+
+    @classmethod
+    def create(cls, **options: Any) -> Engine:
+        """``Engine(EngineConfig(**options))``; an unknown option is a TypeError, a bad value a ValueError."""
+        return cls(EngineConfig(**options))
+
+    def step(self) -> list[Request]:
+        """One scheduling round and model step; the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        return self.scheduler.process(batch, self.executor.run(batch))
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    @overload
+    def generate(
+        self, prompt: str, sampling_params: Params = None, input_ids: None = None, extra_key: str | None = None
+    ) -> GenerateResult: ...
+    @overload
+    def generate(
+        self,
+        prompt: list[str],
+        sampling_params: Params | list[Params] = None,
+        input_ids: None = None,
+        extra_key: str | None = None,
+    ) -> list[GenerateResult]: ...
+    @overload
+    def generate(
+        self, prompt: None = None, sampling_params: Params = None, *, input_ids: list[int], extra_key: str | None = None
+    ) -> GenerateResult: ...
+    @overload
+    def generate(
+        self,
+        prompt: None = None,
+        sampling_params: Params | list[Params] = None,
+        *,
+        input_ids: list[list[int]],
+        extra_key: str | None = None,
+    ) -> list[GenerateResult]: ...
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: Params | list[Params] = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        extra_key: str | None = None,
+    ) -> GenerateResult | list[GenerateResult]:
+        """Generate for one prompt (one result) or a list (a list, same order); give text or token ids.
+
+        ``result.to_dict()`` is the shape SGLang's native API returns: ``{"text", "output_ids",
+        "meta_info": {"prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason", ...}}``.
+        """
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if isinstance(prompt, str):
+            return self._run([self.tokenizer.encode(prompt)], sampling_params, extra_key)[0]
+        if prompt is not None:
+            return self._run([self.tokenizer.encode(text) for text in prompt], sampling_params, extra_key)
+        assert input_ids is not None
+        if not input_ids or isinstance(input_ids[0], int):
+            return self._run([input_ids], sampling_params, extra_key)[0]  # type: ignore[list-item]
+        return self._run(input_ids, sampling_params, extra_key)
+
+    @overload
+    def chat(
+        self, messages: list[dict[str, str]], sampling_params: Params = None, extra_key: str | None = None
+    ) -> GenerateResult: ...
+    @overload
+    def chat(
+        self,
+        messages: list[list[dict[str, str]]],
+        sampling_params: Params | list[Params] = None,
+        extra_key: str | None = None,
+    ) -> list[GenerateResult]: ...
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: Params | list[Params] = None,
+        extra_key: str | None = None,
+    ) -> GenerateResult | list[GenerateResult]:
+        """Apply the model's chat template, then ``generate``. A list of conversations gives a list."""
+        if messages and isinstance(messages[0], dict):
+            ids = self.tokenizer.apply_chat_template(messages)
+            return self._run([ids], sampling_params, extra_key)[0]
+        conversations = [self.tokenizer.apply_chat_template(conv) for conv in messages]  # type: ignore[arg-type]
+        return self._run(conversations, sampling_params, extra_key)
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (only when no request is in flight)."""
+        if self.scheduler.has_work():
+            raise RuntimeError("flush_cache while requests are in flight")
+        self.cache.reset()
+
+    def check_idle_invariants(self) -> None:
+        """With nothing in flight: the cache is consistent and free + cached == pool."""
+        assert not self.scheduler.has_work(), "requests still in flight"
+        self.cache.check_invariants()
+        assert self.cache.protected_size() == 0, "a prefix is still locked"
+        assert self.allocator.free_size() + self.cache.total_size() == self.allocator.size, "KV slots leaked"
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _run(
+        self, prompts: Sequence[Sequence[int]], params: Params | list[Params], extra_key: str | None
+    ) -> list[GenerateResult]:
+        per_request = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_request) != len(prompts):
+            raise ValueError(f"{len(per_request)} sampling_params for {len(prompts)} prompts")
+        requests = [self.make_request(p, sp, extra_key) for p, sp in zip(prompts, per_request)]  # validate all first
+        for req in requests:
+            self.scheduler.add(req)
+        while any(req.finish_reason is None for req in requests):
+            self.step()
+        return [req.result() for req in requests]
+
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt + output) one request may hold: the model's context."""
+        return self.loaded.config.max_position_embeddings
+
+    def make_request(
+        self,
+        prompt: Sequence[int],
+        params: Params,
+        extra_key: str | None = None,
+        arrival_time: float | None = None,
+        shared_len: int = 0,
+    ) -> Request:
+        """A validated request (not yet queued); ValueError says what is wrong with the input.
+
+        ``max_new_tokens`` is clipped to what the context leaves after the prompt.
+        ``shared_len``: leading prompt tokens cached in the shared namespace even
+        though the request has its own ``extra_key`` (rounded down to a page).
+        Thread-safe: the server calls it off the scheduler thread.
+        """
+        sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
+        try:
+            ids = np.asarray(prompt, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError("a prompt must be a sequence of integer token ids") from None
+        vocab = self.loaded.config.vocab_size
+        max_pos = self.context_length
+        if ids.ndim != 1 or len(ids) == 0:
+            raise ValueError("a prompt must be a non-empty sequence of token ids")
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}), got {ids.min()}..{ids.max()}")
+        if len(ids) >= max_pos:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is {max_pos} tokens")
+        if len(ids) + 1 > self.allocator.size:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the KV pool holds {self.allocator.size}")
+        sp = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, max_pos - len(ids)))
+        req = Request(next(self._rids), ids, sp, extra_key)
+        if extra_key is not None and shared_len > 0:
+            req.shared_len = min(shared_len, len(ids)) - min(shared_len, len(ids)) % self.config.page_size
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        return req
+
+    def describe(self) -> dict[str, Any]:
+        """The resolved configuration: what was asked for, and what it became on this machine."""
+        model = self.loaded.config
+        kv_bytes = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_pool.dtype)
+        return {
+            **dataclasses.asdict(self.config),
+            "resolved_model_path": str(self.loaded.path),
+            "resolved_device": str(self.device),
+            "resolved_dtype": str(self.kv_pool.dtype).removeprefix("torch."),
+            "dtype_reason": self.dtype_reason,
+            "resolved_attention_backend": self.loaded.model.attention_backend,
+            "weight_bytes": weight_bytes(self.loaded.model),
+            "kv_pool_tokens": self.allocator.size,
+            "context_length": self.context_length,
+            "vocab_size": model.vocab_size,
+            "num_layers": model.num_layers,
+            "kv_bytes_per_token": kv_bytes,
+            "kv_tokens_per_gib": (1 << 30) // kv_bytes,
+        }

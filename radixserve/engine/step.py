@@ -1,0 +1,147 @@
+"""The engine step: one scheduled batch through the model, sampled, stop strings checked.
+
+``StepExecutor.run(batch)`` returns one ``StepOutput`` per entry and changes no
+request: ``Scheduler.process`` applies the outputs. A request that breaks the
+step fails alone, the others go on: a failed forward is retried one request at
+a time, a row of NaN/inf logits or a sampling or detokenizing error becomes
+that request's ``error``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from radixserve.core import TopLogprobs
+from radixserve.model.runner import ModelRunner, StepInput
+from radixserve.model.sampling import sample
+from radixserve.scheduler.batch import Mode, ScheduledBatch, ScheduledRequest, StepOutput
+from radixserve.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+# (output ids, prompt ids) -> the output's text as it reads after the prompt
+Detokenize = Callable[[Sequence[int], Sequence[int]], str]
+NON_FINITE = "the model produced non-finite logits (NaN or inf)"
+
+
+class StepExecutor:
+    def __init__(self, runner: ModelRunner, detokenize: Detokenize, eos_token_ids: tuple[int, ...]) -> None:
+        self.runner = runner
+        self.detokenize = detokenize
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def run(self, batch: ScheduledBatch) -> list[StepOutput]:
+        """One forward over ``batch``, then a token for each entry that samples."""
+        entries = batch.entries
+        if not entries:
+            return []
+        errors: dict[int, str] = {}  # entry index -> why it failed
+        rows, logits = self._forward(entries, batch.mode, errors)
+        sampled: dict[int, StepOutput] = {}
+        if logits is not None:
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
+            for row, i in enumerate(rows):
+                if not finite[row]:
+                    errors[i] = NON_FINITE
+            wanted = [(row, i) for row, i in enumerate(rows) if i not in errors and entries[i].sample]
+            sampled = self._sample(logits, entries, wanted, errors)
+        computed = set(rows)
+        outputs = []
+        for i in range(len(entries)):
+            if i in sampled:
+                outputs.append(sampled[i])
+            else:
+                outputs.append(StepOutput(computed=i in computed, error=errors.get(i)))
+        return outputs
+
+    def _forward(
+        self, entries: Sequence[ScheduledRequest], mode: Mode, errors: dict[int, str]
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Logits (one row per entry that ran) and which entries they belong to.
+
+        If the batched call fails, each request runs alone; the failing ones get an error.
+        """
+        try:
+            return list(range(len(entries))), self.runner.forward([_step_input(e) for e in entries], mode)
+        except Exception as exc:
+            if len(entries) == 1:
+                logger.exception("model step failed for request %d", entries[0].req.rid)
+                errors[0] = _message(exc)
+                return [], None
+            logger.warning("a %d-request %s step failed (%s); retrying each request alone", len(entries), mode, exc)
+        rows: list[int] = []
+        logits = []
+        for i, entry in enumerate(entries):
+            try:
+                logits.append(self.runner.forward([_step_input(entry)], mode))
+                rows.append(i)
+            except Exception as exc:
+                logger.exception("model step failed for request %d", entry.req.rid)
+                errors[i] = _message(exc)
+        return rows, (torch.cat(logits) if logits else None)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        entries: Sequence[ScheduledRequest],
+        wanted: list[tuple[int, int]],
+        errors: dict[int, str],
+    ) -> dict[int, StepOutput]:
+        """Entry index -> its token; if batched sampling fails, row by row."""
+        if not wanted:
+            return {}
+        reqs = [entries[i].req for _, i in wanted]
+        try:
+            out = sample(logits[[row for row, _ in wanted]], [req.sampling for req in reqs])
+            return {
+                i: self._output(
+                    reqs[k],
+                    out.token_ids[k],
+                    out.logprobs[k] if out.logprobs else None,
+                    out.top_logprobs[k] if out.top_logprobs else None,
+                )
+                for k, (_, i) in enumerate(wanted)
+            }
+        except Exception as exc:
+            logger.warning("sampling a batch of %d failed (%s); sampling each request alone", len(reqs), exc)
+        outputs = {}
+        for req, (row, i) in zip(reqs, wanted):
+            try:
+                one = sample(logits[row : row + 1], [req.sampling])
+            except Exception as exc:
+                logger.exception("sampling failed for request %d", req.rid)
+                errors[i] = _message(exc)
+                continue
+            top = one.top_logprobs[0] if one.top_logprobs else None
+            outputs[i] = self._output(req, one.token_ids[0], one.logprobs[0] if one.logprobs else None, top)
+        return outputs
+
+    def _output(self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None) -> StepOutput:
+        """The sampled token, with the stop string it completes (a detokenizer error fails only ``req``)."""
+        try:
+            stop = self._stop_string(req, token)
+        except Exception as exc:
+            return StepOutput(token, logprob, top, error=_message(exc))
+        return StepOutput(token, logprob, top, stop_string=stop)
+
+    def _stop_string(self, req: Request, token: int) -> tuple[str, str] | None:
+        """(text up to the first stop string, that string) once the output with ``token`` holds one."""
+        if not req.params.stop or req.stops_on(token, self.eos_token_ids):
+            return None  # a stop token ends it first
+        text = self.detokenize([*req.output_ids, token], req.prompt_ids[-16:].tolist())
+        hits = [(text.find(s), s) for s in req.params.stop if s in text]
+        if not hits:
+            return None
+        position, stop = min(hits)
+        return text[:position], stop
+
+
+def _step_input(entry: ScheduledRequest) -> StepInput:
+    return StepInput(entry.new_token_ids, entry.context_slots)
+
+
+def _message(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"

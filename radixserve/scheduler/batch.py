@@ -1,0 +1,69 @@
+"""What the scheduler hands the engine step, and what the step hands back.
+
+``Scheduler.schedule()`` returns a ``ScheduledBatch``: per request, its mode,
+the tokens to compute and the slots of its whole context. The engine step runs
+the forward, samples and checks stop strings, and returns one ``StepOutput``
+per entry; ``Scheduler.process(batch, outputs)`` applies them (tokens, stop
+checks, finishing). The step never changes a request's state.
+
+Each entry carries its own mode so that one forward may later mix prefill
+chunks with running decodes; today a batch holds one mode (``ScheduledBatch.mode``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from radixserve.core import TopLogprobs
+from radixserve.scheduler.request import Request
+
+Mode = Literal["extend", "decode"]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's part of a step."""
+
+    req: Request
+    mode: Mode
+    new_token_ids: np.ndarray  # int64: the tokens whose K/V this step computes
+    context_slots: np.ndarray  # int64: the whole context's slots (cached prefix first, then the new tokens)
+    sample: bool  # False: a prefill chunk that is not the prompt's last, so no token comes out
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    entries: tuple[ScheduledRequest, ...] = ()
+    # Requests that ended while scheduling (no room, ever): process() reports them as finished too.
+    finished: tuple[Request, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    @property
+    def reqs(self) -> list[Request]:
+        return [entry.req for entry in self.entries]
+
+    @property
+    def mode(self) -> Mode:
+        """The one mode of every entry (a mixed batch has none yet)."""
+        modes = {entry.mode for entry in self.entries}
+        if len(modes) != 1:
+            raise ValueError(f"a batch of modes {sorted(modes)}: one mode per batch for now")
+        return modes.pop()
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One entry's outcome; the default is a prefill chunk that ran and produced no token."""
+
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: TopLogprobs | None = None
+    # A stop string the output now contains: (the output's text up to it, the stop string).
+    stop_string: tuple[str, str] | None = None
+    computed: bool = True  # the forward ran for it (its K/V is written)
+    error: str | None = None  # the step failed for this request alone: it aborts, its K/V is never cached
