@@ -143,7 +143,7 @@ def route_key_for(
             ids = _first_prompt(completion.prompt, tokenizer)
         else:
             native = GenerateRequest.model_validate_json(body)
-            salt = native.extra_key
+            salt = native.extra_key or native.cache_salt
             ids = _first_prompt(native.text if native.text is not None else native.input_ids or [], tokenizer)
     except Exception:  # invalid JSON, schema, auth, template: the replica will say what is wrong
         return None

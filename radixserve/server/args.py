@@ -48,6 +48,7 @@ class ServerArgs:
     enable_metrics: bool = False
     hit_rate_window: int = 1000  # finished requests the cache_hit_rate gauge averages over
     max_queued_requests: int = 4096  # requests in flight (queued + running) before new ones get 503
+    max_request_bytes: int = 8 << 20  # a POST body beyond this is a 413, refused before it is parsed
     graceful_shutdown_timeout: float = 30.0
     log_level: str = "info"
     # Scale-out (Ray Serve): 0 = this process only
@@ -161,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="require `Authorization: Bearer KEY` (all endpoints but /health and /metrics); "
-        "repeat for several keys, each its own tenant",
+        "repeat for several keys: each is its own tenant, but they share one prefix cache unless "
+        "--tenant-isolation (with several, /flush_cache and /cache's text are for --admin-api-key only)",
     )
     server.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     server.add_argument(
@@ -221,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=ServerArgs.max_queued_requests,
         help="requests in flight (waiting + running) before new ones get 503 + Retry-After",
+    )
+    server.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=ServerArgs.max_request_bytes,
+        help="largest POST body accepted; a bigger one gets 413 before it is read or parsed",
     )
     server.add_argument(
         "--hit-rate-window",
@@ -316,6 +324,8 @@ def parse_args(argv: list[str]) -> ServerArgs:
             )
         if ns.replica_cpus is not None and ns.replica_cpus < 0:
             raise ValueError("--replica-cpus must be >= 0")
+        if ns.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be >= 1024, got {ns.max_request_bytes}")
         if not 0 < ns.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {ns.port}")
         if ns.hit_rate_window < 1 or ns.graceful_shutdown_timeout < 0 or ns.max_queued_requests < 1:
