@@ -160,7 +160,9 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {}
         where = field_path(first.get("loc", ()))
-        if first.get("type") == "json_invalid":
+        if first.get("type") == "missing" and field_path(first.get("loc", ())) == "":
+            message = "the request body is empty: send a JSON object"
+        elif first.get("type") == "json_invalid":
             message = f"the request body is not valid JSON (UTF-8): {first.get('ctx', {}).get('error', '')}".strip()
         else:
             message = "; ".join(f"{field_path(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5])

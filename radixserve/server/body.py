@@ -4,7 +4,7 @@
 
 - a ``Content-Length`` over ``--max-request-bytes`` is a 413 before a byte is read, and a
   chunked body is cut off (413) as soon as it grows past the limit;
-- an empty body, a body that is not UTF-8 JSON, a number with more than ``MAX_INT_DIGITS``
+- a body that is not UTF-8 JSON, a number with more than ``MAX_INT_DIGITS``
   digits, nesting deeper than ``MAX_DEPTH``, and a lone UTF-16 surrogate in any string
   (``"\\ud800"``: valid JSON, but no tokenizer or encoder takes it) are each a 400 naming the
   problem and the field;
@@ -47,9 +47,9 @@ def _parse_int(text: str) -> int:
 
 
 def check_json_body(raw: bytes) -> Any:
-    """The parsed body; BodyError (400) says what is wrong with it."""
+    """The parsed body (None when empty: POST /flush_cache takes none); BodyError (400) says what is wrong."""
     if not raw.strip():
-        raise BodyError(400, "the request body is empty: send a JSON object")
+        return None  # a route that needs a body says so (the app's validation handler)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -122,7 +122,8 @@ class BodyGuard:
         try:
             if scope["method"] == "POST":
                 raw = await self._read(scope, receive)
-                check_json_body(raw)
+                if check_json_body(raw) is None:
+                    raw = b""  # whitespace alone is no body either
                 scope, receive = _with_json_body(scope, raw, receive)
             await self.app(scope, receive, tracked_send)
         except BodyError as exc:

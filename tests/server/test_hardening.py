@@ -138,7 +138,16 @@ def test_a_port_in_use_fails_at_once_without_loading_the_model(tiny_model_dir: P
         busy.bind(("127.0.0.1", free_port()))
         busy.listen()
         port = busy.getsockname()[1]
-        command = [sys.executable, "-m", "radixserve", "serve", "--model-path", str(tiny_model_dir), "--port", str(port)]
+        command = [
+            sys.executable,
+            "-m",
+            "radixserve",
+            "serve",
+            "--model-path",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+        ]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode != 0, output
