@@ -139,9 +139,9 @@ def test_several_keys_without_isolation_cannot_read_or_flush_each_others_prompts
     keys = ("--api-key", KEYS["alice"], "--api-key", KEYS["bob"])
     with ServerProcess(*keys, *admin, "--log-level", "warning", model_path=tiny_model_dir) as proc:
         secret = " ".join(f"w{i}" for i in range(100, 126))
-        for end in ("w1", "w2"):  # a prefix shared by two prompts: /cache lists it
+        for end in ("w90", "w91"):  # a prefix shared by two prompts: /cache lists it
             cached(proc.url, KEYS["alice"], prompt=f"{secret} {end}")
-        assert cached(proc.url, KEYS["bob"], prompt=f"{secret} w3") >= 26  # shared: what the README says
+        assert cached(proc.url, KEYS["bob"], prompt=f"{secret} w92") >= 26  # shared: what the README says
 
         def call(method: str, path: str, key: str) -> httpx.Response:
             return httpx.request(method, proc.url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30)
@@ -159,7 +159,7 @@ def test_several_keys_without_isolation_cannot_read_or_flush_each_others_prompts
 
 def test_a_single_key_is_the_operator(tiny_model_dir: Path) -> None:
     with ServerProcess("--api-key", KEYS["alice"], "--log-level", "warning", model_path=tiny_model_dir) as proc:
-        for end in ("w1", "w2"):
+        for end in ("w90", "w91"):
             cached(proc.url, KEYS["alice"], prompt=f"{PROMPT} {end}")
         headers = {"Authorization": f"Bearer {KEYS['alice']}"}
         assert "head_text" in httpx.get(proc.url + "/cache", headers=headers, timeout=30).text
