@@ -38,7 +38,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.bench.server_process import ServerProcess
-from radixserve.bench.soak_abuse import start_abuse
+from radixserve.bench.soak_abuse import AbuseLog, start_abuse
 from radixserve.bench.soak_plan import ServerFacts, SoakCall, plan_calls
 from radixserve.bench.tiny_model import build_engine_folder
 
@@ -413,12 +413,27 @@ async def run_soak(
         await asyncio.gather(*abusers)
         elapsed = time.perf_counter() - start
         end = await final_state(control, base_url, server_pid, idle_timeout)
+    return build_report(sent, results, before, end, rss_warm[0], elapsed, abuse, bool(abusers), max_small_ttft)
+
+
+def build_report(
+    sent: int,
+    results: list[CallResult],
+    before: dict[str, int] | None,
+    end: FinalState,
+    rss_warm: int | None,
+    elapsed: float,
+    abuse: AbuseLog,
+    abused: bool,
+    max_small_ttft: float | None,
+) -> SoakReport:
+    """Every check on what the run measured."""
     after = end.counters
     delta = {k: v - before.get(k, 0) for k, v in after.items()} if before is not None and after is not None else {}
     reasons = {k.removeprefix("finish:"): v for k, v in delta.items() if k.startswith("finish:")}
     finished = sum(reasons.values()) - abuse.small_accepted if delta else None  # the probe's are not the load's
     counts = OutcomeCounts.of(sent, results)
-    leaks = check_leaks(end.cache, rss_warm[0], end.rss_bytes)
+    leaks = check_leaks(end.cache, rss_warm, end.rss_bytes)
     problems = check_outcomes(counts, finished) + leaks + ([end.error] if end.error else [])
     problems += abuse.problems(max_small_ttft)
     return SoakReport(
@@ -430,11 +445,11 @@ async def run_soak(
         reasons,
         delta.get("evicted_tokens"),
         delta.get("retractions"),
-        rss_warm[0],
+        rss_warm,
         end.rss_bytes,
         elapsed,
         end.cache or {},
-        abuse.summary() if abusers else {},
+        abuse.summary() if abused else {},
     )
 
 

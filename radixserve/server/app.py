@@ -29,7 +29,7 @@ from radixserve.server.args import ServerArgs
 from radixserve.server.body import BodyGuard
 from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import ServerState
-from radixserve.server.info import VERSION, info_router
+from radixserve.server.info import VERSION, info_router, sglang_info_router
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.native_api import NativeCall
 from radixserve.server.openai_api import ChatCall, CompletionCall
@@ -66,6 +66,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     app.add_middleware(BodyGuard, max_bytes=args.max_request_bytes)
     auth = [Depends(identify(state.tenancy))]
     app.include_router(info_router(state, auth))
+    app.include_router(sglang_info_router(state, auth))
     app.include_router(generation_router(state, auth))
     app.include_router(admin_router(state, auth))
     return app

@@ -57,7 +57,23 @@ def info_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter:
         }
         return {"object": "list", "data": [card]}
 
-    @router.get("/get_model_info", dependencies=guarded)
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        if state.metrics is None:
+            raise APIError(404, "metrics are off: start the server with --enable-metrics", "metrics_disabled")
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def sglang_info_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter:
+    """What SGLang's clients read before a run (bench_serving: the model path, the pool size)."""
+    router = APIRouter(dependencies=list(auth))
+    engine, args = state.engine, state.args
+
+    @router.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         config = engine.loaded.config
         return {
@@ -73,7 +89,7 @@ def info_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter:
             "architectures": getattr(config, "architectures", None) or ["LlamaForCausalLM"],
         }
 
-    @router.get("/get_server_info", dependencies=guarded)
+    @router.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         snapshot = await state.worker_call(engine.scheduler.snapshot)
         return {
@@ -84,14 +100,6 @@ def info_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter:
             "version": VERSION,
             "frontend": "python",
         }
-
-    @router.get("/metrics")
-    async def prometheus() -> Response:
-        if state.metrics is None:
-            raise APIError(404, "metrics are off: start the server with --enable-metrics", "metrics_disabled")
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return router
 
