@@ -108,7 +108,7 @@ async def slow_loris_client(base_url: str, stop: asyncio.Event, log: AbuseLog) -
 
 
 async def small_probe(base_url: str, model: str, stop: asyncio.Event, log: AbuseLog) -> None:
-    body = {"model": model, "prompt": [5, 6], "max_tokens": 2, "stream": True, "ignore_eos": True}
+    body = {"model": model, "prompt": "w5 w6", "max_tokens": 2, "stream": True, "ignore_eos": True}  # text: tokenized
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=30.0)) as client:
         while not stop.is_set():
             start = time.perf_counter()
