@@ -130,6 +130,9 @@ class ChatCompletionRequest(_SamplingFields):
         return messages
 
 
+TopLogprobsNum = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]  # bounds per value: a union takes none
+
+
 class GenerateRequest(BaseModel):
     """The native API: SGLang's ``/generate`` shape. ``text`` or ``input_ids``, one or a batch.
 
@@ -146,9 +149,7 @@ class GenerateRequest(BaseModel):
     rid: str | list[str] | None = Field(None, description="request id(s), echoed in meta_info.id")
     return_logprob: bool | list[bool] | None = None
     logprob_start_len: int | list[int] | None = Field(None, description="-1: no prompt logprobs (the only choice)")
-    top_logprobs_num: int | list[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] | None = Field(
-        None, ge=0, le=MAX_TOP_LOGPROBS
-    )
+    top_logprobs_num: TopLogprobsNum | list[TopLogprobsNum] | None = None
     return_text_in_logprobs: bool = False
     routing_key: str | None = Field(None, max_length=MAX_SALT)
     priority: int | None = Field(None, ge=-(1 << 31), lt=1 << 31)
