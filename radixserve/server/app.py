@@ -1,43 +1,40 @@
 """The FastAPI app: routes, API-key check, OpenAI-style errors, start-up and shutdown.
 
-GET  /health                 liveness (never waits for the model)
-GET  /server_info            resolved server args + engine config + scheduler counters
-GET  /v1/models              the served model
+GET  /health, /server_info, /v1/models, /get_model_info, /get_server_info, /metrics   (info.py)
 POST /v1/completions         OpenAI completions (stream, n, logprobs, echo, stop, seed, cache_salt)
 POST /v1/chat/completions    OpenAI chat completions (chat template applied)
-POST /generate               native API (text or input_ids, sampling_params, extra_key)
-GET  /cache                  what the prefix cache holds: sizes, shape, top shared prefixes
-POST /flush_cache            drop every cached prefix (refused while requests are in flight)
-GET  /metrics                Prometheus (with --enable-metrics)
+POST /generate               native API, SGLang's request fields (text or input_ids, sampling_params, ...)
+GET  /cache, POST /flush_cache   the prefix cache, admin-only with several tenants (admin.py)
+
+Every POST body passes ``BodyGuard`` first (size limit, JSON sanity; body.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from radixserve.cache.summary import summarize
 from radixserve.engine import Engine
 from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.model.tokenizer import Tokenizer
+from radixserve.server.admin import admin_router
 from radixserve.server.args import ServerArgs
+from radixserve.server.body import BodyGuard
 from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import ServerState
+from radixserve.server.info import VERSION, info_router, sglang_info_router
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.native_api import NativeCall
 from radixserve.server.openai_api import ChatCall, CompletionCall
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from radixserve.server.tenancy import ADMIN, Tenancy, key_tenant, read_key_file
+from radixserve.server.tenancy import Tenancy, key_tenant, read_key_file
 from radixserve.server.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -56,168 +53,75 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
             args.kv_events_topic,
             args.kv_events_hwm,
         )
-    state = ServerState(
-        engine,
-        args,
-        EngineWorker(engine, metrics, args.max_queued_requests, events),
-        metrics,
-        build_tenancy(args),
-        shared_heads(engine.tokenizer, args),
-    )
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.worker.start()
-        logger.info("serving %s on http://%s:%d", args.model_name(), args.host, args.port)
-        yield
-        logger.info("shutting down: aborting requests still in flight")
-        await asyncio.get_running_loop().run_in_executor(None, state.worker.stop)
-        state.tokenizer_pool.shutdown(wait=False)
-        if events is not None:
-            events.close()
-
+    worker = EngineWorker(engine, metrics, args.max_queued_requests, events)
+    state = ServerState(engine, args, worker, metrics, build_tenancy(args), shared_heads(engine.tokenizer, args))
     app = FastAPI(
         title="radixserve",
-        version="0.1.0",
-        lifespan=lifespan,
+        version=VERSION,
+        lifespan=lifespan(state, events.close if events is not None else None),
         description="RadixAttention LLM server: OpenAI-compatible and native APIs.",
     )
     app.state.radixserve = state
     install_error_handlers(app)
-    app.add_middleware(JSONBodyMiddleware)
+    app.add_middleware(BodyGuard, max_bytes=args.max_request_bytes)
+    auth = [Depends(identify(state.tenancy))]
+    app.include_router(info_router(state, auth))
+    app.include_router(sglang_info_router(state, auth))
+    app.include_router(generation_router(state, auth))
+    app.include_router(admin_router(state, auth))
+    return app
 
-    tenancy = state.tenancy
 
-    async def identify(request: Request) -> str | None:
+def lifespan(
+    state: ServerState, on_close: Callable[[], None] | None
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    @asynccontextmanager
+    async def run(app: FastAPI) -> AsyncIterator[None]:
+        state.worker.start()
+        args = state.args
+        logger.info("serving %s on http://%s:%d", args.model_name(), args.host, args.port)
+        yield
+        logger.info("shutting down: aborting requests still in flight")
+        await asyncio.get_running_loop().run_in_executor(None, state.worker.stop)
+        state.shutdown_tokenizers()
+        if on_close is not None:
+            on_close()
+
+    return run
+
+
+def identify(tenancy: Tenancy) -> Callable[[Request], object]:
+    async def check(request: Request) -> str | None:
         """The caller's tenant (see tenancy.py); 401 when the key or the tenant header is wrong."""
         tenant = tenancy.authenticate(request.headers)
         request.state.tenant = tenant
         return tenant
 
-    auth = [Depends(identify)]
+    return check
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if not state.worker.alive():
-            return JSONResponse({"status": "error", "detail": repr(state.worker.failure)}, status_code=503)
-        return JSONResponse({"status": "ok"})
 
-    @app.get("/server_info", dependencies=auth)
-    async def server_info() -> dict[str, Any]:
-        scheduler = await asyncio.wrap_future(state.worker.call(engine.scheduler.snapshot))
-        return {
-            "version": app.version,
-            "server_args": args.resolved(),
-            "engine": engine.describe(),
-            "scheduler": scheduler,
-            "process": {"pid": os.getpid(), "rss_bytes": rss_bytes()},
-        }
+def generation_router(state: ServerState, auth: list[object]) -> APIRouter:
+    router = APIRouter(dependencies=auth)  # type: ignore[arg-type]
+    tenancy = state.tenancy
 
-    @app.get("/v1/models", dependencies=auth)
-    async def models() -> dict[str, Any]:
-        card = {
-            "id": args.model_name(),
-            "object": "model",
-            "created": int(state.started),
-            "owned_by": "radixserve",
-            "root": str(engine.loaded.path),
-            "max_model_len": engine.context_length,
-        }
-        return {"object": "list", "data": [card]}
-
-    @app.post("/v1/completions", dependencies=auth)
+    @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await respond(
-            CompletionCall(state, body, tenancy.namespace(request.state.tenant, body.cache_salt)), body.stream, request
-        )
+        namespace = tenancy.namespace(request.state.tenant, body.cache_salt)
+        return await respond(CompletionCall(state, body, namespace), body.stream, request)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await respond(
-            ChatCall(state, body, tenancy.namespace(request.state.tenant, body.cache_salt)), body.stream, request
-        )
+        namespace = tenancy.namespace(request.state.tenant, body.cache_salt)
+        return await respond(ChatCall(state, body, namespace), body.stream, request)
 
-    @app.post("/generate", dependencies=auth)
+    @router.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
-        return await respond(
-            NativeCall(state, body, tenancy.namespace(request.state.tenant, body.extra_key)), body.stream, request
-        )
+        if body.extra_key is not None and body.cache_salt is not None and body.extra_key != body.cache_salt:
+            raise APIError(400, "give one of extra_key and cache_salt (they name the same thing)", param="cache_salt")
+        namespace = tenancy.namespace(request.state.tenant, body.extra_key or body.cache_salt)
+        return await respond(NativeCall(state, body, namespace), body.stream, request)
 
-    @app.get("/cache", dependencies=auth)
-    async def cache(request: Request, top: int = Query(10, ge=0, le=100), check: bool = False) -> dict[str, Any]:
-        """Sizes (tokens), shape, and the most shared prefixes (their first and last tokens as text).
-
-        ``live_request_tokens`` are slots held privately by running requests:
-        free + cached + live == pool, always. ``check=true`` also verifies every
-        cache invariant (walks the whole tree). Under --tenant-isolation a tenant
-        sees only its own namespaces (no pool-wide figures); the admin key sees all.
-        """
-        tenant = request.state.tenant
-        if tenancy.isolation and tenant != ADMIN:
-            own = tenancy.namespace(tenant, None) or ""
-            view = await asyncio.wrap_future(
-                state.worker.call(
-                    lambda: summarize(engine.cache, top, visible=lambda ns: ns is not None and ns.startswith(own))
-                )
-            )
-            return decode_previews(engine, view)
-
-        def snapshot() -> dict[str, Any]:
-            out = summarize(engine.cache, top)
-            out["live_request_tokens"] = out["pool_tokens"] - out["free_tokens"] - out["cached_tokens"]
-            out["running_requests"] = len(engine.scheduler.running)
-            out["waiting_requests"] = len(engine.scheduler.waiting)
-            if check:
-                try:
-                    engine.cache.check_invariants()
-                    out["invariants"] = "ok"
-                except AssertionError as exc:
-                    out["invariants"] = f"broken: {exc}"
-            return out
-
-        return decode_previews(engine, await asyncio.wrap_future(state.worker.call(snapshot)))
-
-    @app.post("/flush_cache", dependencies=auth)
-    async def flush_cache(request: Request) -> dict[str, Any]:
-        if tenancy.isolation and request.state.tenant != ADMIN:
-            raise APIError(403, "under --tenant-isolation only the admin key may flush the cache", "forbidden")
-
-        def flush() -> int:
-            if engine.scheduler.has_work():
-                raise APIError(400, "cache not flushed: requests are in flight", "requests_in_flight")
-            dropped = engine.cache.total_size()
-            engine.cache.reset()
-            return dropped
-
-        dropped = await asyncio.wrap_future(state.worker.call(flush))
-        return {"flushed": True, "dropped_tokens": dropped}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        if metrics is None:
-            raise APIError(404, "metrics are off: start the server with --enable-metrics", "metrics_disabled")
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
-
-
-class JSONBodyMiddleware:
-    """Read every POST body as JSON, whatever its Content-Type says.
-
-    ``curl -d '{...}'`` sends ``application/x-www-form-urlencoded``; FastAPI would
-    then parse a form and reject the body. Every POST endpoint here takes JSON.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
+    return router
 
 
 async def respond(call: CompletionCall | ChatCall | NativeCall, stream: bool, request: Request) -> Response:
@@ -226,14 +130,6 @@ async def respond(call: CompletionCall | ChatCall | NativeCall, stream: bool, re
     if stream:
         return StreamingResponse(call.stream(generation), media_type="text/event-stream", headers=SSE_HEADERS)
     return JSONResponse(await call.run(generation, request.is_disconnected))
-
-
-def decode_previews(engine: Engine, out: dict[str, Any]) -> dict[str, Any]:
-    """The shared prefixes' first and last tokens, as text."""
-    for prefix in out.get("top_shared_prefixes", []):
-        prefix["head_text"] = engine.tokenizer.decode(prefix.pop("head_token_ids"), skip_special_tokens=False)
-        prefix["tail_text"] = engine.tokenizer.decode(prefix.pop("tail_token_ids"), skip_special_tokens=False)
-    return out
 
 
 def shared_heads(tokenizer: Tokenizer, args: ServerArgs) -> list[list[int]]:
@@ -255,15 +151,6 @@ def build_tenancy(args: ServerArgs) -> Tenancy:
     return Tenancy(keys, args.admin_api_key, args.tenant_header, args.tenant_isolation)
 
 
-def rss_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 where that is missing)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -273,13 +160,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-        if first.get("type") == "json_invalid":
+        where = field_path(first.get("loc", ()))
+        if first.get("type") == "missing" and field_path(first.get("loc", ())) == "":
+            message = "the request body is empty: send a JSON object"
+        elif first.get("type") == "json_invalid":
             message = f"the request body is not valid JSON (UTF-8): {first.get('ctx', {}).get('error', '')}".strip()
         else:
-            message = "; ".join(
-                f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}" for e in errors[:5]
-            )
+            message = "; ".join(f"{field_path(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5])
         return JSONResponse(error_body(400, message, "invalid_request", where or None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -293,5 +180,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """Apps without BodyGuard (the scale-out front): still an OpenAI-shaped 500."""
         logger.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+
+
+def field_path(loc: Sequence[object]) -> str:
+    """pydantic's error location as the field's dotted path (``sampling_params.stop``)."""
+    return ".".join(str(part) for part in loc if part != "body")

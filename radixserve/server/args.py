@@ -49,6 +49,7 @@ class ServerArgs:
     enable_metrics: bool = False
     hit_rate_window: int = 1000  # finished requests the cache_hit_rate gauge averages over
     max_queued_requests: int = 4096  # requests in flight (queued + running) before new ones get 503
+    max_request_bytes: int = 8 << 20  # a POST body beyond this is a 413, refused before it is parsed
     graceful_shutdown_timeout: float = 30.0
     log_level: str = "info"
     # Scale-out (Ray Serve): 0 = this process only
@@ -79,6 +80,10 @@ class ServerArgs:
                 "--replicas and --router-abs-threshold must be >= 0, --router-rel-threshold >= 1",
             ),
             (self.replica_cpus is None or self.replica_cpus >= 0, "--replica-cpus must be >= 0"),
+            (
+                self.max_request_bytes >= 1024,
+                f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}",
+            ),
             (0 < self.port < 65536, f"--port must be in 1..65535, got {self.port}"),
             (
                 self.hit_rate_window >= 1 and self.max_queued_requests >= 1 and self.graceful_shutdown_timeout >= 0,
@@ -223,7 +228,8 @@ def _server_flags(server: argparse._ArgumentGroup) -> None:
         action="append",
         default=[],
         help="require `Authorization: Bearer KEY` (all endpoints but /health and /metrics); "
-        "repeat for several keys, each its own tenant",
+        "repeat for several keys: each is its own tenant, but they share one prefix cache unless "
+        "--tenant-isolation (with several, /flush_cache and /cache's text are for --admin-api-key only)",
     )
     server.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
 
@@ -293,6 +299,12 @@ def _limit_flags(server: argparse._ArgumentGroup) -> None:
         type=int,
         default=ServerArgs.max_queued_requests,
         help="requests in flight (waiting + running) before new ones get 503 + Retry-After",
+    )
+    server.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=ServerArgs.max_request_bytes,
+        help="largest POST body accepted; a bigger one gets 413 before it is read or parsed",
     )
     server.add_argument(
         "--hit-rate-window",

@@ -1,19 +1,26 @@
 """``radixserve serve``: load the engine, log the resolved configuration, run uvicorn until a signal.
 
+The port is bound before the model loads: a port already in use fails in
+milliseconds, not after a 30 s load.
+
 SIGINT / SIGTERM: stop accepting connections, give in-flight requests up to
 ``--graceful-shutdown-timeout`` seconds to finish, abort the rest (their slots
-and locks come back), stop the scheduler thread, exit 0. A second SIGINT exits
-at once.
+and locks come back), stop the scheduler thread, exit 0. The abort comes a
+little before the limit (``GRACE_LEAD_S``), so that aborted requests still get
+their answer (a 503 ``shutting_down``; a stream, an error event and ``[DONE]``)
+before uvicorn cancels what is left. A second SIGINT exits at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import signal
+import socket
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from types import FrameType
 
 import uvicorn
@@ -21,10 +28,32 @@ import uvicorn
 from radixserve.server.args import ServerArgs
 
 logger = logging.getLogger("radixserve.server")
+GRACE_LEAD_S = 0.5  # abort in-flight requests this long before the grace limit (at most half of it)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn re-raises the signal after a graceful shutdown (exit status 143/130); we exit 0."""
+    """uvicorn re-raises the signal after a graceful shutdown (exit status 143/130); we exit 0.
+
+    ``on_grace_limit`` (blocking; run on a thread) aborts every in-flight request just before
+    uvicorn would cancel their handlers, so they answer instead of dying mid-response.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_grace_limit: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.on_grace_limit = on_grace_limit
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        grace, callback = self.config.timeout_graceful_shutdown, self.on_grace_limit
+        timer = None
+        if grace is not None and callback is not None:
+            loop = asyncio.get_running_loop()
+            delay = max(0.0, grace - min(GRACE_LEAD_S, grace / 2))
+            timer = loop.call_later(delay, lambda: loop.run_in_executor(None, callback))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -49,16 +78,33 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (uvicorn listens on it); SystemExit at once if the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart over TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        logger.error("cannot listen on %s:%d: %s", host, port, exc.strerror)
+        raise SystemExit(f"radixserve serve: cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(args: ServerArgs) -> None:
     configure_logging(args.log_level)
     logger.info("resolved server args: %s", json.dumps(args.resolved(), sort_keys=True))
+    sock = listen_socket(args.host, args.port)  # before the model loads: fail fast
     from radixserve.engine import Engine
     from radixserve.server.app import create_app
 
     engine = Engine(args.engine)
     logger.info("engine: %s", json.dumps(engine.describe(), sort_keys=True))
+    app = create_app(engine, args)
     config = uvicorn.Config(
-        create_app(engine, args),
+        app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
@@ -66,5 +112,5 @@ def serve(args: ServerArgs) -> None:
         timeout_graceful_shutdown=int(args.graceful_shutdown_timeout),
         log_config=None,  # keep our logging format
     )
-    _Server(config).run()
+    _Server(config, app.state.radixserve.worker.stop).run(sockets=[sock])
     logger.info("server stopped")

@@ -1,22 +1,38 @@
 """``/generate``: the native API, shaped like SGLang's (and like ``Engine.generate``'s results).
 
 ``{"text": "..." | [...], "input_ids": [...] | [[...]], "sampling_params": {...} | [...],
-"stream": false, "return_logprob": false, "top_logprobs_num": 0, "extra_key": null}`` ->
-one ``{"text", "output_ids", "meta_info"}`` per prompt (a list for a batch). A stream
-sends, per step, each request's whole text so far (SGLang's convention), then ``[DONE]``.
+"stream": false, "rid", "return_logprob", "top_logprobs_num", "return_text_in_logprobs",
+"extra_key", "routing_key", "priority", ...}`` -> one ``{"text", "output_ids", "meta_info"}``
+per prompt (a list for a batch). A stream sends, per step, each request's whole text so far
+(SGLang's convention), then ``[DONE]``; a request that fails mid-stream sends an error event.
+SGLang's other request fields: see ``sglang_fields``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from radixserve.core import SamplingParams
-from radixserve.server.errors import APIError, raise_first_error
+from radixserve.core import GenerateResult, SamplingParams
+from radixserve.scheduler.request import Request
+from radixserve.server.errors import APIError, error_event, raise_first_error
 from radixserve.server.generation import Generation, ServerState, TextStream, finish_unless_disconnected
 from radixserve.server.openai_api import SSE_DONE, sse
 from radixserve.server.protocol import GenerateRequest
+from radixserve.server.sglang_fields import triage
+
+logger = logging.getLogger(__name__)
+
+
+def per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """A field given once or per prompt, as one value per prompt."""
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise APIError(400, f"{len(value)} {name} for {count} prompts", param=name)
+    return value
 
 
 class NativeCall:
@@ -25,10 +41,17 @@ class NativeCall:
         self.arrival = time.perf_counter()
         self.single = True
         self.streams: list[TextStream] = []
-        self.generation: Generation | None = None
+        self.rids: list[str | None] = []
+        ignored, problem = triage(dict(body.model_extra or {}))
+        if problem is not None:
+            raise APIError(400, problem, "unsupported_parameter")
+        for name in ignored:
+            if name not in state.warned_fields:
+                state.warned_fields.add(name)
+                logger.warning("/generate: ignoring SGLang field %r (this server does not implement it)", name)
 
-    async def begin(self) -> Generation:
-        body, tokenizer = self.body, self.state.tokenizer
+    async def prompts(self) -> list[list[int]]:
+        body = self.body
         if (body.text is None) == (body.input_ids is None):
             raise APIError(400, "give exactly one of text and input_ids", param="text")
         if body.text is not None:
@@ -36,67 +59,89 @@ class NativeCall:
             self.single = isinstance(body.text, str)
             if not texts or any(not t for t in texts):
                 raise APIError(400, "the prompt is empty", "empty_prompt", "text")
-            prompts = await self.state.tokenize(lambda: [tokenizer.encode(t) for t in texts])
-        else:
-            ids = body.input_ids or []
-            self.single = not ids or isinstance(ids[0], int)
-            prompts = [list(ids)] if self.single else [list(p) for p in ids]  # type: ignore[arg-type]
+            return await self.state.tokenize(lambda tok: [tok.encode(t) for t in texts], texts, "text")
+        ids = body.input_ids or []
+        self.single = not ids or isinstance(ids[0], int)
+        return [list(ids)] if self.single else [list(p) for p in ids]  # type: ignore[arg-type]
+
+    async def begin(self) -> Generation:
+        body = self.body
+        prompts = await self.prompts()
+        count = len(prompts)
         raw = body.sampling_params
-        per_prompt = raw if isinstance(raw, list) else [raw or {}] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise APIError(
-                400, f"{len(per_prompt)} sampling_params for {len(prompts)} prompts", param="sampling_params"
-            )
+        per_params = per_prompt(raw if raw is not None else {}, count, "sampling_params")
+        logprob = per_prompt(body.return_logprob, count, "return_logprob")
+        top = per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
+        start = per_prompt(body.logprob_start_len, count, "logprob_start_len")
+        self.rids = per_prompt(body.rid, count, "rid")
         requests = []
-        for ids, params in zip(prompts, per_prompt):
-            params = dict(params)
-            if body.return_logprob or body.top_logprobs_num:
-                params.setdefault("logprobs", True)
-                params.setdefault("top_logprobs", body.top_logprobs_num)
-            try:
-                stops = SamplingParams.from_dict(params).stop
-            except (TypeError, ValueError) as exc:
-                raise APIError(400, f"sampling_params: {exc}", param="sampling_params") from None
-            explicit = "max_new_tokens" in params
-            requests.append(self.state.make_request(ids, params, explicit, self.namespace, self.arrival))
-            self.streams.append(TextStream(tokenizer, ids, stops))
+        for i, ids in enumerate(prompts):
+            if logprob[i] and start[i] is not None and 0 <= start[i] < len(ids):
+                raise APIError(
+                    400, "prompt logprobs (logprob_start_len >= 0) are not supported", param="logprob_start_len"
+                )
+            requests.append(self.request(ids, dict(per_params[i]), bool(logprob[i]), top[i] or 0))
         return Generation(self.state, requests)
+
+    def request(self, ids: list[int], params: dict[str, Any], logprob: bool, top: int) -> Request:
+        if logprob or top:
+            params.setdefault("logprobs", True)
+            params.setdefault("top_logprobs", top)
+        try:
+            stops = SamplingParams.from_dict(params).stop
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, f"sampling_params: {exc}", param="sampling_params") from None
+        explicit = "max_new_tokens" in params
+        req = self.state.make_request(ids, params, explicit, self.namespace, self.arrival)
+        req.priority = self.body.priority or 0
+        req.routing_key = self.body.routing_key
+        self.streams.append(TextStream(self.state.tokenizer, ids, stops))
+        return req
+
+    def answer(self, index: int, req: Request, result: GenerateResult) -> dict[str, Any]:
+        out = result.to_dict()
+        meta = out["meta_info"]
+        meta["id"] = self.rids[index] if self.rids[index] is not None else str(req.rid)
+        if self.body.return_text_in_logprobs and result.output_logprobs:  # SGLang's (logprob, id, text)
+            meta["output_token_logprobs"] = [
+                [lp, t, self.token_text(t)] for lp, t in zip(result.output_logprobs, result.output_ids)
+            ]
+            if result.output_top_logprobs:
+                meta["output_top_logprobs"] = [
+                    [[lp, t, self.token_text(t)] for t, lp in step] for step in result.output_top_logprobs
+                ]
+        return out
+
+    def token_text(self, token_id: int) -> str:
+        return self.state.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def run(self, generation: Generation, is_disconnected: Callable[[], Any]) -> Any:
         results = await finish_unless_disconnected(generation, is_disconnected)
         raise_first_error(results)
-        outs = []
-        for req, result in zip(generation.requests, results):
-            out = result.to_dict()
-            out["meta_info"]["id"] = str(req.rid)
-            outs.append(out)
+        outs = [self.answer(i, req, res) for i, (req, res) in enumerate(zip(generation.requests, results))]
         return outs[0] if self.single else outs
 
     async def stream(self, generation: Generation) -> AsyncIterator[str]:
         try:
             output_ids: list[list[int]] = [[] for _ in generation.requests]
             async for delta in generation.deltas():
-                stream = self.streams[delta.index]
+                i, req = delta.index, generation.requests[delta.index]
+                stream = self.streams[i]
                 stream.push(delta.token_ids)
-                output_ids[delta.index].extend(delta.token_ids)
-                req = generation.requests[delta.index]
+                output_ids[i].extend(delta.token_ids)
+                if delta.result is not None and delta.result.error is not None:
+                    yield sse(error_event(delta.result))
+                    continue
                 meta: dict[str, Any] = {
-                    "id": str(req.rid),
+                    "id": self.rids[i] if self.rids[i] is not None else str(req.rid),
                     "prompt_tokens": len(req.prompt_ids),
-                    "completion_tokens": len(output_ids[delta.index]),
+                    "completion_tokens": len(output_ids[i]),
                     "finish_reason": None,
                 }
                 if delta.result is not None:
                     stream.finish(delta.result.text)
-                    meta = {**delta.result.to_dict()["meta_info"], "id": str(req.rid)}
-                yield sse(
-                    {
-                        "text": stream.sent,
-                        "output_ids": output_ids[delta.index],
-                        "index": delta.index,
-                        "meta_info": meta,
-                    }
-                )
+                    meta = self.answer(i, req, delta.result)["meta_info"]
+                yield sse({"text": stream.sent, "output_ids": output_ids[i], "index": i, "meta_info": meta})
             yield SSE_DONE
         finally:
             generation.abort()

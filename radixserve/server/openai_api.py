@@ -24,6 +24,7 @@ from typing import Any
 from radixserve.core import GenerateResult
 from radixserve.server.errors import APIError, error_event, raise_first_error
 from radixserve.server.generation import Generation, ServerState, TextStream, finish_unless_disconnected
+from radixserve.server.logprobs import LogprobCursor, Released, final_visible, whole
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class OpenAICall:
             logger.info("ignoring unknown request fields %s", ignored)
         self.prompts: list[list[int]] = []
         self.streams: list[TextStream] = []
+        self.cursors: list[LogprobCursor] = []
 
     # ---- building ------------------------------------------------------------------------------
 
@@ -98,6 +100,7 @@ class OpenAICall:
                 requests.append(self.state.make_request(ids, choice, explicit_max, self.namespace, self.arrival))
         stops = params["stop"]
         self.streams = [TextStream(self.state.tokenizer, req.prompt_ids.tolist(), stops) for req in requests]
+        self.cursors = [LogprobCursor(self.state.tokenizer, req.prompt_ids.tolist()) for req in requests]
         return Generation(self.state, requests)
 
     # ---- shared response parts -------------------------------------------------------------------
@@ -130,15 +133,10 @@ class OpenAICall:
     def response(self, results: list[GenerateResult]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk(
-        self,
-        index: int,
-        delta_text: str,
-        token_ids: list[int],
-        logprobs: list[float],
-        top: list[Any],
-        finish_reason: str | None,
-    ) -> dict[str, Any]:
+    def chunk(self, index: int, delta_text: str, released: Released, finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def wants_logprobs(self) -> bool:
         raise NotImplementedError
 
     def chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -163,21 +161,22 @@ class OpenAICall:
             for chunk in self.first_chunks():
                 yield sse(chunk)
             async for delta in generation.deltas():
-                stream = self.streams[delta.index]
+                stream, cursor = self.streams[delta.index], self.cursors[delta.index]
                 text = stream.push(delta.token_ids)
+                if self.wants_logprobs():  # the cursor decodes token by token: only when asked for
+                    cursor.push(delta.token_ids, delta.logprobs, delta.top_logprobs)
                 result = delta.result
+                visible: int | None = len(stream.sent)
                 if result is not None:
                     if result.error is not None:
                         yield sse(error_event(result))
                         continue
                     text += stream.finish(result.text)
+                    visible = final_visible(result)
+                released = cursor.release(visible)
                 if text or delta.token_ids or result is not None:
                     finish = result.finish_reason if result is not None else None
-                    yield sse(
-                        self.chunk_envelope(
-                            [self.chunk(delta.index, text, delta.token_ids, delta.logprobs, delta.top_logprobs, finish)]
-                        )
-                    )
+                    yield sse(self.chunk_envelope([self.chunk(delta.index, text, released, finish)]))
             options = self.body.stream_options
             results = [r for r in generation.results if r is not None]
             if options is not None and options.include_usage and len(results) == len(generation.results):
@@ -192,7 +191,7 @@ class CompletionCall(OpenAICall):
     body: CompletionRequest
 
     async def begin(self) -> Generation:
-        body, tokenizer = self.body, self.state.tokenizer
+        body = self.body
         raw = body.prompt
         if isinstance(raw, str):
             texts: list[str] | None = [raw]
@@ -203,7 +202,7 @@ class CompletionCall(OpenAICall):
         if texts is not None:
             if any(not t for t in texts):
                 raise APIError(400, "the prompt is empty", "empty_prompt", "prompt")
-            prompts = await self.state.tokenize(lambda: [tokenizer.encode(t) for t in texts])
+            prompts = await self.state.tokenize(lambda tok: [tok.encode(t) for t in texts], texts, "prompt")
         elif raw and isinstance(raw[0], list):
             prompts = [list(p) for p in raw]  # type: ignore[arg-type]
         else:
@@ -216,24 +215,21 @@ class CompletionCall(OpenAICall):
         params = self.sampling(body.max_tokens, logprobs, body.logprobs or 0)
         return self.start(prompts, params, explicit_max=body.max_tokens is not None)
 
+    def wants_logprobs(self) -> bool:
+        return self.body.logprobs is not None
+
     def echo_text(self, index: int) -> str:
         if not self.body.echo:
             return ""
         return self.state.tokenizer.decode(self.prompts[index // self.body.n])
 
-    def logprobs_block(
-        self, token_ids: list[int], logprobs: list[float], top: list[Any], offset: int
-    ) -> dict[str, Any]:
-        tokens = [self.token_text(t) for t in token_ids]
-        offsets = []
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
+    def logprobs_block(self, released: Released, echo_len: int) -> dict[str, Any]:
+        top = released.top
         return {
-            "tokens": tokens,
-            "token_logprobs": logprobs,
+            "tokens": [self.token_text(t) for t in released.token_ids],
+            "token_logprobs": released.logprobs,
             "top_logprobs": [{self.token_text(t): lp for t, lp in step} for step in top] if top else None,
-            "text_offset": offsets,
+            "text_offset": [echo_len + start for start in released.starts],
         }
 
     def response(self, results: list[GenerateResult]) -> dict[str, Any]:
@@ -242,9 +238,7 @@ class CompletionCall(OpenAICall):
             echo = self.echo_text(index)
             logprobs = None
             if self.body.logprobs is not None:
-                logprobs = self.logprobs_block(
-                    result.output_ids, result.output_logprobs, result.output_top_logprobs, len(echo)
-                )
+                logprobs = self.logprobs_block(whole(self.cursors[index], result), len(echo))
             choices.append(
                 {
                     "index": index,
@@ -271,19 +265,10 @@ class CompletionCall(OpenAICall):
             for i in range(len(self.streams))
         ]
 
-    def chunk(
-        self,
-        index: int,
-        delta_text: str,
-        token_ids: list[int],
-        logprobs: list[float],
-        top: list[Any],
-        finish_reason: str | None,
-    ) -> dict[str, Any]:
+    def chunk(self, index: int, delta_text: str, released: Released, finish_reason: str | None) -> dict[str, Any]:
         block = None
         if self.body.logprobs is not None:
-            sent_before = len(self.streams[index].sent) - len(delta_text)
-            block = self.logprobs_block(token_ids, logprobs, top, sent_before)
+            block = self.logprobs_block(released, len(self.echo_text(index)))
         return {"index": index, "text": delta_text, "logprobs": block, "finish_reason": finish_reason}
 
 
@@ -292,17 +277,25 @@ class ChatCall(OpenAICall):
     body: ChatCompletionRequest
 
     async def begin(self) -> Generation:
-        body, tokenizer = self.body, self.state.tokenizer
+        body = self.body
         messages = body.template_messages()
         try:
-            ids = await self.state.tokenize(lambda: tokenizer.apply_chat_template(messages))
+            contents = ["".join(m["content"] for m in messages)]  # the bound is on the whole conversation
+            ids = await self.state.tokenize(lambda tok: tok.apply_chat_template(messages), contents, "messages")
+        except APIError:
+            raise
         except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
             raise APIError(400, f"the chat template failed on these messages: {exc}", "invalid_messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.sampling(max_tokens, body.logprobs, (body.top_logprobs or 0) if body.logprobs else 0)
         return self.start([ids], params, explicit_max=max_tokens is not None)
 
-    def logprobs_content(self, token_ids: list[int], logprobs: list[float], top: list[Any]) -> list[dict[str, Any]]:
+    def wants_logprobs(self) -> bool:
+        return self.body.logprobs
+
+    def logprobs_content(self, released: Released) -> list[dict[str, Any]]:
+        token_ids, logprobs, top = released.token_ids, released.logprobs, released.top
+
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = self.token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
@@ -318,11 +311,7 @@ class ChatCall(OpenAICall):
         for index, result in enumerate(results):
             logprobs = None
             if self.body.logprobs:
-                logprobs = {
-                    "content": self.logprobs_content(
-                        result.output_ids, result.output_logprobs, result.output_top_logprobs
-                    )
-                }
+                logprobs = {"content": self.logprobs_content(whole(self.cursors[index], result))}
             choices.append(
                 {
                     "index": index,
@@ -349,17 +338,9 @@ class ChatCall(OpenAICall):
             for i in range(len(self.streams))
         ]
 
-    def chunk(
-        self,
-        index: int,
-        delta_text: str,
-        token_ids: list[int],
-        logprobs: list[float],
-        top: list[Any],
-        finish_reason: str | None,
-    ) -> dict[str, Any]:
+    def chunk(self, index: int, delta_text: str, released: Released, finish_reason: str | None) -> dict[str, Any]:
         block = None
         if self.body.logprobs:
-            block = {"content": self.logprobs_content(token_ids, logprobs, top)}
+            block = {"content": self.logprobs_content(released)}
         delta = {"content": delta_text} if delta_text or finish_reason is None else {}
         return {"index": index, "delta": delta, "logprobs": block, "finish_reason": finish_reason}

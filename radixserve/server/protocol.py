@@ -9,7 +9,7 @@ unknown field. Responses are built as plain dicts in ``openai_api``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -130,20 +130,33 @@ class ChatCompletionRequest(_SamplingFields):
         return messages
 
 
-class GenerateRequest(BaseModel):
-    """The native API: SGLang's ``/generate`` shape. ``text`` or ``input_ids``, one or a batch."""
+TopLogprobsNum = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]  # bounds per value: a union takes none
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+
+class GenerateRequest(BaseModel):
+    """The native API: SGLang's ``/generate`` shape. ``text`` or ``input_ids``, one or a batch.
+
+    The fields below are honoured; SGLang's other fields land in ``model_extra`` and
+    ``sglang_fields.triage`` decides (ignored with a warning, or a 400).
+    """
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    rid: str | list[str] | None = Field(None, description="request id(s), echoed in meta_info.id")
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = Field(None, description="-1: no prompt logprobs (the only choice)")
+    top_logprobs_num: TopLogprobsNum | list[TopLogprobsNum] | None = None
+    return_text_in_logprobs: bool = False
+    routing_key: str | None = Field(None, max_length=MAX_SALT)
+    priority: int | None = Field(None, ge=-(1 << 31), lt=1 << 31)
     extra_key: str | None = Field(
         None,
         min_length=1,
         max_length=MAX_SALT,
         description="cache namespace: requests with different keys never share a prefix",
     )
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT, description="same as extra_key")

@@ -15,7 +15,10 @@ client's ``cache_salt`` only splits its own tenant's space further.
 Identities: ``--api-key KEY`` (repeatable; the tenant is a hash of the key),
 ``--api-key-file FILE`` (lines ``TENANT KEY``), ``--tenant-header NAME`` (the
 tenant is that header's value; use it only behind a proxy that sets it).
-``--admin-api-key`` may flush the cache and see all of ``/cache``.
+``--admin-api-key`` may flush the cache and see all of ``/cache``; with several
+identities nobody else may (``is_operator``), isolation or not: without
+``--tenant-isolation`` the tenants share one cache, and one tenant's cached prompt
+is another's cache hit, but never its text.
 """
 
 from __future__ import annotations
@@ -100,6 +103,17 @@ class Tenancy:
                 raise APIError(401, f"Missing the {self.tenant_header} header.", "missing_tenant")
             tenant = value
         return tenant
+
+    def is_operator(self, tenant: str | None) -> bool:
+        """May ``tenant`` flush the cache and read prompt text in /cache?
+
+        The admin key, always. Otherwise only where nobody else could be exposed: no admin
+        key, no isolation, and at most one identity (no key, or a single --api-key).
+        """
+        if tenant == ADMIN:
+            return True
+        single = len(set(self.api_keys.values())) <= 1 and self.tenant_header is None
+        return self.admin_key is None and not self.isolation and single
 
     def namespace(self, tenant: str | None, salt: str | None) -> str | None:
         """The cache namespace of a request from ``tenant`` carrying ``salt`` (cache_salt / extra_key)."""

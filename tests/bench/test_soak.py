@@ -74,6 +74,35 @@ def test_a_ci_sized_soak_finds_no_leak_and_every_request_has_an_outcome(server: 
     assert "Leaks found" in report.table()
 
 
+def test_huge_bodies_and_slow_loris_are_refused_or_ignored_while_small_requests_keep_moving(
+    server: ServerProcess,
+) -> None:
+    """Small requests still answer while 16 MB and 4 MB bodies and never-ending bodies arrive.
+
+    The TTFT bound is a deadline for a loaded CI box (`bench soak` checks 1 s); the point here is
+    that nothing waits for a huge body: a 16 MB prompt used to hold every request up for ~12 s.
+    """
+    report = asyncio.run(
+        run_soak(
+            server.url,
+            requests=40,
+            concurrency=4,
+            duration=60,
+            disconnect_fraction=0.0,
+            bad_fraction=0.0,
+            abort_fraction=0.0,
+            huge_body_clients=1,
+            slow_loris_clients=2,
+            max_small_ttft=10.0,
+        )
+    )
+    assert report.ok, report.table() + "\n" + server.log()[-3000:]
+    abuse = report.abuse
+    assert abuse["huge_bodies_sent"] >= 1 and abuse["huge_bodies_rejected"] == abuse["huge_bodies_sent"], abuse
+    assert abuse["slow_loris_connections"] == 2 and abuse["small_requests"] >= 1, abuse
+    assert "TTFT p99" in report.table()
+
+
 def test_the_plan_has_the_asked_shares_and_depends_only_on_the_seed() -> None:
     facts = ServerFacts("m", vocab_size=128, context_len=4096)
     shares = dict(disconnect_fraction=0.2, bad_fraction=0.1, abort_fraction=0.05)

@@ -27,6 +27,11 @@ from radixserve.server.args import ServerArgs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"
+# Deadlines, not expected durations: CI runs this beside other jobs on two cores, where a
+# 16-request burst of 1,500 tokens each can take minutes. Every wait is on a condition.
+CALL_TIMEOUT = 300.0  # one HTTP call
+BURST_TIMEOUT = 900.0  # the whole burst
+WAIT_TIMEOUT = 300.0  # a condition (replicas up, idle, rebuilt)
 WORDS = " ".join(f"w{i % 97}" for i in range(200))  # a 200-token preamble for the word tokenizer
 
 
@@ -53,7 +58,7 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         ray.shutdown()
 
 
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 120.0) -> Any:
+def wait_for(check: Callable[[], Any], what: str, timeout: float = WAIT_TIMEOUT) -> Any:
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -68,7 +73,7 @@ def wait_for(check: Callable[[], Any], what: str, timeout: float = 120.0) -> Any
 
 
 def router(url: str) -> dict[str, Any]:
-    response = httpx.get(url + "/router", timeout=30)
+    response = httpx.get(url + "/router", timeout=CALL_TIMEOUT)
     response.raise_for_status()
     out: dict[str, Any] = response.json()
     return out
@@ -80,7 +85,7 @@ def routed(url: str) -> dict[str, int]:
 
 def complete(url: str, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-    response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    response = httpx.post(url + "/v1/completions", json=body, timeout=CALL_TIMEOUT)
     assert response.status_code == 200, response.text
     out: dict[str, Any] = response.json()
     return out
@@ -97,14 +102,14 @@ def went_to(url: str, send: Callable[[], Any]) -> tuple[str, Any]:
 
 
 def caches(url: str) -> dict[str, dict[str, Any]]:
-    response = httpx.get(url + "/cache", params={"check": "true"}, timeout=30)
+    response = httpx.get(url + "/cache", params={"check": "true"}, timeout=CALL_TIMEOUT)
     assert response.status_code == 200, response.text
     out: dict[str, dict[str, Any]] = response.json()["replicas"]
     return out
 
 
 def flush(url: str) -> None:
-    response = httpx.post(url + "/flush_cache", timeout=30)
+    response = httpx.post(url + "/flush_cache", timeout=CALL_TIMEOUT)
     assert response.status_code == 200, response.text
     assert all(answer["flushed"] for answer in response.json()["replicas"].values())
 
@@ -143,12 +148,12 @@ def test_an_imbalanced_burst_spills_to_the_other_replica(front: str) -> None:
     before, balance_before = routed(front), router(front)["decisions"].get("balance", 0)
 
     async def burst() -> list[dict[str, Any]]:
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=BURST_TIMEOUT) as client:
             body = {"model": MODEL, "max_tokens": 1500, "ignore_eos": True}  # long enough to pile up
             calls = [
                 client.post(front + "/v1/completions", json={**body, "prompt": f"{WORDS} burst {i}"}) for i in range(16)
             ]
-            responses = await asyncio.gather(*calls)
+            responses = await asyncio.wait_for(asyncio.gather(*calls), BURST_TIMEOUT)
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
         return [r.json() for r in responses]
 
@@ -166,12 +171,12 @@ def test_an_imbalanced_burst_spills_to_the_other_replica(front: str) -> None:
 def test_a_client_leaving_mid_stream_aborts_on_the_replica(front: str) -> None:
     flush(front)
     body = {"model": MODEL, "prompt": f"{WORDS} long", "max_tokens": 3500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", front + "/v1/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", front + "/v1/completions", json=body, timeout=CALL_TIMEOUT) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 break  # one chunk, then hang up
-    wait_for(lambda: idle(front), "the abandoned stream aborted on its replica", timeout=30)
+    wait_for(lambda: idle(front), "the abandoned stream aborted on its replica")
     # Finished, it would have cached ~3,700 tokens; aborted at once, little more than its prompt.
     cached = sum(c["cached_tokens"] for c in caches(front).values())
     assert cached < 1500, f"the request ran on after the client left ({cached} tokens cached)"
@@ -180,13 +185,13 @@ def test_a_client_leaving_mid_stream_aborts_on_the_replica(front: str) -> None:
 def test_bad_input_gets_the_single_server_errors_and_changes_nothing(front: str) -> None:
     wait_for(lambda: idle(front), "idle")
     before = caches(front)
-    wrong_model = httpx.post(front + "/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=30)
+    wrong_model = httpx.post(front + "/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=CALL_TIMEOUT)
     assert wrong_model.status_code == 404 and wrong_model.json()["error"]["code"] == "model_not_found"
-    not_json = httpx.post(front + "/v1/chat/completions", content=b"{nope", timeout=30)
+    not_json = httpx.post(front + "/v1/chat/completions", content=b"{nope", timeout=CALL_TIMEOUT)
     assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
-    no_messages = httpx.post(front + "/v1/chat/completions", json={"model": MODEL}, timeout=30)
+    no_messages = httpx.post(front + "/v1/chat/completions", json={"model": MODEL}, timeout=CALL_TIMEOUT)
     assert no_messages.status_code == 400
-    too_long = httpx.post(front + "/generate", json={"input_ids": [1] * 100_000}, timeout=30)
+    too_long = httpx.post(front + "/generate", json={"input_ids": [1] * 100_000}, timeout=CALL_TIMEOUT)
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
     after = caches(front)
     for replica, state in before.items():
@@ -195,9 +200,9 @@ def test_bad_input_gets_the_single_server_errors_and_changes_nothing(front: str)
 
 
 def test_fanned_out_endpoints_answer_for_every_replica(front: str) -> None:
-    info = httpx.get(front + "/server_info", timeout=30).json()["replicas"]
+    info = httpx.get(front + "/server_info", timeout=CALL_TIMEOUT).json()["replicas"]
     assert len(info) == 2 and all(answer["engine"]["vocab_size"] > 0 for answer in info.values())
-    metrics = httpx.get(front + "/metrics", timeout=30)  # the fixture's replicas run without --enable-metrics
+    metrics = httpx.get(front + "/metrics", timeout=CALL_TIMEOUT)  # the fixture's replicas run without --enable-metrics
     assert metrics.status_code == 404 and metrics.json()["error"]["code"] == "metrics_disabled"
 
 

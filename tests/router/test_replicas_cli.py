@@ -18,10 +18,10 @@ pytestmark = pytest.mark.slow
 def test_serve_replicas_from_the_command_line(tiny_model_dir: Path) -> None:
     from openai import OpenAI
 
-    proc = ServerProcess("--replicas", "2", "--log-level", "warning", model_path=tiny_model_dir).start(timeout=240)
+    proc = ServerProcess("--replicas", "2", "--log-level", "warning", model_path=tiny_model_dir).start(timeout=600)
     try:
-        deadline = time.monotonic() + 120  # /health answers once the front and one replica are up
-        while len(httpx.get(proc.url + "/router", timeout=30).json().get("replicas", [])) < 2:
+        deadline = time.monotonic() + 300  # /health answers once the front and one replica are up
+        while len(httpx.get(proc.url + "/router", timeout=120).json().get("replicas", [])) < 2:
             assert time.monotonic() < deadline, "the second replica never came up"
             time.sleep(0.2)
         client = OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
@@ -38,7 +38,7 @@ def test_serve_replicas_from_the_command_line(tiny_model_dir: Path) -> None:
             assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
             usages.append(reply.usage.prompt_tokens_details.cached_tokens)
         assert usages[0] == 0 and all(cached >= 80 for cached in usages[1:]), usages  # one replica kept the prefix
-        state = httpx.get(proc.url + "/router", timeout=30).json()
+        state = httpx.get(proc.url + "/router", timeout=120).json()
         assert state["policy"] == "cache-aware" and len(state["replicas"]) == 2
         assert state["decisions"].get("prefix") == 2  # the second and third chats followed the first
     finally:

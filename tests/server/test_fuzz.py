@@ -219,6 +219,8 @@ OPERATIONS = [
     "GET /cache",
     "POST /flush_cache",
     "GET /metrics",
+    "GET /get_model_info",
+    "GET /get_server_info",
 ]
 WITH_INPUT = ["POST /v1/completions", "POST /v1/chat/completions", "POST /generate", "GET /cache"]
 

@@ -192,3 +192,36 @@ def test_over_the_queue_limit_is_503_with_retry_after(medium_dir: Path) -> None:
         assert again.status_code == 200
     finally:
         proc.stop()
+
+
+def test_at_the_grace_limit_requests_get_a_503_and_streams_an_error_event_then_done(medium_dir: Path) -> None:
+    proc = ServerProcess(
+        "--graceful-shutdown-timeout", "2", "--log-level", "info", "--max-total-tokens", "8192", model_path=medium_dir
+    ).start()
+    answers: dict[str, Any] = {}
+    events: list[str] = []
+
+    def whole() -> None:
+        body = {"input_ids": [5, 6, 7], "sampling_params": LONG}
+        response = httpx.post(proc.url + "/generate", json=body, timeout=120)
+        answers["whole"] = (response.status_code, response.headers.get("retry-after"), response.json())
+
+    def stream() -> None:
+        body = {"model": "medium", "prompt": [5, 6, 8], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=120) as response:
+            events.extend(line for line in response.iter_lines() if line.startswith("data: "))
+
+    threads = [threading.Thread(target=whole), threading.Thread(target=stream)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and httpx.get(proc.url + "/cache", timeout=30).json()["running_requests"] < 2:
+        time.sleep(0.1)
+    assert proc.stop(signal.SIGTERM, timeout=120) == 0, proc.log()
+    for thread in threads:
+        thread.join(60)
+    status, retry_after, body = answers["whole"]
+    assert status == 503 and body["error"]["code"] == "shutting_down" and retry_after == "1", body
+    assert events[-1] == "data: [DONE]", events[-3:]
+    assert "error" in events[-2] and "shutting down" in events[-2], events[-3:]
+    assert "CancelledError" not in proc.log() and "Traceback" not in proc.log(), proc.log()[-3000:]

@@ -128,3 +128,39 @@ def test_key_file_errors_name_the_line(tmp_path: Path) -> None:
     bad.write_text("alice key1\nbob key1\n")
     with pytest.raises(ValueError, match="twice"):
         read_key_file(bad)
+
+
+@pytest.mark.parametrize("with_admin", [True, False])
+def test_several_keys_without_isolation_cannot_read_or_flush_each_others_prompts(
+    tiny_model_dir: Path, with_admin: bool
+) -> None:
+    """Keys without --tenant-isolation share the cache (B may hit A's prompt), but never its text or a flush."""
+    admin = ("--admin-api-key", ADMIN) if with_admin else ()
+    keys = ("--api-key", KEYS["alice"], "--api-key", KEYS["bob"])
+    with ServerProcess(*keys, *admin, "--log-level", "warning", model_path=tiny_model_dir) as proc:
+        secret = " ".join(f"w{i}" for i in range(100, 126))
+        for end in ("w90", "w91"):  # a prefix shared by two prompts: /cache lists it
+            cached(proc.url, KEYS["alice"], prompt=f"{secret} {end}")
+        assert cached(proc.url, KEYS["bob"], prompt=f"{secret} w92") >= 26  # shared: what the README says
+
+        def call(method: str, path: str, key: str) -> httpx.Response:
+            return httpx.request(method, proc.url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+        for tenant in ("alice", "bob"):
+            view = call("GET", "/cache", KEYS[tenant])
+            assert view.status_code == 200 and view.json()["top_shared_prefixes"], view.text
+            assert "w100" not in view.text and "head_text" not in view.text, view.text
+            refused = call("POST", "/flush_cache", KEYS[tenant])
+            assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden"
+        if with_admin:
+            assert "w100" in call("GET", "/cache", ADMIN).text
+            assert call("POST", "/flush_cache", ADMIN).status_code == 200
+
+
+def test_a_single_key_is_the_operator(tiny_model_dir: Path) -> None:
+    with ServerProcess("--api-key", KEYS["alice"], "--log-level", "warning", model_path=tiny_model_dir) as proc:
+        for end in ("w90", "w91"):
+            cached(proc.url, KEYS["alice"], prompt=f"{PROMPT} {end}")
+        headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+        assert "head_text" in httpx.get(proc.url + "/cache", headers=headers, timeout=30).text
+        assert httpx.post(proc.url + "/flush_cache", headers=headers, timeout=30).status_code == 200
