@@ -10,10 +10,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from radixserve.bench.server_process import ServerProcess
 from tests.model.tiny import build_engine_folder
 
 # One thread: libgomp's spinning pool makes 2 threads 3-50x slower on a busy 2-core box.
 torch.set_num_threads(1)
+
+# Servers the tests start compare tokens exactly (stream vs whole, cache hit vs cold): float32, the
+# same on every CPU. `--dtype auto` would be bfloat16 on a CPU with AMX or AVX512-BF16, where a
+# different split of the same tokens rounds differently. tests/model/test_precision.py covers auto.
+ServerProcess.base_flags = ("--dtype", "float32")
 
 settings.register_profile(
     "default",

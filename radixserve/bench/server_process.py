@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 
@@ -24,11 +25,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
+    # Flags every server of this process starts with, before its own (which win: argparse keeps the last).
+    base_flags: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, *flags: str, model_path: str | Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flags = [
             *(["--model-path", str(model_path)] if model_path is not None else []),
+            *self.base_flags,
             *flags,
             "--port",
             str(self.port),

@@ -113,8 +113,8 @@ def test_server_info_has_the_resolved_args(server: ServerProcess) -> None:
     args, engine = info["server_args"], info["engine"]
     assert args["prefix_cache"] == "radix" and args["served_model_name"] == MODEL and args["enable_metrics"]
     assert engine["kv_pool_tokens"] == 4096 and engine["resolved_device"] == "cpu"
-    auto_dtype, reason = resolve_dtype("auto", torch.device("cpu"))
-    assert engine["resolved_dtype"] == str(auto_dtype).removeprefix("torch.") and engine["context_length"] == 256
+    dtype, reason = resolve_dtype("float32", torch.device("cpu"))  # the tests' servers pin it (tests/conftest.py)
+    assert engine["resolved_dtype"] == str(dtype).removeprefix("torch.") and engine["context_length"] == 256
     assert engine["dtype_reason"] == reason and engine["kv_tokens_per_gib"] == 2**30 // engine["kv_bytes_per_token"]
     assert "prefill_tokens" in info["scheduler"]
     assert httpx.get(server.url + "/health", timeout=5).json() == {"status": "ok"}
