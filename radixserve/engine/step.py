@@ -17,7 +17,7 @@ import torch
 from radixserve.core import TopLogprobs
 from radixserve.model.runner import ModelRunner, StepInput
 from radixserve.model.sampling import sample
-from radixserve.scheduler.batch import Mode, ScheduledBatch, ScheduledRequest, StepOutput
+from radixserve.scheduler.batch import BatchMode, ScheduledBatch, ScheduledRequest, StepOutput
 from radixserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class StepExecutor:
         return outputs
 
     def _forward(
-        self, entries: Sequence[ScheduledRequest], mode: Mode, errors: dict[int, str]
+        self, entries: Sequence[ScheduledRequest], mode: BatchMode, errors: dict[int, str]
     ) -> tuple[list[int], torch.Tensor | None]:
         """Logits (one row per entry that ran) and which entries they belong to.
 
@@ -76,7 +76,7 @@ class StepExecutor:
         logits = []
         for i, entry in enumerate(entries):
             try:
-                logits.append(self.runner.forward([_step_input(entry)], mode))
+                logits.append(self.runner.forward([_step_input(entry)], entry.mode))
                 rows.append(i)
             except Exception as exc:
                 logger.exception("model step failed for request %d", entry.req.rid)

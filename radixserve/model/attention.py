@@ -11,6 +11,8 @@ forward and every layer reuses them::
                         new token t (0-based) sees context 0 .. prefix_len + t
     decode  all:        q [B, H, 1, D]                       k/v = pool[padded slots] [B, Hkv, S_max, D]
                         mask [B, 1, 1, S_max]: True on each request's real context
+    mixed   one step:       prefill chunks (extend rows) next to running decodes (one row each);
+                            each request takes its own path, its output goes back to its rows
 
 Grouped-query attention goes through SDPA's ``enable_gqa``: K/V heads are never
 repeated in memory.
@@ -19,6 +21,7 @@ repeated in memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +45,14 @@ class ExtendSpan:
     mask: torch.Tensor | None  # [extend_len, ctx_len] bool; None for a cold prefill (plain causal)
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Reference decode: the one-row requests at once, contexts padded to the longest."""
+
+    padded_slots: torch.Tensor  # [B, S_max]; padding points at slot 0
+    mask: torch.Tensor | None  # [B, 1, 1, S_max] bool; None when all lengths are equal
+
+
 # A request extending by more rows than this goes through gather + SDPA: the copy of its
 # context is amortised over its rows, and SDPA's blocked kernel beats the paged kernel's
 # per-row loops there. Decode and short extends (speculative, mixed-in) read in place.
@@ -50,49 +61,75 @@ PAGED_MAX_EXTEND_LEN = 8
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Per-step indices and masks, shared by every layer.
+    """Per-step indices and masks, shared by every layer; each request is routed on its own.
 
-    ``paged`` set: every request reads the pool in place through the kernel. Otherwise the
-    reference path: extend per request (``spans``), decode padded to the longest context.
+    Three groups, any of them empty: ``paged`` (the kernel reads the pool in place: decode rows
+    and short extends on the paged backend), ``decode`` (reference: one-row requests of a decode
+    or mixed step, padded), ``spans`` (gather + SDPA per request: long extends, and every extend
+    on the reference backend). ``*_rows``: the query rows a group owns, None when it owns all.
+    A mixed step (prefill chunks next to decodes) is one plan with several groups.
     """
 
-    mode: str
     workspace: GatherWorkspace
-    spans: list[ExtendSpan]  # extend only
-    padded_slots: torch.Tensor | None  # decode: [B, S_max]; padding points at slot 0
-    decode_mask: torch.Tensor | None  # decode: [B, 1, 1, S_max] bool; None when all lengths are equal
+    spans: list[ExtendSpan]
+    span_rows: torch.Tensor | None = None
+    decode: DecodeGroup | None = None
+    decode_rows: torch.Tensor | None = None
     paged: PagedIndex | None = None
+    paged_rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, batch: ForwardBatch, workspace: GatherWorkspace, backend: str = "reference") -> AttentionPlan:
-        """``backend``: "paged" (in place, where the step suits it) or "reference" (gather + SDPA)."""
-        if backend == "paged" and max(batch.extend_lens, default=0) <= PAGED_MAX_EXTEND_LEN:
-            return cls(batch.mode, workspace, [], None, None, PagedIndex.build(batch.context_slots, batch.extend_lens))
-        if batch.mode == "decode":
-            return cls._build_decode(batch, workspace)
+        """``backend``: "paged" (in place, where a request suits it) or "reference" (gather + SDPA)."""
+        groups: dict[str, list[int]] = {"paged": [], "decode": [], "spans": []}
+        for i, extend_len in enumerate(batch.extend_lens):
+            if backend == "paged" and extend_len <= PAGED_MAX_EXTEND_LEN:
+                groups["paged"].append(i)
+            elif batch.mode == "decode" or (batch.mode == "mixed" and extend_len == 1):
+                groups["decode"].append(i)
+            else:
+                groups["spans"].append(i)
+        starts = [0, *accumulate(batch.extend_lens)]
+        rows = {name: _rows(members, starts, batch) for name, members in groups.items()}
+        contexts = [batch.context_slots[i] for i in groups["paged"]]
+        paged = PagedIndex.build(contexts, [batch.extend_lens[i] for i in groups["paged"]]) if contexts else None
+        decode = _decode_group([batch.context_slots[i] for i in groups["decode"]]) if groups["decode"] else None
         spans, start = [], 0
-        for slots, extend_len in zip(batch.context_slots, batch.extend_lens):
-            prefix_len = slots.shape[0] - extend_len
-            mask = None
-            if prefix_len > 0:  # causal, shifted right by the cached prefix
-                device = slots.device
-                cols = torch.arange(slots.shape[0], device=device)
-                rows = torch.arange(extend_len, device=device) + prefix_len
-                mask = cols[None, :] <= rows[:, None]
-            spans.append(ExtendSpan(start, start + extend_len, slots, mask))
+        for i in groups["spans"]:
+            extend_len = batch.extend_lens[i]
+            spans.append(_span(start, extend_len, batch.context_slots[i]))
             start += extend_len
-        return cls("extend", workspace, spans, None, None)
+        return cls(workspace, spans, rows["spans"], decode, rows["decode"], paged, rows["paged"])
 
-    @classmethod
-    def _build_decode(cls, batch: ForwardBatch, workspace: GatherWorkspace) -> AttentionPlan:
-        lens = [slots.shape[0] for slots in batch.context_slots]
-        padded = nn.utils.rnn.pad_sequence(batch.context_slots, batch_first=True, padding_value=0)
-        mask = None
-        if min(lens) != max(lens):
-            device = padded.device
-            lens_t = torch.tensor(lens, device=device)
-            mask = (torch.arange(max(lens), device=device)[None, :] < lens_t[:, None])[:, None, None, :]
-        return cls("decode", workspace, [], padded, mask)
+
+def _rows(members: list[int], starts: list[int], batch: ForwardBatch) -> torch.Tensor | None:
+    """The query rows of ``members`` (request indices), in order; None when they are every request."""
+    if len(members) == batch.batch_size:
+        return None
+    ranges = [torch.arange(starts[i], starts[i + 1]) for i in members]
+    return torch.cat(ranges).to(batch.input_ids.device) if ranges else None
+
+
+def _span(start: int, extend_len: int, slots: torch.Tensor) -> ExtendSpan:
+    prefix_len = slots.shape[0] - extend_len
+    mask = None
+    if prefix_len > 0:  # causal, shifted right by the cached prefix
+        device = slots.device
+        cols = torch.arange(slots.shape[0], device=device)
+        rows = torch.arange(extend_len, device=device) + prefix_len
+        mask = cols[None, :] <= rows[:, None]
+    return ExtendSpan(start, start + extend_len, slots, mask)
+
+
+def _decode_group(context_slots: list[torch.Tensor]) -> DecodeGroup:
+    lens = [slots.shape[0] for slots in context_slots]
+    padded = nn.utils.rnn.pad_sequence(context_slots, batch_first=True, padding_value=0)
+    mask = None
+    if min(lens) != max(lens):
+        device = padded.device
+        lens_t = torch.tensor(lens, device=device)
+        mask = (torch.arange(max(lens), device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+    return DecodeGroup(padded, mask)
 
 
 class Attention(nn.Module):
@@ -125,13 +162,7 @@ class Attention(nn.Module):
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         kv_pool.write(self.layer_id, out_slots, k, v.view(-1, self.num_kv_heads, self.head_dim))
-        if plan.paged is not None:
-            out = paged_attention(q, kv_pool.k[self.layer_id], kv_pool.v[self.layer_id], plan.paged)
-        elif plan.mode == "decode":
-            out = self._decode(q, plan, kv_pool)
-        else:
-            spans = plan.spans
-            out = torch.cat([self._extend_one(q[s.start : s.end], s, plan.workspace, kv_pool) for s in spans])
+        out = self._attend(q, plan, kv_pool)
         result: torch.Tensor = self.o_proj(out.reshape(x.shape[0], -1))
         return result
 
@@ -150,12 +181,34 @@ class Attention(nn.Module):
         )
         return out[0].transpose(0, 1)
 
-    def _decode(self, q: torch.Tensor, plan: AttentionPlan, kv_pool: KVPool) -> torch.Tensor:
-        """All requests at once: q [B, H, D] against padded contexts [B, Hkv, S_max, D] -> [B, H, D]."""
-        assert plan.padded_slots is not None
-        k, v = plan.workspace.gather(kv_pool, self.layer_id, plan.padded_slots)
+    def _attend(self, q: torch.Tensor, plan: AttentionPlan, kv_pool: KVPool) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D]: each group of requests on its path, written back to its rows."""
+        parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        if plan.paged is not None:
+            rows = plan.paged_rows
+            q_paged = q if rows is None else q[rows]
+            parts.append(
+                (rows, paged_attention(q_paged, kv_pool.k[self.layer_id], kv_pool.v[self.layer_id], plan.paged))
+            )
+        if plan.decode is not None:
+            rows = plan.decode_rows
+            parts.append((rows, self._decode(q if rows is None else q[rows], plan.decode, plan.workspace, kv_pool)))
+        if plan.spans:
+            q_spans = q if plan.span_rows is None else q[plan.span_rows]
+            extend = [self._extend_one(q_spans[s.start : s.end], s, plan.workspace, kv_pool) for s in plan.spans]
+            parts.append((plan.span_rows, torch.cat(extend)))
+        if len(parts) == 1 and parts[0][0] is None:
+            return parts[0][1]
+        out = torch.empty_like(q)
+        for rows, part in parts:
+            out[rows] = part
+        return out
+
+    def _decode(self, q: torch.Tensor, group: DecodeGroup, workspace: GatherWorkspace, kv_pool: KVPool) -> torch.Tensor:
+        """One row per request: q [B, H, D] against padded contexts [B, Hkv, S_max, D] -> [B, H, D]."""
+        k, v = workspace.gather(kv_pool, self.layer_id, group.padded_slots)
         k, v = k.to(q.dtype), v.to(q.dtype)  # the pool may store another dtype
         if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-            return grouped_matmul_attention(q, k, v, plan.decode_mask)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=plan.decode_mask, enable_gqa=True)
+            return grouped_matmul_attention(q, k, v, group.mask)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=group.mask, enable_gqa=True)
         return out[:, :, 0, :]

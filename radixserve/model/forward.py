@@ -21,12 +21,12 @@ import torch
 
 @dataclass
 class ForwardBatch:
-    mode: Literal["extend", "decode"]
+    mode: Literal["extend", "decode", "mixed"]  # mixed: extend chunks and one-token decodes in one step
     input_ids: torch.Tensor  # [T] int64: the new tokens of every request, concatenated
     positions: torch.Tensor  # [T] int64: each new token's position in its sequence
     out_slots: torch.Tensor  # [T] int64: the KV slot each new token's K/V is written to
     context_slots: list[torch.Tensor]  # per request [ctx_len_i] int64: prefix slots then new-token slots
-    extend_lens: list[int]  # per request: how many of its tokens are new (all 1 in decode)
+    extend_lens: list[int]  # per request: how many of its tokens are new (all 1 in decode; 1 for a decode in mixed)
 
     @property
     def batch_size(self) -> int:

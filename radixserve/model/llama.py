@@ -108,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
             h = layer(h, cos, sin, batch.out_slots, plan, kv_pool)
-        if not return_all_logits and batch.mode == "extend":
+        if not return_all_logits and batch.mode != "decode":
             last_rows = torch.tensor(list(accumulate(batch.extend_lens)), device=h.device) - 1
             h = h[last_rows]  # the final norm is per row: select first, skip the rest of lm_head
         h = self.norm(h)

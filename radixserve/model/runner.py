@@ -45,7 +45,8 @@ class ModelRunner:
         return self.model(batch, self.kv_pool).float()
 
     def build_batch(self, inputs: list[StepInput], mode: str) -> ForwardBatch:
-        if mode not in ("extend", "decode"):
+        """``mode`` mixed: prefill chunks next to decodes (one new token each) in one forward."""
+        if mode not in ("extend", "decode", "mixed"):
             raise ValueError(f"unknown forward mode {mode!r}")
         ids, positions, out_slots, contexts, lens = [], [], [], [], []
         for item in inputs:

@@ -6,8 +6,8 @@ the forward, samples and checks stop strings, and returns one ``StepOutput``
 per entry; ``Scheduler.process(batch, outputs)`` applies them (tokens, stop
 checks, finishing). The step never changes a request's state.
 
-Each entry carries its own mode so that one forward may later mix prefill
-chunks with running decodes; today a batch holds one mode (``ScheduledBatch.mode``).
+Each entry carries its own mode: with ``enable_mixed_chunk`` one forward carries a
+prefill chunk next to the running decodes (``ScheduledBatch.mode`` is then "mixed").
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from radixserve.core import TopLogprobs
 from radixserve.scheduler.request import Request
 
 Mode = Literal["extend", "decode"]
+BatchMode = Literal["extend", "decode", "mixed"]
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,12 @@ class ScheduledBatch:
         return [entry.req for entry in self.entries]
 
     @property
-    def mode(self) -> Mode:
-        """The one mode of every entry (a mixed batch has none yet)."""
+    def mode(self) -> BatchMode:
+        """The entries' one mode, or "mixed" when prefill chunks and decodes share the step."""
         modes = {entry.mode for entry in self.entries}
-        if len(modes) != 1:
-            raise ValueError(f"a batch of modes {sorted(modes)}: one mode per batch for now")
-        return modes.pop()
+        if not modes:
+            raise ValueError("an empty batch has no mode")
+        return modes.pop() if len(modes) == 1 else "mixed"
 
 
 @dataclass(frozen=True)
