@@ -30,6 +30,7 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV pool size in tokens; None: a share of free memory
     max_running_requests: int = 64
     chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts go in chunks
+    enable_mixed_chunk: bool = False  # one forward per step: the prefill chunk and every running decode
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32
     quantization: str = "none"  # none | int8 (weight-only, per-channel scales)
     attention_backend: str = "auto"  # auto | paged (in place, CPU kernel) | reference (gather + SDPA)

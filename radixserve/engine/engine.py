@@ -83,6 +83,7 @@ class Engine:
             config.max_running_requests,
             config.chunked_prefill_size,
             create_schedule_policy(config.schedule_policy, config.in_batch_dedup, config.schedule_seed),
+            enable_mixed_chunk=config.enable_mixed_chunk,
         )
         self._rids = itertools.count()
         logger.info("engine ready: %s, %d KV slots, %s on %s", config, self.allocator.size, dtype, self.device)

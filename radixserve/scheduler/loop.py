@@ -5,7 +5,9 @@ produced; the engine step in between (``engine/step.py``) runs the model. A
 step is one model call: a prefill (extend) batch when there is prefill work,
 else a decode batch over every running request; after a prefill step with
 requests still decoding, the next step decodes, so a long chunked prompt does
-not stall everyone else. After every prefill chunk the request's computed
+not stall everyone else. With ``enable_mixed_chunk`` a step is one mixed batch
+instead: every running decode plus the next prefill chunk, so decoders wait for
+at most one chunk's forward and never for a decode-less step. After every prefill chunk the request's computed
 prefix goes into the cache (``cache_unfinished_req``) and stays locked, so
 requests held by in-batch dedup, or arriving later, hit it at once.
 
@@ -45,6 +47,7 @@ class Scheduler:
         chunked_prefill_size: int = 8192,
         policy: BaseSchedulePolicy | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        enable_mixed_chunk: bool = False,
     ) -> None:
         self.cache = cache
         self.detokenize = detokenize
@@ -53,6 +56,7 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size
         self.policy = policy or create_schedule_policy("fcfs")
         self.clock = clock
+        self.enable_mixed_chunk = enable_mixed_chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted: prefilling (in chunks) or decoding
         self.stats = SchedulerStats()
@@ -107,6 +111,8 @@ class Scheduler:
         Requests that ended while scheduling (they can never fit) come back in ``finished``.
         """
         self._ended = []
+        if self.enable_mixed_chunk:
+            return self._schedule_mixed()
         decoding = [r for r in self.running if r.prefill_done]
         prefill = [] if (self._last_was_prefill and decoding) else self._schedule_prefill()
         self._last_was_prefill = bool(prefill)
@@ -117,6 +123,23 @@ class Scheduler:
             return self._batch(ready, "decode")
         self._unstick()
         return ScheduledBatch(finished=tuple(self._ended))
+
+    def _schedule_mixed(self) -> ScheduledBatch:
+        """Every running decode and the next prefill chunk(s) in one batch.
+
+        Decode slots first: retraction may then only take requests whose K/V is all
+        computed (a chunk allocated this step but not yet run must never be cached).
+        Admission keeps the decoders' reserve as in a prefill step. A step that had to
+        retract admits nothing: memory is short, and a re-admission would thrash.
+        """
+        retractions = self.stats.retractions
+        ready = self._prepare_decode()
+        prefill = self._schedule_prefill() if self.stats.retractions == retractions else []
+        if not prefill and not ready:
+            self._unstick()
+            return ScheduledBatch(finished=tuple(self._ended))
+        entries = self._batch(prefill, "extend").entries + self._batch(ready, "decode").entries
+        return ScheduledBatch(entries, tuple(self._ended))
 
     def process(self, batch: ScheduledBatch, outputs: Sequence[StepOutput]) -> list[Request]:
         """Apply one step's outputs (one per entry); return the requests that finished.

@@ -215,6 +215,11 @@ def _scheduler_flags(sched: argparse._ArgumentGroup, d: EngineConfig) -> None:
         help="prefill tokens per step; longer prompts are prefilled in chunks",
     )
     sched.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="run each prefill chunk in one forward with the running decodes, so decoders never wait a whole step",
+    )
+    sched.add_argument(
         "--max-running-requests", type=int, default=d.max_running_requests, help="requests decoded together"
     )
 
