@@ -29,6 +29,7 @@ BENCHMARKS = {
     "four-way": "four_way",
     "soak": "soak",
     "scale-out": "scale_out",
+    "mixed-chunk": "mixed_chunk",
 }
 
 

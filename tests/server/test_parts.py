@@ -26,6 +26,7 @@ FLAGS = [
     "--schedule-policy",
     "--max-total-tokens",
     "--chunked-prefill-size",
+    "--enable-mixed-chunk",
     "--max-running-requests",
     "--dtype",
     "--device",
@@ -63,9 +64,11 @@ def test_flags_resolve_into_engine_and_server_args() -> None:
             "k",
             "--port",
             "8000",
+            "--enable-mixed-chunk",
         ]
     )
     assert args.engine.prefix_cache == "none" and args.engine.page_size == 16
+    assert args.engine.enable_mixed_chunk and not parse_args([]).engine.enable_mixed_chunk
     assert args.engine.schedule_policy == "lpm" and args.engine.radix_eviction_policy == "slru"
     resolved = args.resolved()
     assert resolved["api_keys"] == "<1 set>" and resolved["port"] == 8000 and resolved["prefix_cache"] == "none"
