@@ -8,6 +8,7 @@ with it off.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -110,3 +111,33 @@ def test_mixed_chunks_give_the_same_tokens(model_dir: Path, max_total_tokens: in
         assert mixed.scheduler.stats.retractions > 0
     mixed.check_idle_invariants()
     plain.check_idle_invariants()
+
+
+def test_a_mixed_forward_that_fails_for_its_chunk_fails_only_that_request(model_dir: Path) -> None:
+    """The step retries each entry alone in its own mode: the decoder goes on, the chunk's request aborts."""
+    poison = 77
+    decoder = list(range(3, 23))
+    clean = make_engine(model_dir).generate(input_ids=decoder, sampling_params=GREEDY).output_ids
+    engine = make_engine(model_dir, chunked_prefill_size=32, enable_mixed_chunk=True)
+    forward = engine.executor.runner.forward
+    modes: list[str] = []
+
+    def failing(inputs: Any, mode: str) -> Any:
+        modes.append(mode)
+        if any(poison in np.asarray(step.new_token_ids).tolist() for step in inputs):
+            raise RuntimeError("injected kernel failure")
+        return forward(inputs, mode)
+
+    sched = engine.scheduler
+    first = new_request(1, decoder)
+    sched.add(first)
+    engine.step()
+    engine.executor.runner.forward = failing  # type: ignore[method-assign]
+    broken = new_request(2, [poison] * 40)
+    sched.add(broken)
+    while sched.has_work():
+        engine.step()
+    assert modes[:3] == ["mixed", "extend", "decode"]
+    assert broken.finish_reason == "abort" and broken.error is not None and "injected" in broken.error
+    assert first.finish_reason == "length" and first.output_ids == clean
+    engine.check_idle_invariants()
