@@ -45,23 +45,26 @@ class MatchResult(NamedTuple):
 class CacheReq:
     """The part of a request the cache reads and updates.
 
-    ``kv_indices[i]`` is the KV slot of ``token_ids[i]``; the two grow together.
+    ``kv_indices[i]`` is the KV slot of ``key.token_ids[i]``; the two grow together.
     """
 
-    token_ids: TokenArray
+    key: RadixKey  # the tokens computed so far, in the request's namespace
     kv_indices: IndexArray
-    extra_key: str | None = None
     priority: int = 0
     last_node: Any = None
     cache_protected_len: int = 0
-    shared_len: int = 0  # token_ids[:shared_len] live in the shared namespace (see RadixKey)
+
+    @property
+    def token_ids(self) -> TokenArray:
+        return self.key.token_ids
+
+    @property
+    def extra_key(self) -> str | None:
+        return self.key.extra_key
 
     @property
     def num_cached_tokens(self) -> int:
         return self.cache_protected_len
-
-    def key(self, length: int | None = None) -> RadixKey:
-        return RadixKey(self.token_ids[:length], self.extra_key, self.shared_len)
 
 
 class BasePrefixCache(ABC):
@@ -150,7 +153,7 @@ class BasePrefixCache(ABC):
         protected = req.cache_protected_len
         if is_insert:
             aligned = len(req.kv_indices) - len(req.kv_indices) % self.page_size
-            new_prefix_len = self.insert(req.key(aligned), req.kv_indices[:aligned], req.priority)
+            new_prefix_len = self.insert(req.key[:aligned], req.kv_indices[:aligned], req.priority)
             self.allocator.free(req.kv_indices[protected:new_prefix_len])
             self.allocator.free(req.kv_indices[aligned:])
         else:
@@ -167,7 +170,7 @@ class BasePrefixCache(ABC):
         locked on its new, longer prefix; its partial last page stays private.
         """
         aligned = len(req.kv_indices) - len(req.kv_indices) % self.page_size
-        key = req.key(aligned)
+        key = req.key[:aligned]
         new_prefix_len = self.insert(key, req.kv_indices[:aligned], req.priority, count_hit=False)
         self.allocator.free(req.kv_indices[req.cache_protected_len : new_prefix_len])
         indices, node = self.match_prefix(key)
@@ -180,23 +183,16 @@ class BasePrefixCache(ABC):
 
     # ---- helpers the scheduler, tests and benchmarks share -------------------------------------
 
-    def open_request(
-        self,
-        token_ids: Sequence[int] | TokenArray,
-        extra_key: str | None = None,
-        priority: int = 0,
-        shared_len: int = 0,
-    ) -> CacheReq:
-        """Match the longest cached prefix of ``token_ids`` and lock it for a new request.
+    def open_request(self, key: RadixKey, priority: int = 0) -> CacheReq:
+        """Match the longest cached prefix of ``key`` and lock it for a new request.
 
-        The returned request holds only the cached prefix; call ``extend_request``
-        for the rest (the caller keeps the full token list). ``shared_len``: the
-        leading tokens in the shared namespace (an allowlisted public prefix).
+        Mutates as ``match_prefix`` does. The returned request holds only the
+        cached prefix; call ``extend_request`` for the rest (the caller keeps the
+        full token list; the request's key keeps ``key``'s namespaces as it grows).
         """
-        key = RadixKey(token_ids, extra_key, shared_len)
         indices, node = self.match_prefix(key)
         self.inc_lock_ref(node)
-        return CacheReq(key.token_ids[: len(indices)], indices, extra_key, priority, node, len(indices), key.shared_len)
+        return CacheReq(key[: len(indices)], indices, priority, node, len(indices))
 
     def extend_request(self, req: CacheReq, new_token_ids: Sequence[int] | TokenArray) -> bool:
         """Give ``req`` slots for ``new_token_ids`` (evicting if short). False: the pool can't.
@@ -213,7 +209,7 @@ class BasePrefixCache(ABC):
         if reuse:
             last = int(req.kv_indices[-1])
             slots = np.concatenate([np.arange(last + 1, last + 1 + reuse, dtype=np.int64), slots])
-        req.token_ids = np.concatenate([req.token_ids, new])
+        req.key = req.key.extended(new)
         req.kv_indices = np.concatenate([req.kv_indices, slots])
         return True
 

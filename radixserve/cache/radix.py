@@ -98,7 +98,7 @@ class RadixCache(BasePrefixCache):
         ``last_node`` ends exactly at the match. Lock it before the returned
         indices are used: until then eviction may free them.
         """
-        key = self._aligned(key[: len(key) - len(key) % self.page_size])
+        key = key[: len(key) - len(key) % self.page_size].aligned(self.page_size)
         now = self.clock()
         node, values = self.root, []
         self.root.last_access_time = now
@@ -130,7 +130,7 @@ class RadixCache(BasePrefixCache):
         """
         if len(key) != len(indices) or len(key) % self.page_size:
             raise ValueError(f"insert needs page-aligned key and indices of one length: {len(key)}, {len(indices)}")
-        key = self._aligned(key)
+        key = key.aligned(self.page_size)
         full, now = key.token_ids, self.clock()
         node, matched_len = self.root, 0
         while matched_len < len(full):
@@ -153,7 +153,7 @@ class RadixCache(BasePrefixCache):
                 rest, value = rest[head:], value[head:]
             self._add_leaf(node, rest.pure(), value, priority, now)
             if self.events is not None:
-                self.events.record("store", key.extra_key, matched_len, full, key.shared_len)
+                self.events.record("store", matched_len, key)
         return matched_len
 
     # ---- eviction ---------------------------------------------------------------------------
@@ -172,13 +172,8 @@ class RadixCache(BasePrefixCache):
             if node is None:
                 break
             if self.events is not None:
-                self.events.record(
-                    "remove",
-                    node.key.extra_key,
-                    self._depth(node.parent),
-                    self._path_tokens(node),
-                    self._shared_depth(node),
-                )
+                path = self._path_key(node)
+                self.events.record("remove", len(path) - len(node.key), path)
             freed.append(node.value)
             evicted += len(node.value)
             self._delete_leaf(node)
@@ -294,20 +289,6 @@ class RadixCache(BasePrefixCache):
         node.last_access_time = now
         self.candidates.refresh(node)
 
-    def _shared_depth(self, node: TreeNode) -> int:
-        """How deep the shared head above a namespaced node runs (0 when there is none)."""
-        if node.key.extra_key is None:
-            return 0
-        cursor = node.parent
-        while cursor is not None and cursor is not self.root and cursor.key.extra_key is not None:
-            cursor = cursor.parent
-        return self._depth(cursor)
-
-    def _aligned(self, key: RadixKey) -> RadixKey:
-        """``key`` with its shared head rounded down to whole pages (an edge is whole pages)."""
-        extra = key.shared_len % self.page_size
-        return key if not extra else RadixKey(key.token_ids, key.extra_key, key.shared_len - extra)
-
     def _depth(self, node: TreeNode | None) -> int:
         depth = 0
         while node is not None and node is not self.root:
@@ -316,9 +297,13 @@ class RadixCache(BasePrefixCache):
         return depth
 
     def _path_tokens(self, node: TreeNode) -> TokenArray:
+        return self._path_key(node).token_ids
+
+    def _path_key(self, node: TreeNode) -> RadixKey:
+        """The key from the root down to ``node`` (with the shared head above it, if any)."""
         edges = []
         cursor: TreeNode | None = node
         while cursor is not None and cursor is not self.root:
-            edges.append(cursor.key.token_ids)
+            edges.append(cursor.key)
             cursor = cursor.parent
-        return np.concatenate(edges[::-1])
+        return RadixKey.join(edges[::-1])
