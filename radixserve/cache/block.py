@@ -81,7 +81,7 @@ class Block:
         return f"Block({self.hash.hex()[:8]}, start={self.start}, ref_cnt={self.ref_cnt})"
 
 
-class BlockHashCache(BasePrefixCache):
+class BlockHashCache(BasePrefixCache[Block]):
     """Chained-hash blocks with an LRU free queue. ``page_size == block_size``."""
 
     def __init__(
@@ -112,7 +112,7 @@ class BlockHashCache(BasePrefixCache):
 
     # ---- match / insert ---------------------------------------------------------------------
 
-    def match_prefix(self, key: RadixKey) -> MatchResult:
+    def match_prefix(self, key: RadixKey) -> MatchResult[Block]:
         """Slots of the leading run of resident blocks of ``key`` (whole blocks). Pure.
 
         Hashes lazily and stops at the first missing block. Changes nothing, not

@@ -58,7 +58,7 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
-class RadixCache(BasePrefixCache):
+class RadixCache(BasePrefixCache[TreeNode]):
     """The radix-tree prefix cache (``--prefix-cache radix``, the default)."""
 
     def __init__(
@@ -91,7 +91,7 @@ class RadixCache(BasePrefixCache):
 
     # ---- match / insert ---------------------------------------------------------------------
 
-    def match_prefix(self, key: RadixKey) -> MatchResult:
+    def match_prefix(self, key: RadixKey) -> MatchResult[TreeNode]:
         """Longest cached prefix of ``key``, page-aligned; refreshes the path's access time.
 
         Mutates: a divergence inside an edge splits that node, so the returned
@@ -187,29 +187,31 @@ class RadixCache(BasePrefixCache):
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock ``node`` and every ancestor; return the (non-positive) evictable-size delta."""
         delta = 0
-        while node is not self.root:
-            if node.lock_ref == 0:
-                self._evictable_size -= len(node.key)
-                self._protected_size += len(node.key)
-                delta -= len(node.key)
-                self.candidates.discard(node)
-            node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+        cursor: TreeNode | None = node
+        while cursor is not None and cursor is not self.root:  # the root's parent is None
+            if cursor.lock_ref == 0:
+                self._evictable_size -= len(cursor.key)
+                self._protected_size += len(cursor.key)
+                delta -= len(cursor.key)
+                self.candidates.discard(cursor)
+            cursor.lock_ref += 1
+            cursor = cursor.parent
         return delta
 
     def dec_lock_ref(self, node: TreeNode) -> int:
         """Undo one ``inc_lock_ref(node)``; return the (non-negative) evictable-size delta."""
         delta = 0
-        while node is not self.root:
-            if node.lock_ref <= 0:
-                raise RuntimeError(f"dec_lock_ref on unlocked {node!r}: unbalanced lock")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._evictable_size += len(node.key)
-                self._protected_size -= len(node.key)
-                delta += len(node.key)
-                self._update_candidate(node)
-            node = node.parent  # type: ignore[assignment]
+        cursor: TreeNode | None = node
+        while cursor is not None and cursor is not self.root:
+            if cursor.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref on unlocked {cursor!r}: unbalanced lock")
+            cursor.lock_ref -= 1
+            if cursor.lock_ref == 0:
+                self._evictable_size += len(cursor.key)
+                self._protected_size -= len(cursor.key)
+                delta += len(cursor.key)
+                self._update_candidate(cursor)
+            cursor = cursor.parent
         return delta
 
     # ---- walking ----------------------------------------------------------------------------
