@@ -45,6 +45,14 @@ class RadixKey:
         self.extra_key = extra_key
         self._set_head(min(shared_len, len(self.token_ids)))
 
+    @classmethod
+    def _derived(cls, token_ids: TokenArray, extra_key: str | None, head: int) -> RadixKey:
+        """A key over an int64 array already flat (no conversion: slicing is the tree's hot path)."""
+        key = cls.__new__(cls)
+        key.token_ids, key.extra_key = token_ids, extra_key
+        key._set_head(head)
+        return key
+
     def _set_head(self, head: int) -> None:
         # ``shared_len``: leading tokens in the shared namespace (only under a namespace), at most
         # the key's length. ``_head`` remembers the head a prefix was cut from, so a key that grows
@@ -58,22 +66,19 @@ class RadixKey:
     def __getitem__(self, item: slice) -> RadixKey:
         if not isinstance(item, slice) or item.step not in (None, 1):
             raise TypeError("RadixKey supports slicing only (step 1)")
-        start = item.indices(len(self.token_ids))[0]
-        key = RadixKey(self.token_ids[item], self.extra_key)
-        key._set_head(self._head - start)
-        return key
+        start, stop, _ = item.indices(len(self.token_ids))
+        if start == 0 and stop == len(self.token_ids):
+            return self  # the whole key (keys are not mutated once built, except by the tree on its own edges)
+        return RadixKey._derived(self.token_ids[item], self.extra_key, self._head - start)
 
     def extended(self, token_ids: Sequence[int] | TokenArray) -> RadixKey:
         """This key followed by ``token_ids``, in the same namespace (and shared head)."""
-        key = RadixKey(np.concatenate([self.token_ids, np.asarray(token_ids, dtype=np.int64)]), self.extra_key)
-        key._set_head(self._head)
-        return key
+        tokens = np.concatenate([self.token_ids, np.asarray(token_ids, dtype=np.int64).reshape(-1)])
+        return RadixKey._derived(tokens, self.extra_key, self._head)
 
     def copy(self) -> RadixKey:
         """The same key over its own copy of the tokens."""
-        key = RadixKey(self.token_ids.copy(), self.extra_key)
-        key._set_head(self._head)
-        return key
+        return RadixKey._derived(self.token_ids.copy(), self.extra_key, self._head)
 
     @classmethod
     def join(cls, edges: Sequence[RadixKey]) -> RadixKey:
