@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+from typing_extensions import TypeIs
 
 FinishReason = Literal["stop", "length", "abort"]
 # Why a request failed: the engine broke on it (500), it lacked room now (503, retry), the server is stopping (503).
@@ -12,6 +15,16 @@ ErrorKind = Literal["engine", "capacity", "shutdown"]
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 # Per generated token: the most likely (token id, logprob) pairs, best first.
 TopLogprobs = list[tuple[int, float]]
+
+
+def is_token_ids(prompt: object) -> TypeIs[Sequence[int]]:
+    """One prompt of token ids (empty, or its first item an int): not a batch of prompts, nor text."""
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and (not prompt or isinstance(prompt[0], int))
+
+
+def is_texts(prompt: object) -> TypeIs[Sequence[str]]:
+    """A non-empty batch of text prompts."""
+    return isinstance(prompt, list | tuple) and bool(prompt) and all(isinstance(p, str) for p in prompt)
 
 
 @dataclass(frozen=True)

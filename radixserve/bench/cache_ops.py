@@ -61,7 +61,7 @@ def _median_us(samples: list[int]) -> float:
 
 
 def _serve(cache: BasePrefixCache, prompt: np.ndarray) -> None:
-    req = cache.open_request(prompt)
+    req = cache.open_request(RadixKey(prompt))
     if not cache.extend_request(req, prompt[req.cache_protected_len :]):
         raise RuntimeError("benchmark pool too small")
     cache.cache_finished_req(req)
@@ -122,7 +122,7 @@ def replay(variant: str, requests: list[TraceRequest], pool_tokens: int, window:
         if len(live) == window:
             finish(*live.pop(0))
         t0 = time.perf_counter_ns()
-        req = cache.open_request(request.prompt, request.extra_key)
+        req = cache.open_request(RadixKey(request.prompt, request.extra_key))
         cached = req.cache_protected_len
         ok = cache.extend_request(req, request.prompt[cached:]) and cache.extend_request(req, request.output)
         per_request[index] += time.perf_counter_ns() - t0

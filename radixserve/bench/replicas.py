@@ -85,14 +85,14 @@ def simulate_replicas(
         else:
             key = RadixKey(request.prompt, request.extra_key)
             matches = (
-                [entry.match(request.prompt, request.extra_key) for entry in index]
+                [entry.match(key) for entry in index]
                 if index
                 else [len(cache.match_prefix(key).indices) for cache in caches]
             )
             target = choose_replica(matches, loads, len(request.prompt), config, turn=i)
         hit = _serve(caches[target], request)
         if index:
-            index[target].add(request.prompt, request.extra_key)
+            index[target].add(RadixKey(request.prompt, request.extra_key))
         start = max(now, busy_until[target])
         busy_until[target] = start + (len(request.prompt) - hit) / prefill_rate + len(request.output) / decode_rate
         pending[target].append(busy_until[target])
@@ -106,7 +106,7 @@ def simulate_replicas(
 
 def _serve(cache: RadixCache, request: TraceRequest) -> int:
     """Match, compute the rest, cache the whole turn; the matched length (0 if it cannot fit)."""
-    req = cache.open_request(request.prompt, request.extra_key)
+    req = cache.open_request(RadixKey(request.prompt, request.extra_key))
     hit = len(req.token_ids)
     if cache.extend_request(req, np.concatenate([request.prompt[hit:], request.output])):
         cache.cache_finished_req(req)

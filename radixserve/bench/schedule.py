@@ -20,7 +20,7 @@ import numpy as np
 
 from radixserve.bench.tiny_model import build_engine_folder
 from radixserve.bench.workloads import TraceRequest, fewshot_burst, support_agent
-from radixserve.cache import RadixCache
+from radixserve.cache import RadixCache, RadixKey
 from radixserve.core import SamplingParams
 from radixserve.engine import Engine
 from radixserve.memory import TokenAllocator
@@ -60,7 +60,7 @@ def lpm_round_seconds(num_waiting: int, prompt_len: int = 2000, groups: int = 8,
     prefixes = [rng.integers(1, 49_000, prompt_len - 64) for _ in range(groups)]
     cache = RadixCache(TokenAllocator(groups * prompt_len + 4096))
     for prefix in prefixes:
-        req = cache.open_request(prefix)
+        req = cache.open_request(RadixKey(prefix))
         assert cache.extend_request(req, prefix)
         cache.cache_finished_req(req)
     params = SamplingParams(max_new_tokens=16)

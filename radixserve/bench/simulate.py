@@ -33,7 +33,7 @@ import numpy as np
 from radixserve.bench.belady import BeladyCache, FutureIndex
 from radixserve.bench.traces import load_trace, working_set_tokens
 from radixserve.bench.workloads import TraceRequest, make_workload
-from radixserve.cache import EVICTION_POLICIES, BasePrefixCache, CacheReq, create_prefix_cache
+from radixserve.cache import EVICTION_POLICIES, BasePrefixCache, CacheReq, RadixKey, create_prefix_cache
 from radixserve.extras import missing_extra
 from radixserve.memory import TokenAllocator
 
@@ -126,7 +126,7 @@ def replay(
         if len(window) >= concurrency:
             cache.cache_finished_req(window.popleft())
         while True:
-            kv = cache.open_request(request.prompt, request.extra_key)
+            kv = cache.open_request(RadixKey(request.prompt, request.extra_key))
             matched = len(kv.token_ids)
             if cache.extend_request(kv, np.concatenate([request.prompt[matched:], request.output])):
                 window.append(kv)

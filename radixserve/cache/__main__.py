@@ -14,7 +14,7 @@ from radixserve.memory import TokenAllocator
 def main() -> None:
     cache = RadixCache(TokenAllocator(64))
     for token_ids in ([1, 2, 3], [1, 2, 3], [1, 2, 4, 5], [1, 2, 4, 5, 6, 7], [8, 9, 10, 11, 12]):
-        req = cache.open_request(token_ids)
+        req = cache.open_request(RadixKey(token_ids))
         cached = req.cache_protected_len
         cache.extend_request(req, token_ids[cached:])
         cache.cache_finished_req(req)

@@ -23,9 +23,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple
 
 import numpy as np
+from typing_extensions import TypeVar
 
 from radixserve.cache.events import KVEventLog
 from radixserve.cache.key import RadixKey, TokenArray
@@ -33,38 +34,45 @@ from radixserve.memory.allocator import IndexArray, TokenAllocator
 
 EMPTY_INDICES: IndexArray = np.empty(0, dtype=np.int64)
 
+# What a variant locks: RadixCache's TreeNode, BlockHashCache's Block, ChunkCache's None. Callers
+# that only hand a match's node back to the cache it came from (the scheduler) leave it unbound.
+NodeT = TypeVar("NodeT", default=Any)
 
-class MatchResult(NamedTuple):
+
+class MatchResult(NamedTuple, Generic[NodeT]):
     """Slots of the longest cached prefix, and the node to lock before using them."""
 
     indices: IndexArray
-    last_node: Any
+    last_node: NodeT
 
 
 @dataclass(eq=False)
-class CacheReq:
+class CacheReq(Generic[NodeT]):
     """The part of a request the cache reads and updates.
 
-    ``kv_indices[i]`` is the KV slot of ``token_ids[i]``; the two grow together.
+    ``kv_indices[i]`` is the KV slot of ``key.token_ids[i]``; the two grow together.
     """
 
-    token_ids: TokenArray
+    key: RadixKey  # the tokens computed so far, in the request's namespace
     kv_indices: IndexArray
-    extra_key: str | None = None
     priority: int = 0
-    last_node: Any = None
+    last_node: NodeT | None = None  # locked while the request holds the cache's prefix; None once finished
     cache_protected_len: int = 0
-    shared_len: int = 0  # token_ids[:shared_len] live in the shared namespace (see RadixKey)
+
+    @property
+    def token_ids(self) -> TokenArray:
+        return self.key.token_ids
+
+    @property
+    def extra_key(self) -> str | None:
+        return self.key.extra_key
 
     @property
     def num_cached_tokens(self) -> int:
         return self.cache_protected_len
 
-    def key(self, length: int | None = None) -> RadixKey:
-        return RadixKey(self.token_ids[:length], self.extra_key, self.shared_len)
 
-
-class BasePrefixCache(ABC):
+class BasePrefixCache(ABC, Generic[NodeT]):
     """Indexes KV slots by token prefix. Single-threaded: call from the scheduler only."""
 
     def __init__(self, allocator: TokenAllocator, page_size: int, events: KVEventLog | None) -> None:
@@ -94,7 +102,7 @@ class BasePrefixCache(ABC):
         """Forget every cached prefix (slots already freed) and zero the size counters."""
 
     @abstractmethod
-    def match_prefix(self, key: RadixKey) -> MatchResult:
+    def match_prefix(self, key: RadixKey) -> MatchResult[NodeT]:
         """Longest cached prefix of ``key`` (rounded down to page_size)."""
 
     @abstractmethod
@@ -113,11 +121,11 @@ class BasePrefixCache(ABC):
         """Free at least ``num_tokens`` cached slots if possible; return how many were freed."""
 
     @abstractmethod
-    def inc_lock_ref(self, node: Any) -> int:
+    def inc_lock_ref(self, node: NodeT) -> int:
         """Protect ``node``'s whole prefix from eviction; return the evictable-size delta."""
 
     @abstractmethod
-    def dec_lock_ref(self, node: Any) -> int:
+    def dec_lock_ref(self, node: NodeT) -> int:
         """Undo one ``inc_lock_ref(node)``; return the evictable-size delta."""
 
     def evictable_size(self) -> int:
@@ -141,25 +149,27 @@ class BasePrefixCache(ABC):
 
     # ---- the request-level operations, shared by every variant that keeps KV -------------------
 
-    def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: CacheReq[NodeT], is_insert: bool = True) -> None:
         """Hand a finished request's KV to the cache and unlock its prefix.
 
         Mutates the tree (insert may split). Afterwards the request owns no slot:
-        duplicates and the partial last page are freed here.
+        duplicates and the partial last page are freed here. Finishing it again
+        changes nothing.
         """
         protected = req.cache_protected_len
         if is_insert:
             aligned = len(req.kv_indices) - len(req.kv_indices) % self.page_size
-            new_prefix_len = self.insert(req.key(aligned), req.kv_indices[:aligned], req.priority)
+            new_prefix_len = self.insert(req.key[:aligned], req.kv_indices[:aligned], req.priority)
             self.allocator.free(req.kv_indices[protected:new_prefix_len])
             self.allocator.free(req.kv_indices[aligned:])
         else:
             self.allocator.free(req.kv_indices[protected:])
-        self.dec_lock_ref(req.last_node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
         req.last_node, req.cache_protected_len = None, 0
         req.kv_indices = EMPTY_INDICES
 
-    def cache_unfinished_req(self, req: CacheReq) -> None:
+    def cache_unfinished_req(self, req: CacheReq[NodeT]) -> None:
         """Cache what a running request computed so far (chunked prefill) and re-lock.
 
         Mutates the tree. Afterwards ``kv_indices[:cache_protected_len]`` are the
@@ -167,38 +177,32 @@ class BasePrefixCache(ABC):
         locked on its new, longer prefix; its partial last page stays private.
         """
         aligned = len(req.kv_indices) - len(req.kv_indices) % self.page_size
-        key = req.key(aligned)
+        key = req.key[:aligned]
         new_prefix_len = self.insert(key, req.kv_indices[:aligned], req.priority, count_hit=False)
         self.allocator.free(req.kv_indices[req.cache_protected_len : new_prefix_len])
         indices, node = self.match_prefix(key)
         if len(indices) != aligned:
             raise AssertionError(f"cache lost a locked prefix: matched {len(indices)} of {aligned}")
         self.inc_lock_ref(node)
-        self.dec_lock_ref(req.last_node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
         req.kv_indices = np.concatenate([indices, req.kv_indices[aligned:]])
         req.last_node, req.cache_protected_len = node, aligned
 
     # ---- helpers the scheduler, tests and benchmarks share -------------------------------------
 
-    def open_request(
-        self,
-        token_ids: Sequence[int] | TokenArray,
-        extra_key: str | None = None,
-        priority: int = 0,
-        shared_len: int = 0,
-    ) -> CacheReq:
-        """Match the longest cached prefix of ``token_ids`` and lock it for a new request.
+    def open_request(self, key: RadixKey, priority: int = 0) -> CacheReq[NodeT]:
+        """Match the longest cached prefix of ``key`` and lock it for a new request.
 
-        The returned request holds only the cached prefix; call ``extend_request``
-        for the rest (the caller keeps the full token list). ``shared_len``: the
-        leading tokens in the shared namespace (an allowlisted public prefix).
+        Mutates as ``match_prefix`` does. The returned request holds only the
+        cached prefix; call ``extend_request`` for the rest (the caller keeps the
+        full token list; the request's key keeps ``key``'s namespaces as it grows).
         """
-        key = RadixKey(token_ids, extra_key, shared_len)
         indices, node = self.match_prefix(key)
         self.inc_lock_ref(node)
-        return CacheReq(key.token_ids[: len(indices)], indices, extra_key, priority, node, len(indices), key.shared_len)
+        return CacheReq(key[: len(indices)], indices, priority, node, len(indices))
 
-    def extend_request(self, req: CacheReq, new_token_ids: Sequence[int] | TokenArray) -> bool:
+    def extend_request(self, req: CacheReq[NodeT], new_token_ids: Sequence[int] | TokenArray) -> bool:
         """Give ``req`` slots for ``new_token_ids`` (evicting if short). False: the pool can't.
 
         Fills the unused end of the request's partial last page first, so the
@@ -213,7 +217,7 @@ class BasePrefixCache(ABC):
         if reuse:
             last = int(req.kv_indices[-1])
             slots = np.concatenate([np.arange(last + 1, last + 1 + reuse, dtype=np.int64), slots])
-        req.token_ids = np.concatenate([req.token_ids, new])
+        req.key = req.key.extended(new)
         req.kv_indices = np.concatenate([req.kv_indices, slots])
         return True
 

@@ -81,7 +81,7 @@ class Block:
         return f"Block({self.hash.hex()[:8]}, start={self.start}, ref_cnt={self.ref_cnt})"
 
 
-class BlockHashCache(BasePrefixCache):
+class BlockHashCache(BasePrefixCache[Block]):
     """Chained-hash blocks with an LRU free queue. ``page_size == block_size``."""
 
     def __init__(
@@ -112,7 +112,7 @@ class BlockHashCache(BasePrefixCache):
 
     # ---- match / insert ---------------------------------------------------------------------
 
-    def match_prefix(self, key: RadixKey) -> MatchResult:
+    def match_prefix(self, key: RadixKey) -> MatchResult[Block]:
         """Slots of the leading run of resident blocks of ``key`` (whole blocks). Pure.
 
         Hashes lazily and stops at the first missing block. Changes nothing, not
@@ -317,10 +317,11 @@ class BlockHashCache(BasePrefixCache):
     def _record_store(self, extra_key: str | None, run_start: int, prefix: TokenArray) -> int:
         """Emit one "store" for the run of new blocks ``prefix[run_start:]``; return -1 (no run)."""
         if self.events is not None and 0 <= run_start < len(prefix):
-            self.events.record("store", extra_key, run_start, prefix)
+            self.events.record("store", run_start, RadixKey(prefix, extra_key))
         return -1
 
     def _record_remove(self, tail: Block | None, head: Block | None) -> None:
         """Emit one "remove" for the evicted chain from ``head`` down to ``tail``."""
         if self.events is not None and tail is not None and head is not None:
-            self.events.record("remove", tail.extra_key, head.start, tail.prefix[: tail.start + len(tail.slots)])
+            end = tail.start + len(tail.slots)
+            self.events.record("remove", head.start, RadixKey(tail.prefix[:end], tail.extra_key))

@@ -12,34 +12,34 @@ from radixserve.cache.key import RadixKey
 from radixserve.memory.allocator import IndexArray, TokenAllocator
 
 
-class ChunkCache(BasePrefixCache):
+class ChunkCache(BasePrefixCache[None]):
     def __init__(self, allocator: TokenAllocator, page_size: int = 1) -> None:
         super().__init__(allocator, page_size, None)
 
     def _clear(self) -> None:
         pass
 
-    def match_prefix(self, key: RadixKey) -> MatchResult:
+    def match_prefix(self, key: RadixKey) -> MatchResult[None]:
         return MatchResult(EMPTY_INDICES, None)
 
     def insert(self, key: RadixKey, indices: IndexArray, priority: int = 0, count_hit: bool = True) -> int:
         raise NotImplementedError("ChunkCache keeps nothing: release slots with cache_finished_req")
 
-    def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: CacheReq[None], is_insert: bool = True) -> None:
         """Free every slot of the request (it never shared any)."""
         self.allocator.free(req.kv_indices[req.cache_protected_len :])
         req.kv_indices, req.last_node, req.cache_protected_len = EMPTY_INDICES, None, 0
 
-    def cache_unfinished_req(self, req: CacheReq) -> None:
+    def cache_unfinished_req(self, req: CacheReq[None]) -> None:
         """Nothing to share: the request keeps its private slots."""
 
     def evict(self, num_tokens: int) -> int:
         return 0
 
-    def inc_lock_ref(self, node: object) -> int:
+    def inc_lock_ref(self, node: None) -> int:
         return 0
 
-    def dec_lock_ref(self, node: object) -> int:
+    def dec_lock_ref(self, node: None) -> int:
         return 0
 
     def cached_slots(self) -> IndexArray:

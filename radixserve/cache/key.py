@@ -10,7 +10,9 @@ shared namespace (None), the rest in ``extra_key``. That is how an operator's
 allowlisted public prefix (a common system prompt) is shared across tenants
 while everything after it stays private. A tree edge is always in one
 namespace; a match never runs past the end of a head that differs from the
-edge's namespace.
+edge's namespace. The split is the key's own business: the tree, the KV events
+and the scheduler pass keys around and ask them (``head_len``, ``namespace_at``,
+``page_hashes``), never a token list plus a length.
 """
 
 from __future__ import annotations
@@ -34,15 +36,29 @@ _GALLOP_MIN = 4096
 class RadixKey:
     """``token_ids`` (int64, viewed, never copied by slicing) plus a namespace."""
 
-    __slots__ = ("token_ids", "extra_key", "shared_len")
+    __slots__ = ("token_ids", "extra_key", "shared_len", "_head")
 
     def __init__(
         self, token_ids: Sequence[int] | TokenArray, extra_key: str | None = None, shared_len: int = 0
     ) -> None:
         self.token_ids: TokenArray = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         self.extra_key = extra_key
-        # Leading tokens in the shared namespace (only meaningful under a namespace).
-        self.shared_len = min(max(shared_len, 0), len(self.token_ids)) if extra_key is not None else 0
+        self._set_head(min(shared_len, len(self.token_ids)))
+
+    @classmethod
+    def _derived(cls, token_ids: TokenArray, extra_key: str | None, head: int) -> RadixKey:
+        """A key over an int64 array already flat (no conversion: slicing is the tree's hot path)."""
+        key = cls.__new__(cls)
+        key.token_ids, key.extra_key = token_ids, extra_key
+        key._set_head(head)
+        return key
+
+    def _set_head(self, head: int) -> None:
+        # ``shared_len``: leading tokens in the shared namespace (only under a namespace), at most
+        # the key's length. ``_head`` remembers the head a prefix was cut from, so a key that grows
+        # back (``extended``: a request computing its prompt chunk by chunk) gets its head back.
+        self._head = max(head, 0) if self.extra_key is not None else 0
+        self.shared_len = min(self._head, len(self.token_ids))
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -50,8 +66,28 @@ class RadixKey:
     def __getitem__(self, item: slice) -> RadixKey:
         if not isinstance(item, slice) or item.step not in (None, 1):
             raise TypeError("RadixKey supports slicing only (step 1)")
-        start = item.indices(len(self.token_ids))[0]
-        return RadixKey(self.token_ids[item], self.extra_key, self.shared_len - start)
+        start, stop, _ = item.indices(len(self.token_ids))
+        if start == 0 and stop == len(self.token_ids):
+            return self  # the whole key (keys are not mutated once built, except by the tree on its own edges)
+        return RadixKey._derived(self.token_ids[item], self.extra_key, self._head - start)
+
+    def extended(self, token_ids: Sequence[int] | TokenArray) -> RadixKey:
+        """This key followed by ``token_ids``, in the same namespace (and shared head)."""
+        tokens = np.concatenate([self.token_ids, np.asarray(token_ids, dtype=np.int64).reshape(-1)])
+        return RadixKey._derived(tokens, self.extra_key, self._head)
+
+    def copy(self) -> RadixKey:
+        """The same key over its own copy of the tokens."""
+        return RadixKey._derived(self.token_ids.copy(), self.extra_key, self._head)
+
+    @classmethod
+    def join(cls, edges: Sequence[RadixKey]) -> RadixKey:
+        """The key of a path of one-namespace edges, root first (a shared head, then one namespace)."""
+        if not edges:
+            return cls([])
+        extra_key = edges[-1].extra_key
+        shared = sum(len(edge) for edge in edges if edge.extra_key is None) if extra_key is not None else 0
+        return cls(np.concatenate([edge.token_ids for edge in edges]), extra_key, shared)
 
     def __repr__(self) -> str:
         head = self.token_ids[:10].tolist()
@@ -70,9 +106,27 @@ class RadixKey:
         """How many leading tokens share ``head_namespace``."""
         return self.shared_len if 0 < self.shared_len < len(self.token_ids) else len(self.token_ids)
 
+    @property
+    def is_pure(self) -> bool:
+        """Whether every token is in one namespace, ``extra_key`` (what a tree edge must be)."""
+        return self.shared_len == 0
+
+    def namespace_at(self, pos: int) -> str | None:
+        """The namespace token ``pos`` is cached in."""
+        return None if pos < self.shared_len else self.extra_key
+
     def pure(self) -> RadixKey:
         """This key in one namespace (its head's); for keys no longer than ``head_len``."""
         return RadixKey(self.token_ids, self.head_namespace)
+
+    def aligned(self, page_size: int) -> RadixKey:
+        """This key with its shared head rounded down to whole pages (a tree edge is whole pages)."""
+        extra = self.shared_len % page_size
+        return self if not extra else RadixKey(self.token_ids, self.extra_key, self.shared_len - extra)
+
+    def page_hashes(self, page_size: int) -> Iterator[bytes]:
+        """Chained hashes of each whole page (see ``page_hashes``), the shared head's in the shared namespace."""
+        return page_hashes(self.token_ids, self.extra_key, page_size, shared_len=self.shared_len)
 
     def child_key(self, page_size: int) -> Hashable:
         """The dict key a child edge starting with this key is stored under.

@@ -58,7 +58,7 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
-class RadixCache(BasePrefixCache):
+class RadixCache(BasePrefixCache[TreeNode]):
     """The radix-tree prefix cache (``--prefix-cache radix``, the default)."""
 
     def __init__(
@@ -91,14 +91,14 @@ class RadixCache(BasePrefixCache):
 
     # ---- match / insert ---------------------------------------------------------------------
 
-    def match_prefix(self, key: RadixKey) -> MatchResult:
+    def match_prefix(self, key: RadixKey) -> MatchResult[TreeNode]:
         """Longest cached prefix of ``key``, page-aligned; refreshes the path's access time.
 
         Mutates: a divergence inside an edge splits that node, so the returned
         ``last_node`` ends exactly at the match. Lock it before the returned
         indices are used: until then eviction may free them.
         """
-        key = self._aligned(key[: len(key) - len(key) % self.page_size])
+        key = key[: len(key) - len(key) % self.page_size].aligned(self.page_size)
         now = self.clock()
         node, values = self.root, []
         self.root.last_access_time = now
@@ -130,7 +130,7 @@ class RadixCache(BasePrefixCache):
         """
         if len(key) != len(indices) or len(key) % self.page_size:
             raise ValueError(f"insert needs page-aligned key and indices of one length: {len(key)}, {len(indices)}")
-        key = self._aligned(key)
+        key = key.aligned(self.page_size)
         full, now = key.token_ids, self.clock()
         node, matched_len = self.root, 0
         while matched_len < len(full):
@@ -153,7 +153,7 @@ class RadixCache(BasePrefixCache):
                 rest, value = rest[head:], value[head:]
             self._add_leaf(node, rest.pure(), value, priority, now)
             if self.events is not None:
-                self.events.record("store", key.extra_key, matched_len, full, key.shared_len)
+                self.events.record("store", matched_len, key)
         return matched_len
 
     # ---- eviction ---------------------------------------------------------------------------
@@ -172,13 +172,8 @@ class RadixCache(BasePrefixCache):
             if node is None:
                 break
             if self.events is not None:
-                self.events.record(
-                    "remove",
-                    node.key.extra_key,
-                    self._depth(node.parent),
-                    self._path_tokens(node),
-                    self._shared_depth(node),
-                )
+                path = self._path_key(node)
+                self.events.record("remove", len(path) - len(node.key), path)
             freed.append(node.value)
             evicted += len(node.value)
             self._delete_leaf(node)
@@ -192,29 +187,31 @@ class RadixCache(BasePrefixCache):
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock ``node`` and every ancestor; return the (non-positive) evictable-size delta."""
         delta = 0
-        while node is not self.root:
-            if node.lock_ref == 0:
-                self._evictable_size -= len(node.key)
-                self._protected_size += len(node.key)
-                delta -= len(node.key)
-                self.candidates.discard(node)
-            node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+        cursor: TreeNode | None = node
+        while cursor is not None and cursor is not self.root:  # the root's parent is None
+            if cursor.lock_ref == 0:
+                self._evictable_size -= len(cursor.key)
+                self._protected_size += len(cursor.key)
+                delta -= len(cursor.key)
+                self.candidates.discard(cursor)
+            cursor.lock_ref += 1
+            cursor = cursor.parent
         return delta
 
     def dec_lock_ref(self, node: TreeNode) -> int:
         """Undo one ``inc_lock_ref(node)``; return the (non-negative) evictable-size delta."""
         delta = 0
-        while node is not self.root:
-            if node.lock_ref <= 0:
-                raise RuntimeError(f"dec_lock_ref on unlocked {node!r}: unbalanced lock")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._evictable_size += len(node.key)
-                self._protected_size -= len(node.key)
-                delta += len(node.key)
-                self._update_candidate(node)
-            node = node.parent  # type: ignore[assignment]
+        cursor: TreeNode | None = node
+        while cursor is not None and cursor is not self.root:
+            if cursor.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref on unlocked {cursor!r}: unbalanced lock")
+            cursor.lock_ref -= 1
+            if cursor.lock_ref == 0:
+                self._evictable_size += len(cursor.key)
+                self._protected_size -= len(cursor.key)
+                delta += len(cursor.key)
+                self._update_candidate(cursor)
+            cursor = cursor.parent
         return delta
 
     # ---- walking ----------------------------------------------------------------------------
@@ -294,20 +291,6 @@ class RadixCache(BasePrefixCache):
         node.last_access_time = now
         self.candidates.refresh(node)
 
-    def _shared_depth(self, node: TreeNode) -> int:
-        """How deep the shared head above a namespaced node runs (0 when there is none)."""
-        if node.key.extra_key is None:
-            return 0
-        cursor = node.parent
-        while cursor is not None and cursor is not self.root and cursor.key.extra_key is not None:
-            cursor = cursor.parent
-        return self._depth(cursor)
-
-    def _aligned(self, key: RadixKey) -> RadixKey:
-        """``key`` with its shared head rounded down to whole pages (an edge is whole pages)."""
-        extra = key.shared_len % self.page_size
-        return key if not extra else RadixKey(key.token_ids, key.extra_key, key.shared_len - extra)
-
     def _depth(self, node: TreeNode | None) -> int:
         depth = 0
         while node is not None and node is not self.root:
@@ -316,9 +299,13 @@ class RadixCache(BasePrefixCache):
         return depth
 
     def _path_tokens(self, node: TreeNode) -> TokenArray:
+        return self._path_key(node).token_ids
+
+    def _path_key(self, node: TreeNode) -> RadixKey:
+        """The key from the root down to ``node`` (with the shared head above it, if any)."""
         edges = []
         cursor: TreeNode | None = node
         while cursor is not None and cursor is not self.root:
-            edges.append(cursor.key.token_ids)
+            edges.append(cursor.key)
             cursor = cursor.parent
-        return np.concatenate(edges[::-1])
+        return RadixKey.join(edges[::-1])

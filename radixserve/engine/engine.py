@@ -21,9 +21,10 @@ from typing import Any, overload
 
 import numpy as np
 import torch
+from typing_extensions import TypeIs
 
 from radixserve.cache import create_prefix_cache
-from radixserve.core import GenerateResult, SamplingParams
+from radixserve.core import GenerateResult, SamplingParams, is_token_ids
 from radixserve.engine.config import EngineConfig, default_pool_tokens
 from radixserve.engine.step import StepExecutor
 from radixserve.memory.kv_pool import KVPool
@@ -37,6 +38,11 @@ from radixserve.scheduler.request import Request
 logger = logging.getLogger(__name__)
 
 Params = SamplingParams | dict[str, Any] | None
+
+
+def _is_conversation(messages: object) -> TypeIs[list[dict[str, str]]]:
+    """One conversation (message dicts), not a batch of them."""
+    return isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
 
 
 class Engine:
@@ -144,8 +150,8 @@ class Engine:
         if prompt is not None:
             return self._run([self.tokenizer.encode(text) for text in prompt], sampling_params, extra_key)
         assert input_ids is not None
-        if not input_ids or isinstance(input_ids[0], int):
-            return self._run([input_ids], sampling_params, extra_key)[0]  # type: ignore[list-item]
+        if is_token_ids(input_ids):
+            return self._run([input_ids], sampling_params, extra_key)[0]
         return self._run(input_ids, sampling_params, extra_key)
 
     @overload
@@ -166,10 +172,10 @@ class Engine:
         extra_key: str | None = None,
     ) -> GenerateResult | list[GenerateResult]:
         """Apply the model's chat template, then ``generate``. A list of conversations gives a list."""
-        if messages and isinstance(messages[0], dict):
+        if _is_conversation(messages):
             ids = self.tokenizer.apply_chat_template(messages)
             return self._run([ids], sampling_params, extra_key)[0]
-        conversations = [self.tokenizer.apply_chat_template(conv) for conv in messages]  # type: ignore[arg-type]
+        conversations = [self.tokenizer.apply_chat_template(conv) for conv in messages]
         return self._run(conversations, sampling_params, extra_key)
 
     def flush_cache(self) -> None:

@@ -33,7 +33,7 @@ import time
 import msgspec
 
 from radixserve.cache.events import KVEvent
-from radixserve.cache.key import TokenArray, page_hashes
+from radixserve.cache.key import RadixKey
 
 END_SEQ = -1  # the seq frame of the message that ends a replay (empty topic and payload)
 SNAPSHOT = b"snapshot"  # our addition on the replay socket: a request body, and the topic frame of its answer
@@ -78,9 +78,9 @@ def wire_hash(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def block_hashes(token_ids: TokenArray, namespace: str | None, block_size: int, shared_len: int = 0) -> list[int]:
-    """The wire hashes of every whole block of ``token_ids`` (what a router computes for a prompt)."""
-    return [wire_hash(d) for d in page_hashes(token_ids, namespace, block_size, shared_len=shared_len)]
+def block_hashes(key: RadixKey, block_size: int) -> list[int]:
+    """The wire hashes of every whole block of ``key`` (what a router computes for a prompt)."""
+    return [wire_hash(d) for d in key.page_hashes(block_size)]
 
 
 def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
@@ -89,13 +89,7 @@ def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
         return AllBlocksCleared()
     first = event.start // block_size
     # The chain up to the event's end: its tail is the event's blocks, the one before is their parent.
-    chain = list(
-        itertools.islice(
-            page_hashes(event.prefix[: event.end], event.extra_key, block_size, shared_len=event.shared_len),
-            max(first - 1, 0),
-            None,
-        )
-    )
+    chain = list(itertools.islice(event.key.page_hashes(block_size), max(first - 1, 0), None))
     hashes = [wire_hash(d) for d in (chain[1:] if first > 0 else chain)]
     if not hashes:
         return None
@@ -104,10 +98,10 @@ def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=wire_hash(chain[0]) if first > 0 else None,
-        token_ids=event.prefix[first * block_size : (first + len(hashes)) * block_size].tolist(),
+        token_ids=event.key.token_ids[first * block_size : (first + len(hashes)) * block_size].tolist(),
         block_size=block_size,
-        namespace=event.extra_key,
-        shared_len=event.shared_len,
+        namespace=event.key.extra_key,
+        shared_len=event.key.shared_len,
     )
 
 

@@ -18,10 +18,12 @@ from typing import Literal
 
 import torch
 
+ForwardMode = Literal["extend", "decode", "mixed"]  # mixed: extend chunks and one-token decodes in one step
+
 
 @dataclass
 class ForwardBatch:
-    mode: Literal["extend", "decode", "mixed"]  # mixed: extend chunks and one-token decodes in one step
+    mode: ForwardMode
     input_ids: torch.Tensor  # [T] int64: the new tokens of every request, concatenated
     positions: torch.Tensor  # [T] int64: each new token's position in its sequence
     out_slots: torch.Tensor  # [T] int64: the KV slot each new token's K/V is written to

@@ -16,7 +16,7 @@ import torch
 
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.config import ModelConfig
-from radixserve.model.forward import ForwardBatch
+from radixserve.model.forward import ForwardBatch, ForwardMode
 
 
 class CausalLM(Protocol):
@@ -39,15 +39,15 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def forward(self, inputs: list[StepInput], mode: str) -> torch.Tensor:
+    def forward(self, inputs: list[StepInput], mode: ForwardMode) -> torch.Tensor:
         """Logits [len(inputs), vocab] (float32) of each request's last new token."""
         batch = self.build_batch(inputs, mode)
         return self.model(batch, self.kv_pool).float()
 
-    def build_batch(self, inputs: list[StepInput], mode: str) -> ForwardBatch:
+    def build_batch(self, inputs: list[StepInput], mode: ForwardMode) -> ForwardBatch:
         """``mode`` mixed: prefill chunks next to decodes (one new token each) in one forward."""
         if mode not in ("extend", "decode", "mixed"):
-            raise ValueError(f"unknown forward mode {mode!r}")
+            raise ValueError(f"unknown forward mode {mode!r}")  # callers outside the type checker
         ids, positions, out_slots, contexts, lens = [], [], [], [], []
         for item in inputs:
             new = np.asarray(item.new_token_ids, dtype=np.int64)
@@ -61,7 +61,7 @@ class ModelRunner:
             contexts.append(torch.from_numpy(ctx).to(self.device))
             lens.append(len(new))
         return ForwardBatch(
-            mode,  # type: ignore[arg-type]  # checked above
+            mode,
             self._to_device(ids),
             self._to_device(positions),
             self._to_device(out_slots),

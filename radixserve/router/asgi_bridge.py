@@ -100,8 +100,9 @@ class ASGIBridge:
                     if not message.get("more_body", False):
                         complete = True
                         break
-            if not complete and task.done() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]  # no (whole) response: the caller must know
+            failure = task.exception() if not complete and task.done() else None
+            if failure is not None:
+                raise failure  # no (whole) response: the caller must know
         finally:
             gone.set()
             if not task.done():

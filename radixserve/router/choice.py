@@ -23,9 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from radixserve.cache.key import RadixKey, TokenArray
+from radixserve.cache.key import RadixKey
 from radixserve.cache.radix import RadixCache
 from radixserve.memory import TokenAllocator
 
@@ -74,14 +72,14 @@ class PrefixIndex:
     def __init__(self, capacity: int) -> None:
         self.cache = RadixCache(TokenAllocator(capacity))
 
-    def match(self, tokens: TokenArray, namespace: str | None = None, shared_len: int = 0) -> int:
-        return len(self.cache.match_prefix(RadixKey(tokens, namespace, shared_len)).indices)
+    def match(self, key: RadixKey) -> int:
+        return len(self.cache.match_prefix(key).indices)
 
-    def add(self, tokens: TokenArray, namespace: str | None = None, shared_len: int = 0) -> None:
-        """Remember ``tokens`` (evicting the least recently routed prefixes when full)."""
-        tokens = np.asarray(tokens, dtype=np.int64)[: self.cache.allocator.size]
-        req = self.cache.open_request(tokens, namespace, shared_len=shared_len)
-        if self.cache.extend_request(req, tokens[len(req.token_ids) :]):
+    def add(self, key: RadixKey) -> None:
+        """Remember ``key`` (evicting the least recently routed prefixes when full)."""
+        key = key[: self.cache.allocator.size]
+        req = self.cache.open_request(key)
+        if self.cache.extend_request(req, key.token_ids[len(req.token_ids) :]):
             self.cache.cache_finished_req(req)
         else:
             self.cache.cache_finished_req(req, is_insert=False)

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from radixserve.cache.key import RadixKey
 from radixserve.kv_events.subscriber import KVEventSubscriber
 from radixserve.kv_events.wire import block_hashes
 from radixserve.router.choice import (
@@ -59,8 +60,12 @@ class RouteKey:
 
     tokens: tuple[int, ...] = ()
     namespace: str | None = None
-    shared_len: int = 0
+    shared_len: int = 0  # leading tokens in the shared namespace (an allowlisted public head)
     target: str | None = None
+
+    def radix_key(self) -> RadixKey:
+        """The cache key these tokens are looked up under (the replicas' own keying)."""
+        return RadixKey(np.asarray(self.tokens, dtype=np.int64), self.namespace, self.shared_len)
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -83,14 +88,14 @@ class ReplicaView:
 
     def match(self, key: RouteKey) -> int:
         """Tokens of ``key`` this replica is believed to hold (or to be prefilling)."""
-        tokens = np.asarray(key.tokens, dtype=np.int64)
+        radix_key = key.radix_key()
         best = 0
         if self.index is not None:
-            best = self.index.match(tokens, key.namespace, key.shared_len)
+            best = self.index.match(radix_key)
         if self.mirror is not None:
             blocks = self.mirror.blocks  # read-only here; the mirror thread swaps or updates it
             held = 0
-            for block in block_hashes(tokens, key.namespace, self.block_size, shared_len=key.shared_len):
+            for block in block_hashes(radix_key, self.block_size):
                 if block not in blocks:
                     break
                 held += 1
@@ -316,7 +321,7 @@ class RoutingTable:
                 return
             self._place(request_id, replica, key)
             if view.index is not None and key.tokens:
-                view.index.add(np.asarray(key.tokens, dtype=np.int64), key.namespace, key.shared_len)
+                view.index.add(key.radix_key())
 
     def completed(self, replica: str, request_id: str) -> None:
         with self._lock:

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from radixserve.cache.base import BasePrefixCache, MatchResult
-from radixserve.cache.key import RadixKey
 from radixserve.scheduler.request import Request
 
 # Held when a request kept earlier in the round shares at least this many tokens
@@ -37,8 +36,7 @@ def match_request(req: Request, cache: BasePrefixCache) -> MatchResult:
     logits give the next token). Mutates the cache as ``match_prefix`` does
     (may split a node, refreshes access times); locks nothing.
     """
-    fill = req.fill_ids
-    result = cache.match_prefix(RadixKey(fill[: len(fill) - 1], req.extra_key, req.shared_len))
+    result = cache.match_prefix(req.match_key)
     req.match_len = len(result.indices)
     req.match_node = result.last_node
     return result
@@ -76,13 +74,13 @@ def hold_in_batch_duplicates(
     for req in ordered:
         if not matches_fresh:
             match_request(req, cache)
-        fill = req.fill_ids
+        match_key = req.match_key
         end = req.match_len + span
-        if len(fill) - 1 < end:  # fewer than a span of uncached tokens: nothing worth waiting for
+        if len(match_key) < end:  # fewer than a span of uncached tokens: nothing worth waiting for
             kept.append(req)
             continue
-        namespace = None if req.match_len < req.shared_len else req.extra_key  # still in a shared head?
-        key = (namespace, id(req.match_node), fill[req.match_len : end].tobytes())
+        namespace = match_key.namespace_at(req.match_len)  # None while still in a shared head
+        key = (namespace, id(req.match_node), match_key.token_ids[req.match_len : end].tobytes())
         if key in seen:
             held.append(req)
         else:

@@ -230,8 +230,7 @@ class Scheduler:
 
     def _admit(self, req: Request, adder: PrefillAdder) -> bool:
         fill = req.fill_ids
-        # Match at most len - 1 tokens: the last one must run to produce logits.
-        kv = self.cache.open_request(fill[: len(fill) - 1], req.extra_key, req.priority, req.shared_len)
+        kv = self.cache.open_request(req.match_key, req.priority)  # never the last token: it must run
         matched = len(kv.token_ids)
         if not adder.add(req, kv, len(fill)):
             self.cache.cache_finished_req(kv, is_insert=False)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixserve.cache.base import CacheReq
+from radixserve.cache.key import RadixKey
 from radixserve.core import ErrorKind, FinishReason, GenerateResult, SamplingParams, TopLogprobs
 from radixserve.model.sampling import SamplingState
 
@@ -83,6 +84,15 @@ class Request:
         if not self.output_ids:
             return self.prompt_ids
         return np.concatenate([self.prompt_ids, np.asarray(self.output_ids, dtype=np.int64)])
+
+    @property
+    def match_key(self) -> RadixKey:
+        """What admission looks up in the cache: ``fill_ids`` but the last token, in the request's namespaces.
+
+        The last token always runs (its logits give the next token), so it is never matched.
+        """
+        fill = self.fill_ids
+        return RadixKey(fill[: len(fill) - 1], self.extra_key, self.shared_len)
 
     def result(self) -> GenerateResult:
         assert self.finish_reason is not None and self.finish_time is not None

@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, params
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -100,8 +100,8 @@ def identify(tenancy: Tenancy) -> Callable[[Request], object]:
     return check
 
 
-def generation_router(state: ServerState, auth: list[object]) -> APIRouter:
-    router = APIRouter(dependencies=auth)  # type: ignore[arg-type]
+def generation_router(state: ServerState, auth: Sequence[params.Depends]) -> APIRouter:
+    router = APIRouter(dependencies=auth)
     tenancy = state.tenancy
 
     @router.post("/v1/completions")

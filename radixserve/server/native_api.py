@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from radixserve.core import GenerateResult, SamplingParams
+from radixserve.core import GenerateResult, SamplingParams, is_token_ids
 from radixserve.scheduler.request import Request
 from radixserve.server.errors import APIError, error_event, raise_first_error
 from radixserve.server.generation import Generation, ServerState, TextStream, finish_unless_disconnected
@@ -61,8 +61,8 @@ class NativeCall:
                 raise APIError(400, "the prompt is empty", "empty_prompt", "text")
             return await self.state.tokenize(lambda tok: [tok.encode(t) for t in texts], texts, "text")
         ids = body.input_ids or []
-        self.single = not ids or isinstance(ids[0], int)
-        return [list(ids)] if self.single else [list(p) for p in ids]  # type: ignore[arg-type]
+        self.single = is_token_ids(ids)
+        return [list(ids)] if is_token_ids(ids) else [list(p) for p in ids]
 
     async def begin(self) -> Generation:
         body = self.body

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from radixserve.core import GenerateResult
+from radixserve.core import GenerateResult, is_texts, is_token_ids
 from radixserve.server.errors import APIError, error_event, raise_first_error
 from radixserve.server.generation import Generation, ServerState, TextStream, finish_unless_disconnected
 from radixserve.server.logprobs import LogprobCursor, Released, final_visible, whole
@@ -192,21 +192,16 @@ class CompletionCall(OpenAICall):
 
     async def begin(self) -> Generation:
         body = self.body
-        raw = body.prompt
-        if isinstance(raw, str):
-            texts: list[str] | None = [raw]
-        elif raw and all(isinstance(p, str) for p in raw):
-            texts = list(raw)  # type: ignore[arg-type]
-        else:
-            texts = None
-        if texts is not None:
+        raw = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if is_texts(raw):
+            texts = list(raw)
             if any(not t for t in texts):
                 raise APIError(400, "the prompt is empty", "empty_prompt", "prompt")
             prompts = await self.state.tokenize(lambda tok: [tok.encode(t) for t in texts], texts, "prompt")
-        elif raw and isinstance(raw[0], list):
-            prompts = [list(p) for p in raw]  # type: ignore[arg-type]
+        elif is_token_ids(raw):
+            prompts = [list(raw)]
         else:
-            prompts = [list(raw)]  # type: ignore[arg-type]
+            prompts = [list(p) for p in raw]
         if not prompts:
             raise APIError(400, "the prompt is empty", "empty_prompt", "prompt")
         if body.echo and body.logprobs:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from radixserve.cache import BasePrefixCache, CacheReq
+from radixserve.cache import BasePrefixCache, CacheReq, RadixKey
 
 _fresh = itertools.count(1_000_000)
 
@@ -24,7 +24,7 @@ def counter_clock() -> Callable[[], float]:
 
 def start(cache: BasePrefixCache, token_ids: Sequence[int], extra_key: str | None = None) -> CacheReq:
     """A live request: cached prefix matched and locked, the rest allocated."""
-    req = cache.open_request(token_ids, extra_key)
+    req = cache.open_request(RadixKey(token_ids, extra_key))
     assert cache.extend_request(req, np.asarray(token_ids[len(req.kv_indices) :])), "pool too small"
     return req
 

@@ -230,7 +230,7 @@ def apply_events(resident: set[BlockKey], events: list[KVEvent], block_size: int
     for event in events:
         assert len(event.block_hashes) == (event.end - event.start) // block_size
         for end in range(event.start + block_size, event.end + 1, block_size):
-            key = (event.extra_key, tuple(event.prefix[:end].tolist()))
+            key = (event.extra_key, tuple(event.key.token_ids[:end].tolist()))
             if event.kind == "store":
                 assert key not in resident, f"stored twice: {key}"
                 resident.add(key)
@@ -377,7 +377,7 @@ class BlockMachine(RuleBasedStateMachine):
     def open_request(self, data: st.DataObject) -> None:
         ns, token_ids = self.draw_key(data)
         arr = np.asarray(token_ids, dtype=np.int64)
-        req = self.cache.open_request(arr, ns)
+        req = self.cache.open_request(RadixKey(arr, ns))
         assert req.kv_indices.tolist() == self.ref.match(ns, arr), "match differs from brute force"
         self.ref.lock(ns, self.locked(req), +1)
         if self.cache.extend_request(req, arr[len(req.kv_indices) :]):

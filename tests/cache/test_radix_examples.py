@@ -183,7 +183,7 @@ def test_slru_protects_nodes_hit_twice() -> None:
 def test_priority_policy_evicts_low_priority_first() -> None:
     cache = make_cache(64, policy="priority")
     for prompt, priority in (([1, 2], 5), ([3, 4], 0)):
-        req = cache.open_request(prompt)
+        req = cache.open_request(RadixKey(prompt))
         req.priority = priority
         assert cache.extend_request(req, np.asarray(prompt))
         cache.cache_finished_req(req)

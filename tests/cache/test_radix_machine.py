@@ -104,7 +104,7 @@ class RadixMachine(RuleBasedStateMachine):
         locked = self.locked_pages()
         removed: list[PageKey] = []
         for event in events:
-            pages = self.pages_of(event.extra_key, event.prefix)[event.start // self.page_size :]
+            pages = self.pages_of(event.extra_key, event.key.token_ids)[event.start // self.page_size :]
             assert len(event.block_hashes) == len(pages)
             if event.kind == "store":
                 assert all(pg in self.model for pg in pages), "store event for pages the model lacks"
@@ -153,7 +153,7 @@ class RadixMachine(RuleBasedStateMachine):
         ns, token_ids = data.draw(key_strategy(self.page_size))
         arr = np.asarray(token_ids, dtype=np.int64)
         expected = self.expected_match(ns, arr)
-        req = self.cache.open_request(arr, ns, priority=data.draw(st.integers(0, 2)))
+        req = self.cache.open_request(RadixKey(arr, ns), priority=data.draw(st.integers(0, 2)))
         assert req.kv_indices.tolist() == expected, "match differs from brute force"
         if self.cache.extend_request(req, arr[len(expected) :]):
             self.live.append(req)
@@ -165,7 +165,7 @@ class RadixMachine(RuleBasedStateMachine):
         """A whole request at once: the common case, and what grows the tree."""
         ns, token_ids = data.draw(key_strategy(self.page_size))
         arr = np.asarray(token_ids, dtype=np.int64)
-        req = self.cache.open_request(arr, ns, priority=data.draw(st.integers(0, 2)))
+        req = self.cache.open_request(RadixKey(arr, ns), priority=data.draw(st.integers(0, 2)))
         assert req.kv_indices.tolist() == self.expected_match(ns, arr), "match differs from brute force"
         if self.cache.extend_request(req, arr[len(req.kv_indices) :]):
             self.model_insert(req)

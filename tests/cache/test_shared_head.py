@@ -34,7 +34,7 @@ def reference_match(cached: list[list[tuple[str | None, int]]], key: list[tuple[
 
 
 def serve(cache: RadixCache, tokens: list[int], ns: str | None, shared_len: int) -> int:
-    req = cache.open_request(np.asarray(tokens), ns, shared_len=shared_len)
+    req = cache.open_request(RadixKey(tokens, ns, shared_len))
     hit = req.cache_protected_len
     assert cache.extend_request(req, np.asarray(tokens[hit:]))
     cache.cache_finished_req(req)
@@ -102,3 +102,40 @@ def test_events_hash_the_head_in_the_shared_namespace() -> None:
     [public] = unsalted.events.drain()  # type: ignore[union-attr]
     assert a.block_hashes[: len(PUBLIC)] == public.block_hashes  # the head hashes as shared
     assert b.start == len(PUBLIC) and b.block_hashes != a.block_hashes[len(PUBLIC) :]  # private parts differ
+
+
+def test_a_request_key_keeps_its_shared_head_while_it_grows_chunk_by_chunk() -> None:
+    cache = RadixCache(TokenAllocator(1024), enable_kv_events=True)
+    req = cache.open_request(RadixKey(PUBLIC + [40, 41], "tenant-a", len(PUBLIC)))  # cold: nothing matched
+    assert len(req.key) == 0 and req.key.shared_len == 0
+    assert cache.extend_request(req, PUBLIC[:3])  # the first chunk stops inside the head
+    cache.cache_unfinished_req(req)
+    assert req.key.shared_len == 3
+    assert cache.extend_request(req, PUBLIC[3:] + [40, 41])
+    assert req.key.shared_len == len(PUBLIC) and req.key.namespace_at(len(PUBLIC)) == "tenant-a"
+    cache.cache_finished_req(req)
+    cache.check_invariants()
+    # another tenant finds the head, which the chunked request cached as shared
+    assert serve(cache, PUBLIC + [40, 41], "tenant-b", len(PUBLIC)) == len(PUBLIC)
+
+
+def test_a_removed_private_leaf_is_announced_under_the_head_above_it() -> None:
+    cache = RadixCache(TokenAllocator(1024), enable_kv_events=True)
+    serve(cache, PUBLIC + [40, 41], "tenant-a", len(PUBLIC))
+    [stored] = cache.events.drain()  # type: ignore[union-attr]
+    [leaf] = [node for node in cache.nodes() if node.key.extra_key == "tenant-a"]
+    path = cache._path_key(leaf)
+    assert (path.extra_key, path.shared_len, path.token_ids.tolist()) == ("tenant-a", len(PUBLIC), PUBLIC + [40, 41])
+    cache.evict(2)  # the private leaf only
+    [removed] = cache.events.drain()  # type: ignore[union-attr]
+    assert removed.kind == "remove" and removed.start == len(PUBLIC)
+    assert removed.block_hashes == stored.block_hashes[len(PUBLIC) :]  # the same pages, hashed the same way
+
+
+def test_join_of_one_namespace_edges() -> None:
+    head, tail = RadixKey(PUBLIC), RadixKey([40, 41], "t")
+    assert RadixKey.join([]).token_ids.tolist() == []
+    assert RadixKey.join([head]).shared_len == 0  # all shared: no split to record
+    joined = RadixKey.join([head, tail])
+    assert (joined.extra_key, joined.shared_len, joined.head_len) == ("t", len(PUBLIC), len(PUBLIC))
+    assert list(joined.page_hashes(2)) == list(RadixKey(PUBLIC + [40, 41], "t", len(PUBLIC)).page_hashes(2))

@@ -26,6 +26,7 @@ import pytest
 import uvicorn
 
 from radixserve.bench.server_process import free_port
+from radixserve.cache import RadixKey
 from radixserve.engine import Engine
 from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.kv_events.subscriber import KVEventSubscriber
@@ -133,7 +134,7 @@ def test_a_router_rebuilds_hashes_for_a_prompt_from_token_ids(tiny_model_dir: Pa
             body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}}
             assert httpx.post(url + "/generate", json=body, timeout=60).status_code == 200
             wait_for(lambda: (router.poll(50), router.last_seq == publisher.seq)[1], "the stored event")
-            assert set(block_hashes(np.asarray(prompt), None, BLOCK)) <= router.blocks
+            assert set(block_hashes(RadixKey(prompt), BLOCK)) <= router.blocks
         finally:
             router.close()
 

@@ -7,6 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from radixserve.cache import RadixKey
 from radixserve.router.choice import PrefixIndex, RouterConfig, choose_replica, imbalanced
 
 CONFIG = RouterConfig(abs_threshold=4, rel_threshold=1.5, min_match_fraction=0.25)
@@ -43,9 +44,9 @@ def test_bad_input_is_an_error() -> None:
 def test_prefix_index_matches_what_was_routed_per_namespace_and_forgets_lru() -> None:
     index = PrefixIndex(capacity=64)
     system = np.arange(3, 43)  # 40 tokens
-    index.add(np.concatenate([system, [100, 101]]))
-    assert index.match(np.concatenate([system, [200]])) == 40
-    assert index.match(np.concatenate([system, [200]]), namespace="tenant") == 0  # namespaces never match
-    index.add(np.arange(500, 560))  # 60 more tokens: the pool holds 64, the older prefix goes
-    assert index.match(np.concatenate([system, [200]])) < 40
+    index.add(RadixKey(np.concatenate([system, [100, 101]])))
+    assert index.match(RadixKey(np.concatenate([system, [200]]))) == 40
+    assert index.match(RadixKey(np.concatenate([system, [200]]), "tenant")) == 0  # namespaces never match
+    index.add(RadixKey(np.arange(500, 560)))  # 60 more tokens: the pool holds 64, the older prefix goes
+    assert index.match(RadixKey(np.concatenate([system, [200]]))) < 40
     index.cache.check_invariants()

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from radixserve.cache import RadixCache
+from radixserve.cache import RadixCache, RadixKey
 from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.kv_events.wire import block_hashes
 from radixserve.memory import TokenAllocator
@@ -255,7 +255,7 @@ class Replica:
 
     def serve(self, prompt: Sequence[int], namespace: str | None = None, shared_len: int = 0) -> None:
         tokens = np.asarray(prompt, dtype=np.int64)
-        req = self.cache.open_request(tokens, namespace, shared_len=shared_len)
+        req = self.cache.open_request(RadixKey(tokens, namespace, shared_len))
         assert self.cache.extend_request(req, tokens[len(req.token_ids) :])
         self.cache.cache_finished_req(req)
         self.publish()
@@ -280,7 +280,7 @@ def replica() -> Iterator[Replica]:
 
 
 def blocks_of(*prompts: tuple[Sequence[int], str | None, int]) -> set[int]:
-    return {h for tokens, ns, shared in prompts for h in block_hashes(np.asarray(tokens), ns, BLOCK, shared_len=shared)}
+    return {h for tokens, ns, shared in prompts for h in block_hashes(RadixKey(tokens, ns, shared), BLOCK)}
 
 
 def test_a_late_router_rebuilds_the_index_from_a_snapshot_then_follows(replica: Replica) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from radixserve import Engine
-from radixserve.cache import RadixCache
+from radixserve.cache import RadixCache, RadixKey
 from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.kv_events.subscriber import KVEventSubscriber
 from radixserve.kv_events.wire import block_hashes
@@ -30,8 +30,7 @@ def expected_blocks(cache: RadixCache) -> set[int]:
     blocks: set[int] = set()
     for node in cache.nodes():
         if not node.children:
-            path = cache._path_tokens(node)
-            blocks.update(block_hashes(path, node.key.extra_key, BLOCK, shared_len=cache._shared_depth(node)))
+            blocks.update(block_hashes(cache._path_key(node), BLOCK))
     return blocks
 
 
@@ -137,7 +136,7 @@ def test_the_server_publishes_blocks_a_router_recomputes_from_token_ids(tiny_mod
         assert httpx.post(proc.url + "/generate", json=body, timeout=60).status_code == 200
         subscriber.poll(500)
         subscriber.catch_up()  # whatever the SUB socket missed while joining
-        wanted = block_hashes(np.asarray(prompt), None, BLOCK)
+        wanted = block_hashes(RadixKey(prompt), BLOCK)
         assert set(wanted) <= subscriber.blocks
         assert httpx.post(proc.url + "/flush_cache", timeout=30).status_code == 200
         time.sleep(0.6)  # the scheduler publishes within its 0.5 s idle wait
