@@ -71,21 +71,23 @@ def _one_slot(allocator: TokenAllocator) -> np.ndarray:
 
 
 def decode_tok_s(engine: Engine, batch: int, context_len: int, steps: int, rng: np.random.Generator) -> float:
-    """Aggregate tokens/s of ``steps`` decode steps for ``batch`` requests at ``context_len`` tokens."""
+    """Aggregate tokens/s of a decode step (the median of ``steps``) for ``batch`` requests at ``context_len``."""
     runner, allocator = engine.executor.runner, engine.allocator
     contexts = [allocator.alloc(context_len) for _ in range(batch)]
     assert all(c is not None for c in contexts), "pool too small"
     ctx: list[np.ndarray] = [c for c in contexts if c is not None]
     tokens = rng.integers(0, engine.loaded.config.vocab_size, batch)
     runner.forward([StepInput([int(t)], c) for t, c in zip(tokens, ctx)], "decode")  # warm-up
-    t0 = time.perf_counter()
+    seconds = []
     for _ in range(steps):
         ctx = [np.concatenate([c, _one_slot(allocator)]) for c in ctx]
+        t0 = time.perf_counter()
         logits = runner.forward([StepInput([int(t)], c) for t, c in zip(tokens, ctx)], "decode")
+        seconds.append(time.perf_counter() - t0)
         tokens = logits.argmax(-1).numpy()
-    elapsed = time.perf_counter() - t0
     allocator.free(np.concatenate(ctx))
-    return batch * steps / elapsed
+    # The median step: on a shared machine a step that lost its core to another job is an outlier.
+    return batch / float(np.median(seconds))
 
 
 def measure(options: dict[str, str], args: argparse.Namespace, batches: list[int], threads: int) -> dict[str, str]:
