@@ -111,8 +111,9 @@ def measure(
     round: the machine's load drifts over minutes, and interleaving spreads it over every column."""
     engines = {name: build(COLUMNS[name], args, batches) for name in dict.fromkeys(name for name, _ in runs)}
     best: list[dict[str, float]] = [{} for _ in runs]
-    for _ in range(rounds):
-        for cells, (name, threads) in zip(best, runs):
+    for round_ in range(rounds):
+        order = list(zip(best, runs))
+        for cells, (name, threads) in order if round_ % 2 == 0 else order[::-1]:  # a load trend hits all alike
             for key, value in speeds(engines[name], threads, args, batches).items():
                 cells[key] = max(cells.get(key, 0.0), value)
     table = []
