@@ -11,7 +11,7 @@ from radixserve.cache import PREFIX_CACHES
 from radixserve.cache.policy import EVICTION_POLICIES
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import DTYPES as DTYPES  # re-exported: server/args.py builds --dtype from it
-from radixserve.model.precision import resolve_dtype
+from radixserve.model.precision import KV_CACHE_DTYPES, resolve_dtype
 from radixserve.model.quant import QUANTIZATIONS
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
 
@@ -32,6 +32,7 @@ class EngineConfig:
     chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts go in chunks
     enable_mixed_chunk: bool = False  # one forward per step: the prefill chunk and every running decode
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32
+    kv_cache_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16: the KV pool's own dtype
     quantization: str = "none"  # none | int8 (weight-only, per-channel scales)
     attention_backend: str = "auto"  # auto | paged (in place, CPU kernel) | reference (gather + SDPA)
     device: str = "auto"  # auto: cuda when present, else cpu
@@ -50,6 +51,7 @@ class EngineConfig:
             (self.max_total_tokens is None or self.max_total_tokens >= 16, "max_total_tokens must be >= 16"),
             (self.max_running_requests >= 1 and self.chunked_prefill_size >= 1, "limits must be >= 1"),
             (self.dtype == "auto" or self.dtype in DTYPES, f"dtype must be auto or one of {sorted(DTYPES)}"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}"),
             (self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}"),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device: auto|cpu|cuda[:N]"),

@@ -29,6 +29,7 @@ from radixserve.engine.config import EngineConfig, default_pool_tokens
 from radixserve.engine.step import StepExecutor
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.loader import LoadedModel, load_model
+from radixserve.model.precision import resolve_kv_cache_dtype
 from radixserve.model.quant import weight_bytes
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.loop import Scheduler
@@ -59,8 +60,9 @@ class Engine:
         )
         self.tokenizer = self.loaded.tokenizer
         model = self.loaded.config
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         pool_tokens = config.max_total_tokens or default_pool_tokens(
-            KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype), self.device
+            KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype), self.device
         )
         self.cache = create_prefix_cache(
             config.prefix_cache,
@@ -76,7 +78,7 @@ class Engine:
             self.allocator.size + self.allocator.page_size,
             model.num_kv_heads,
             model.head_dim,
-            dtype,
+            kv_dtype,
             self.device,
         )
         eos = tuple(model.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
@@ -257,7 +259,8 @@ class Engine:
             **dataclasses.asdict(self.config),
             "resolved_model_path": str(self.loaded.path),
             "resolved_device": str(self.device),
-            "resolved_dtype": str(self.kv_pool.dtype).removeprefix("torch."),
+            "resolved_dtype": str(self.loaded.model.dtype).removeprefix("torch."),
+            "resolved_kv_cache_dtype": str(self.kv_pool.dtype).removeprefix("torch."),
             "dtype_reason": self.dtype_reason,
             "resolved_attention_backend": self.loaded.model.attention_backend,
             "weight_bytes": weight_bytes(self.loaded.model),

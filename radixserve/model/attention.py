@@ -31,7 +31,7 @@ from radixserve.memory.kv_pool import KVPool
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace, grouped_matmul_attention
-from radixserve.model.layers import apply_rotary
+from radixserve.model.layers import apply_rotary, linear_add
 from radixserve.model.paged_kernel import PagedIndex, paged_attention
 
 
@@ -156,15 +156,17 @@ class Attention(nn.Module):
         out_slots: torch.Tensor,
         plan: AttentionPlan,
         kv_pool: KVPool,
+        residual: torch.Tensor,
     ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; writes the new tokens' K/V at ``out_slots`` first."""
-        q, k, v = torch.split(self.qkv_proj(x), self.split_sizes, dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        kv_pool.write(self.layer_id, out_slots, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        """x [T, hidden] -> residual + attention(x) [T, hidden]; writes the new tokens' K/V at ``out_slots`` first."""
+        qkv = self.qkv_proj(x)
+        num_rows, qk_size = x.shape[0], self.split_sizes[0] + self.split_sizes[1]
+        # q and k are adjacent in the fused output: rotate both heads-wise in one set of ops.
+        qk = apply_rotary(qkv[:, :qk_size].view(num_rows, -1, self.head_dim), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        kv_pool.write(self.layer_id, out_slots, k, qkv[:, qk_size:].view(num_rows, self.num_kv_heads, self.head_dim))
         out = self._attend(q, plan, kv_pool)
-        result: torch.Tensor = self.o_proj(out.reshape(x.shape[0], -1))
-        return result
+        return linear_add(self.o_proj, out.reshape(num_rows, -1), residual)
 
     def _extend_one(
         self, q: torch.Tensor, span: ExtendSpan, workspace: GatherWorkspace, kv_pool: KVPool

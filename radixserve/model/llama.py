@@ -46,8 +46,8 @@ class DecoderLayer(nn.Module):
         kv_pool: KVPool,
     ) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, out_slots, plan, kv_pool)
-        out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(h), cos, sin, out_slots, plan, kv_pool, residual=h)
+        out: torch.Tensor = self.mlp(self.post_attention_layernorm(h), residual=h)
         return out
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:

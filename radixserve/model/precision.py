@@ -14,6 +14,16 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV pool's own dtype (SGLang's --kv-cache-dtype): auto = the model's. bfloat16 under float32
+# weights holds twice the tokens per GiB, and the paged kernel reads half the bytes per key.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's dtype for ``requested`` (one of KV_CACHE_DTYPES) under weights in ``model_dtype``."""
+    if requested not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
+    return model_dtype if requested == "auto" else DTYPES[requested]
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from radixserve.cache.policy import EVICTION_POLICIES
 from radixserve.engine import DTYPES, EngineConfig
 from radixserve.kv_events.config import KVEventsConfig, parse_kv_events_config
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
+from radixserve.model.precision import KV_CACHE_DTYPES
 from radixserve.model.quant import QUANTIZATIONS
 from radixserve.router.choice import ROUTER_INDEXES, ROUTER_POLICIES
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
@@ -145,7 +146,13 @@ def _model_flags(model: argparse._ArgumentGroup, d: EngineConfig) -> None:
         "--dtype",
         default=d.dtype,
         choices=["auto", *DTYPES],
-        help="weights and KV cache; auto = bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32",
+        help="weights (and KV unless --kv-cache-dtype); auto = bfloat16 on CUDA, AMX or AVX512-BF16 CPUs, else fp32",
+    )
+    model.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="the KV pool's dtype; auto = --dtype. bfloat16 under float32 weights: 2x tokens per GiB",
     )
     model.add_argument(
         "--quantization",
