@@ -7,7 +7,27 @@ tie by node id, which makes the order deterministic under an injected clock.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from radixserve.cache.adaptive import AdaptiveCandidates
+from radixserve.cache.candidates import CandidateHeap, CandidateSet, Rank
+
+
+@dataclass(frozen=True)
+class CandidateHooks:
+    """What a node set (a tree, a tier) tells a policy that learns from its evictions (see adaptive.py).
+
+    ``ghost_key(node)``: where the node hangs (its parent and first page), the key a later lookup that
+    stops there passes to ``note_miss``; ``node_len``: its tokens; ``clock``: the tree's clock;
+    ``capacity_len``: the tokens the set can hold (ghosts remember at most that many).
+    """
+
+    ghost_key: Callable[[Any], Hashable]
+    node_len: Callable[[Any], int]
+    clock: Callable[[], float]
+    capacity_len: int
 
 
 class NodeStats(Protocol):
@@ -17,9 +37,6 @@ class NodeStats(Protocol):
     priority: int
 
 
-Rank = tuple[float, ...]
-
-
 class EvictionStrategy(ABC):
     #: True when a node's rank can only go up (later access, more hits, higher priority),
     #: which lets the candidate heap re-rank lazily.
@@ -27,6 +44,10 @@ class EvictionStrategy(ABC):
 
     @abstractmethod
     def rank(self, node: NodeStats) -> Rank: ...
+
+    def candidate_set(self, tie_break: Callable[[Any], int], hooks: CandidateHooks) -> CandidateSet[Any]:
+        """A fresh, empty candidate set ranked by this strategy (one per tree, rebuilt on reset)."""
+        return CandidateHeap(self.rank, tie_break, self.rank_only_grows)
 
 
 class LRUStrategy(EvictionStrategy):
@@ -72,6 +93,28 @@ class PriorityStrategy(EvictionStrategy):
         return (node.priority, node.last_access_time)
 
 
+class AdaptiveStrategy(EvictionStrategy):
+    """Recency or frequency, whichever the workload rewards: LRU within log2 hit classes, the classes
+    compared at ``last_access_time + class * shift`` with ``shift`` learned from ghosts (see adaptive.py)."""
+
+    NUM_CLASSES = 4  # hits 0, 1, 2-3, 4+
+    LEARNING_RATE = 3.0  # see AdaptiveCandidates.note_miss
+
+    def rank(self, node: NodeStats) -> Rank:
+        return (node.last_access_time,)  # within a class; across classes the candidate set adds the shift
+
+    def candidate_set(self, tie_break: Callable[[Any], int], hooks: CandidateHooks) -> CandidateSet[Any]:
+        return AdaptiveCandidates(
+            tie_break,
+            hooks.ghost_key,
+            hooks.node_len,
+            hooks.clock,
+            hooks.capacity_len,
+            self.NUM_CLASSES,
+            self.LEARNING_RATE,
+        )
+
+
 EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
     "lru": LRUStrategy,
     "mru": MRUStrategy,
@@ -80,6 +123,7 @@ EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
     "lfu": LFUStrategy,
     "slru": SLRUStrategy,
     "priority": PriorityStrategy,
+    "adaptive": AdaptiveStrategy,
 }
 
 
