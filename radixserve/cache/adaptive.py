@@ -61,7 +61,7 @@ class AdaptiveCandidates(Generic[T]):
         size: Callable[[T], int],
         clock: Callable[[], float],
         ghost_capacity_len: int,
-        num_classes: int = 4,
+        num_classes: int = 3,
         learning_rate: float = 3.0,
     ) -> None:
         if num_classes < 2:

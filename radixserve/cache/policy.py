@@ -14,6 +14,8 @@ from typing import Any, Protocol
 from radixserve.cache.adaptive import AdaptiveCandidates
 from radixserve.cache.candidates import CandidateHeap, CandidateSet, Rank
 
+__all__ = ["EVICTION_POLICIES", "CandidateHooks", "EvictionStrategy", "NodeStats", "Rank", "create_eviction_strategy"]
+
 
 @dataclass(frozen=True)
 class CandidateHooks:
@@ -97,7 +99,7 @@ class AdaptiveStrategy(EvictionStrategy):
     """Recency or frequency, whichever the workload rewards: LRU within log2 hit classes, the classes
     compared at ``last_access_time + class * shift`` with ``shift`` learned from ghosts (see adaptive.py)."""
 
-    NUM_CLASSES = 4  # hits 0, 1, 2-3, 4+
+    NUM_CLASSES = 3  # hits 0, 1, 2+ (a fourth class, 4+, protected stale counts too long in the replays)
     LEARNING_RATE = 3.0  # see AdaptiveCandidates.note_miss
 
     def rank(self, node: NodeStats) -> Rank:

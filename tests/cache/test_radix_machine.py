@@ -37,10 +37,10 @@ EXPECTED_RANK: dict[str, Any] = {
 
 
 def adaptive_rank(shift: float) -> Any:
-    """LRU within hit classes 0, 1, 2-3, 4+; a class c leaf is compared ``c * shift`` clock units later."""
+    """LRU within hit classes 0, 1, 2+; a class c leaf is compared ``c * shift`` clock units later."""
 
     def rank(n: TreeNode) -> tuple[float, int]:
-        hit_class = 0 if n.hit_count == 0 else 1 if n.hit_count == 1 else 2 if n.hit_count < 4 else 3
+        hit_class = min(n.hit_count, 2)
         return (n.last_access_time + hit_class * shift, n.id)
 
     return rank
