@@ -31,7 +31,7 @@ EXPECTED_RANK: dict[str, Any] = {
     "fifo": lambda n: (n.creation_time, n.id),
     "filo": lambda n: (-n.creation_time, n.id),
     "lfu": lambda n: (n.hit_count, n.last_access_time, n.id),
-    "slru": lambda n: (n.hit_count >= 2, n.last_access_time, n.id),
+    "slru": lambda n: (n.hit_count >= 1, n.last_access_time, n.id),
     "priority": lambda n: (n.priority, n.last_access_time, n.id),
 }
 
