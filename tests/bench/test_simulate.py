@@ -119,6 +119,8 @@ def test_simulate_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
             "0.25,1.0",
             "--concurrency",
             "4",
+            "--repeat",
+            "2",
             "--caches",
             "radix-lru-p1,radix-lfu-p1,radix-adaptive-p1,radix-lru-p16,block-16,none,belady",
             "--output-dir",
