@@ -2,6 +2,13 @@
 
 Ranks are tuples so ties fall through to recency; the tree breaks any remaining
 tie by node id, which makes the order deterministic under an injected clock.
+
+A strategy also builds the candidate set a node store keeps its evictable
+leaves in (``candidate_set``): a ranked heap for the fixed policies, the
+class heaps and ghosts of ``adaptive.py`` for ``adaptive``. Any store (the
+radix tree, a host or disk tier) can use any policy: it calls ``add`` /
+``discard`` / ``refresh`` as nodes become, stop being or change as
+candidates, ``pop`` to evict, and ``note_miss`` where a lookup stops.
 """
 
 from __future__ import annotations
