@@ -109,8 +109,13 @@ class PriorityStrategy(EvictionStrategy):
 
 
 class AdaptiveStrategy(EvictionStrategy):
-    """Recency or frequency, whichever the workload rewards: LRU within log2 hit classes, the classes
-    compared at ``last_access_time + class * shift`` with ``shift`` learned from ghosts (see adaptive.py)."""
+    """Recency or frequency, whichever the workload rewards (see adaptive.py).
+
+    LRU within hit classes (0, 1, 2+ reuses); the classes are compared at
+    ``last_access_time + class * shift``, ``shift`` learned online from ghosts
+    of evicted leaves: 0 (exactly LRU) on chat-like traces, large (LFU over the
+    classes) where a popular set is reused.
+    """
 
     NUM_CLASSES = 3  # hits 0, 1, 2+ (a fourth class, 4+, protected stale counts too long in the replays)
     LEARNING_RATE = 3.0  # see AdaptiveCandidates.note_miss
