@@ -77,9 +77,10 @@ def test_a_mixed_batch_equals_one_by_one(tiny_model_dir: Path) -> None:
     engine.check_idle_invariants()
 
 
-def test_a_tiny_pool_retracts_and_still_gives_the_same_tokens(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_a_tiny_pool_retracts_and_still_gives_the_same_tokens(tiny_model_dir: Path, policy: str) -> None:
     roomy = make_engine(tiny_model_dir)
-    tight = make_engine(tiny_model_dir, max_total_tokens=160)
+    tight = make_engine(tiny_model_dir, max_total_tokens=160, radix_eviction_policy=policy)
     params = {**GREEDY, "max_new_tokens": 30}
     expected = [r.output_ids for r in roomy.generate(input_ids=PROMPTS, sampling_params=params)]
     got = tight.generate(input_ids=PROMPTS, sampling_params=params)

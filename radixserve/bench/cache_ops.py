@@ -28,6 +28,7 @@ from radixserve.cache import BasePrefixCache, CacheReq, RadixKey, create_prefix_
 from radixserve.memory import TokenAllocator
 
 VARIANTS: dict[str, tuple[str, int]] = {"radix-p1": ("radix", 1), "radix-p16": ("radix", 16), "block-16": ("block", 16)}
+POLICIES = {"radix-adaptive-p1": ("radix", 1, "adaptive")}  # opt-in rows: another eviction policy than LRU
 PREFIX_LEN, TAIL_LEN = 2055, 32
 
 
@@ -50,10 +51,10 @@ class ReplayResult:
 
 
 def make_cache(variant: str, pool_tokens: int) -> BasePrefixCache:
-    kind, page_size = VARIANTS.get(variant, (variant, 1))
+    kind, page_size, policy = POLICIES.get(variant, (*VARIANTS.get(variant, (variant, 1)), "lru"))
     pool_tokens -= pool_tokens % 16
     allocator = TokenAllocator(pool_tokens, page_size if kind == "radix" else 1)
-    return create_prefix_cache(kind, allocator, page_size)
+    return create_prefix_cache(kind, allocator, page_size, policy)
 
 
 def _median_us(samples: list[int]) -> float:
@@ -142,7 +143,9 @@ def replay(variant: str, requests: list[TraceRequest], pool_tokens: int, window:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixserve bench cache-ops", description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1000,10000,100000", help="numbers of cached requests N")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"from {list(VARIANTS)} and 'none'")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"from {list(VARIANTS) + list(POLICIES)} and 'none'"
+    )
     parser.add_argument("--repeat", type=int, default=50, help="timed repeats per operation")
     parser.add_argument("--users", type=int, default=200, help="support-agent users in the replay")
     parser.add_argument("--pool-tokens", type=int, default=200_000, help="KV pool size for the replay")

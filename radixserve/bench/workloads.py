@@ -143,6 +143,7 @@ def rag(
     zipf_a: float = 1.1,
     seed: int = 0,
     vocab_size: int = VOCAB_SIZE,
+    shift_at: float | None = None,
 ) -> list[TraceRequest]:
     """Retrieval-augmented generation: system prompt + one document + a fresh question.
 
@@ -150,6 +151,9 @@ def rag(
     ``num_docs`` documents (``doc_len`` tokens; no two share a first token),
     picked by Zipf popularity: the document of rank r with probability
     proportional to 1 / r**zipf_a. Then ``question_len`` and ``output_len`` random tokens.
+    ``shift_at``: from that fraction of the requests on, the ranking is reversed
+    (the hot documents go cold and the coldest become hot): where counts of past
+    hits go stale.
     """
     if num_docs < 1:
         raise ValueError(f"num_docs must be >= 1, got {num_docs}")
@@ -158,6 +162,9 @@ def rag(
     docs = [_fresh(rng, head, _span(rng, doc_len), vocab_size) for head in _distinct_heads(rng, num_docs, vocab_size)]
     popularity = 1.0 / np.arange(1, num_docs + 1) ** zipf_a
     picks: npt.NDArray[np.int64] = rng.choice(num_docs, size=num_requests, p=popularity / popularity.sum())
+    if shift_at is not None:
+        first = int(num_requests * shift_at)
+        picks[first:] = num_docs - 1 - picks[first:]
     return [
         TraceRequest(
             np.concatenate([system, docs[doc], random_tokens(rng, _span(rng, question_len), vocab_size)]),
@@ -165,6 +172,11 @@ def rag(
         )
         for doc in picks.tolist()
     ]
+
+
+def rag_shift(num_requests: int = 1000, shift_at: float = 0.5, **params: Any) -> list[TraceRequest]:
+    """``rag`` whose popularity flips at ``shift_at`` (halfway): the hot documents change."""
+    return rag(num_requests=num_requests, shift_at=shift_at, **params)
 
 
 def branching(
@@ -268,6 +280,7 @@ WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
     "support-agent": support_agent,
     "fewshot-burst": fewshot_burst,
     "rag": rag,
+    "rag-shift": rag_shift,
     "branching": branching,
     "generated-shared-prefix": generated_shared_prefix,
     "no-sharing": no_sharing,
@@ -279,6 +292,7 @@ _SIZES: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
     "support-agent": ("num_users", lambda p: int(p["turns_per_user"])),
     "fewshot-burst": ("num_requests", lambda p: int(p["num_bursts"])),
     "rag": ("num_requests", lambda p: 1),
+    "rag-shift": ("num_requests", lambda p: 1),
     "branching": ("num_trees", lambda p: sum(int(p["fanout"]) ** i for i in range(int(p["depth"])))),
     "generated-shared-prefix": ("num_groups", lambda p: int(p["prompts_per_group"])),
     "no-sharing": ("num_requests", lambda p: 1),

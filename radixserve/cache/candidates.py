@@ -15,11 +15,24 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, TypeVar, cast
-
-from radixserve.cache.policy import Rank
+from typing import Generic, Protocol, TypeVar, cast
 
 T = TypeVar("T", bound=Hashable)
+Rank = tuple[float, ...]
+
+
+class CandidateSet(Protocol[T]):
+    """What a tree needs of its eviction candidates (``CandidateHeap``, ``AdaptiveCandidates``)."""
+
+    def __len__(self) -> int: ...
+    def __contains__(self, member: T) -> bool: ...
+    def __iter__(self) -> Iterator[T]: ...
+    def add(self, member: T) -> None: ...
+    def discard(self, member: T) -> None: ...
+    def refresh(self, member: T) -> None: ...
+    def pop(self) -> T | None: ...
+    def note_miss(self, ghost_key: Hashable, now: float) -> None: ...
+    def check(self) -> None: ...
 
 
 class CandidateHeap(Generic[T]):
@@ -59,24 +72,38 @@ class CandidateHeap(Generic[T]):
         if self._entry[member][1] != self._rank(member):
             self._push(member)
 
+    def note_miss(self, ghost_key: Hashable, now: float) -> None:
+        """A lookup stopped where ``ghost_key`` would have continued; only adaptive sets learn from it."""
+
     def pop(self) -> T | None:
         """Remove and return the lowest-ranked member, or None when there is none."""
+        if self.peek() is None:
+            return None
+        member = cast(T, heapq.heappop(self._heap)[-1])
+        del self._entry[member]
+        self._members.discard(member)
+        return member
+
+    def peek(self) -> T | None:
+        """The lowest-ranked member (left in place), or None; drops stale entries on the way."""
         while self._heap:
-            popped = heapq.heappop(self._heap)
-            rank, version, member = cast(Rank, popped[:-3]), popped[-2], cast(T, popped[-1])
+            top = self._heap[0]
+            rank, version, member = cast(Rank, top[:-3]), top[-2], cast(T, top[-1])
             entry = self._entry.get(member)
+            if entry is not None and entry[0] == version and member in self._members and self._rank(member) == rank:
+                return member
+            heapq.heappop(self._heap)
             if entry is None or entry[0] != version:
                 continue  # superseded by a newer entry
             if member not in self._members:
                 del self._entry[member]  # it re-enters through add() if it becomes a candidate again
                 continue
-            if self._rank(member) != rank:
-                self._push(member)  # ranked up since this entry was made: go back in at the true rank
-                continue
-            del self._entry[member]
-            self._members.discard(member)
-            return member
+            self._push(member)  # ranked up since this entry was made: go back in at the true rank
         return None
+
+    def peek_key(self) -> tuple[object, ...]:
+        """The heap key of ``peek()``'s member: (*rank, tie-break); call right after a non-None peek."""
+        return self._heap[0][:-2]
 
     def check(self) -> None:
         """Every member has a live entry that surfaces no later than its true rank."""

@@ -2,12 +2,41 @@
 
 Ranks are tuples so ties fall through to recency; the tree breaks any remaining
 tie by node id, which makes the order deterministic under an injected clock.
+
+A strategy also builds the candidate set a node store keeps its evictable
+leaves in (``candidate_set``): a ranked heap for the fixed policies, the
+class heaps and ghosts of ``adaptive.py`` for ``adaptive``. Any store (the
+radix tree, a host or disk tier) can use any policy: it calls ``add`` /
+``discard`` / ``refresh`` as nodes become, stop being or change as
+candidates, ``pop`` to evict, and ``note_miss`` where a lookup stops.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from radixserve.cache.adaptive import AdaptiveCandidates
+from radixserve.cache.candidates import CandidateHeap, CandidateSet, Rank
+
+__all__ = ["EVICTION_POLICIES", "CandidateHooks", "EvictionStrategy", "NodeStats", "Rank", "create_eviction_strategy"]
+
+
+@dataclass(frozen=True)
+class CandidateHooks:
+    """What a node set (a tree, a tier) tells a policy that learns from its evictions (see adaptive.py).
+
+    ``ghost_key(node)``: where the node hangs (its parent and first page), the key a later lookup that
+    stops there passes to ``note_miss``; ``node_len``: its tokens; ``clock``: the tree's clock;
+    ``capacity_len``: the tokens the set can hold (ghosts remember at most that many).
+    """
+
+    ghost_key: Callable[[Any], Hashable]
+    node_len: Callable[[Any], int]
+    clock: Callable[[], float]
+    capacity_len: int
 
 
 class NodeStats(Protocol):
@@ -17,9 +46,6 @@ class NodeStats(Protocol):
     priority: int
 
 
-Rank = tuple[float, ...]
-
-
 class EvictionStrategy(ABC):
     #: True when a node's rank can only go up (later access, more hits, higher priority),
     #: which lets the candidate heap re-rank lazily.
@@ -27,6 +53,10 @@ class EvictionStrategy(ABC):
 
     @abstractmethod
     def rank(self, node: NodeStats) -> Rank: ...
+
+    def candidate_set(self, tie_break: Callable[[Any], int], hooks: CandidateHooks) -> CandidateSet[Any]:
+        """A fresh, empty candidate set ranked by this strategy (one per tree, rebuilt on reset)."""
+        return CandidateHeap(self.rank, tie_break, self.rank_only_grows)
 
 
 class LRUStrategy(EvictionStrategy):
@@ -57,9 +87,15 @@ class LFUStrategy(EvictionStrategy):
 
 
 class SLRUStrategy(EvictionStrategy):
-    """Segmented LRU: nodes hit at least ``PROTECT_HITS`` times go after every probationary one."""
+    """Segmented LRU: nodes reused at least ``PROTECT_HITS`` times go after every probationary one.
 
-    PROTECT_HITS = 2  # a second hit is what tells a reused prefix from a one-off
+    One reuse protects, as in SGLang (whose hit count includes the inserting
+    request, so its threshold of 2 is our 1). Protecting only after a second
+    reuse lost 1-5 points at 25% capacity on rag, branching and grouped prompts
+    in ``bench simulate`` and tied on support-agent (issue 16).
+    """
+
+    PROTECT_HITS = 1
 
     def rank(self, node: NodeStats) -> Rank:
         return (float(node.hit_count >= self.PROTECT_HITS), node.last_access_time)
@@ -72,6 +108,33 @@ class PriorityStrategy(EvictionStrategy):
         return (node.priority, node.last_access_time)
 
 
+class AdaptiveStrategy(EvictionStrategy):
+    """Recency or frequency, whichever the workload rewards (see adaptive.py).
+
+    LRU within hit classes (0, 1, 2+ reuses); the classes are compared at
+    ``last_access_time + class * shift``, ``shift`` learned online from ghosts
+    of evicted leaves: 0 (exactly LRU) on chat-like traces, large (LFU over the
+    classes) where a popular set is reused.
+    """
+
+    NUM_CLASSES = 3  # hits 0, 1, 2+ (a fourth class, 4+, protected stale counts too long in the replays)
+    LEARNING_RATE = 3.0  # see AdaptiveCandidates.note_miss
+
+    def rank(self, node: NodeStats) -> Rank:
+        return (node.last_access_time,)  # within a class; across classes the candidate set adds the shift
+
+    def candidate_set(self, tie_break: Callable[[Any], int], hooks: CandidateHooks) -> CandidateSet[Any]:
+        return AdaptiveCandidates(
+            tie_break,
+            hooks.ghost_key,
+            hooks.node_len,
+            hooks.clock,
+            hooks.capacity_len,
+            self.NUM_CLASSES,
+            self.LEARNING_RATE,
+        )
+
+
 EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
     "lru": LRUStrategy,
     "mru": MRUStrategy,
@@ -80,6 +143,7 @@ EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
     "lfu": LFUStrategy,
     "slru": SLRUStrategy,
     "priority": PriorityStrategy,
+    "adaptive": AdaptiveStrategy,
 }
 
 

@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from radixserve.cache.base import EMPTY_INDICES, BasePrefixCache, MatchResult
-from radixserve.cache.candidates import CandidateHeap
+from radixserve.cache.candidates import CandidateSet
 from radixserve.cache.events import KVEventLog
 from radixserve.cache.key import RadixKey, TokenArray
-from radixserve.cache.policy import EvictionStrategy, create_eviction_strategy
+from radixserve.cache.policy import CandidateHooks, EvictionStrategy, create_eviction_strategy
 from radixserve.memory.allocator import IndexArray, TokenAllocator
 
 Clock = Callable[[], float]
@@ -84,10 +84,8 @@ class RadixCache(BasePrefixCache[TreeNode]):
         self.root.lock_ref = 1  # permanently locked: never a candidate, ends every lock walk
         self._evictable_size = 0
         self._protected_size = 0
-        strategy = self.strategy
-        self.candidates: CandidateHeap[TreeNode] = CandidateHeap(
-            strategy.rank, lambda node: node.id, strategy.rank_only_grows
-        )
+        hooks = CandidateHooks(self._ghost_key, lambda node: len(node.key), self.clock, self.allocator.size)
+        self.candidates: CandidateSet[TreeNode] = self.strategy.candidate_set(lambda node: node.id, hooks)
 
     # ---- match / insert ---------------------------------------------------------------------
 
@@ -103,8 +101,10 @@ class RadixCache(BasePrefixCache[TreeNode]):
         node, values = self.root, []
         self.root.last_access_time = now
         while len(key):
-            child = node.children.get(key.child_key(self.page_size))
+            child_key = key.child_key(self.page_size)
+            child = node.children.get(child_key)
             if child is None:
+                self.candidates.note_miss((node.id, child_key), now)  # an adaptive policy learns here
                 break
             matched = child.key.match(key, self.page_size)
             if matched < len(child.key):
@@ -290,6 +290,11 @@ class RadixCache(BasePrefixCache[TreeNode]):
     def _touch(self, node: TreeNode, now: float) -> None:
         node.last_access_time = now
         self.candidates.refresh(node)
+
+    def _ghost_key(self, node: TreeNode) -> tuple[int, object]:
+        """Where ``node`` hangs: what ``match_prefix`` passes to ``note_miss`` when it stops there."""
+        assert node.parent is not None
+        return (node.parent.id, node.key.child_key(self.page_size))
 
     def _depth(self, node: TreeNode | None) -> int:
         depth = 0

@@ -119,16 +119,19 @@ def test_simulate_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
             "0.25,1.0",
             "--concurrency",
             "4",
+            "--repeat",
+            "2",
             "--caches",
-            "radix-lru-p1,radix-lru-p16,block-16,none,belady",
+            "radix-lru-p1,radix-lfu-p1,radix-adaptive-p1,radix-lru-p16,block-16,none,belady",
             "--output-dir",
             str(tmp_path),
         ]
     )
     out = capsys.readouterr().out
     assert "belady (bound)" in out and "radix-lru-p16" in out and "gap to bound" in out
+    assert "adaptive against the fixed policies" in out and "CPU vs lru" in out
     rows = json.loads((tmp_path / "simulate-rag.json").read_text())
-    assert len(rows) == 10 and (tmp_path / "simulate-rag.png").stat().st_size > 10_000
+    assert len(rows) == 14 and (tmp_path / "simulate-rag.png").stat().st_size > 10_000
     for capacity in {r["capacity"] for r in rows}:
         at = {r["cache"]: r for r in rows if r["capacity"] == capacity}
         assert at["none"]["hit_rate"] == 0

@@ -19,6 +19,7 @@ from radixserve.bench.workloads import (
     make_workload,
     no_sharing,
     rag,
+    rag_shift,
     support_agent,
 )
 from radixserve.cache.key import common_prefix_len
@@ -83,6 +84,16 @@ def test_rag_follows_zipf_popularity_behind_one_system_prompt() -> None:
     # Same document, same tokens: two requests on one doc share system + the whole doc.
     first, second = [r for r in trace if int(r.prompt[32]) == hits.most_common(1)[0][0]][:2]
     assert common_prefix_len(first.prompt, second.prompt) >= 32 + 40
+
+
+def test_rag_shift_flips_popularity_halfway_and_keeps_the_first_half() -> None:
+    params = dict(num_docs=50, system_len=32, doc_len=(40, 60), seed=3)
+    plain, shifted = rag(num_requests=400, **params), rag_shift(num_requests=400, **params)  # type: ignore[arg-type]
+    assert same(plain[:200], shifted[:200])  # the same trace until the flip
+    hot_before = Counter(int(r.prompt[32]) for r in shifted[:200]).most_common(5)
+    hot_after = Counter(int(r.prompt[32]) for r in shifted[200:]).most_common(5)
+    assert not {doc for doc, _ in hot_before} & {doc for doc, _ in hot_after}  # the hot set changed
+    assert hot_after[0][1] > 5 * 200 / 50  # and it is as skewed as before
 
 
 def test_branching_children_extend_parent_prompt_and_output() -> None:

@@ -1,0 +1,165 @@
+"""The adaptive eviction policy: what its ghosts teach it, and the order it ends up with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixserve.cache import RadixCache, RadixKey, TreeNode
+from radixserve.cache.adaptive import AdaptiveCandidates, hit_class
+from radixserve.memory import TokenAllocator
+from tests.cache.helpers import serve, start
+
+Rank = Callable[[TreeNode], tuple[float, ...]]
+
+
+def lru(n: TreeNode) -> tuple[float, ...]:
+    return (n.last_access_time, n.id)
+
+
+def lfu_by_class(n: TreeNode) -> tuple[float, ...]:
+    return (min(n.hit_count, 2), n.last_access_time, n.id)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_cache(size: int) -> tuple[RadixCache, Clock]:
+    clock = Clock()
+    return RadixCache(TokenAllocator(size), 1, "adaptive", clock), clock
+
+
+def candidates(cache: RadixCache) -> AdaptiveCandidates[TreeNode]:
+    assert isinstance(cache.candidates, AdaptiveCandidates)
+    return cache.candidates
+
+
+def brute_force_order(cache: RadixCache, rank: Rank) -> list[int]:
+    """Node ids in the order repeatedly taking the best-ranked unlocked leaf would evict them."""
+    children = {n.id: len(n.children) for n in cache.nodes()}
+    leaves = [n for n in cache.nodes() if n.lock_ref == 0 and not n.children]
+    order = []
+    while leaves:
+        victim = min(leaves, key=rank)
+        leaves.remove(victim)
+        order.append(victim.id)
+        parent = victim.parent
+        if parent is not None and parent is not cache.root:
+            children[parent.id] -= 1
+            if not children[parent.id] and parent.lock_ref == 0:
+                leaves.append(parent)
+    return order
+
+
+def eviction_order(cache: RadixCache) -> list[int]:
+    """Evict everything evictable, one leaf per call; the ids in the order they went."""
+    order = []
+    while cache.evictable_size():
+        leaf = candidates(cache).pop()
+        assert leaf is not None
+        candidates(cache).add(leaf)  # put it back: evict() pops it again
+        order.append(leaf.id)
+        cache.evict(1)
+    return order
+
+
+def recency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -> None:
+    """Conversations: each turn extends its own user's history; old turns are never read again alone."""
+    histories = [list(rng.integers(10_000, 20_000, 8)) for _ in range(12)]
+    for t in range(600):
+        clock.now = float(t)
+        user = int(rng.integers(len(histories)))
+        histories[user] = histories[user] + list(rng.integers(20_000, 90_000, 12))
+        if len(histories[user]) > 80:  # the conversation ends; a new user takes the seat
+            histories[user] = list(rng.integers(10_000, 20_000, 8))
+        serve(cache, histories[user])
+
+
+def frequency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -> None:
+    """RAG: Zipf-popular documents, each followed by a question never asked again."""
+    docs = [list(range(1000 * d + 1, 1000 * d + 41)) for d in range(1, 41)]
+    popularity = 1.0 / np.arange(1, len(docs) + 1) ** 1.2
+    for t in range(600):
+        clock.now = float(t)
+        doc = docs[int(rng.choice(len(docs), p=popularity / popularity.sum()))]
+        serve(cache, doc + list(rng.integers(100_000, 900_000, 10)))
+
+
+def test_orders_like_lru_after_a_recency_friendly_trace() -> None:
+    cache, clock = make_cache(600)
+    recency_trace(cache, clock, np.random.default_rng(0))
+    assert candidates(cache).shift == 0.0
+    expected = brute_force_order(cache, lru)
+    assert expected != brute_force_order(cache, lfu_by_class), "the trace cannot tell LRU from LFU"
+    assert eviction_order(cache) == expected
+
+
+def test_orders_like_lfu_after_a_frequency_friendly_trace() -> None:
+    cache, clock = make_cache(600)
+    frequency_trace(cache, clock, np.random.default_rng(0))
+    assert candidates(cache).shift > 0.0
+    expected = brute_force_order(cache, lfu_by_class)
+    assert expected != brute_force_order(cache, lru), "the trace cannot tell LRU from LFU"
+    assert eviction_order(cache) == expected
+
+
+def test_a_reused_ghost_grows_the_shift_and_a_cold_one_shrinks_it() -> None:
+    cache, clock = make_cache(8)
+    for t, prompt in enumerate(([1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12])):
+        clock.now = float(t)
+        serve(cache, prompt)  # [1..4] is reused once (class 1), then evicted by [9..12]
+    clock.now = 5.0
+    assert len(cache.match_prefix(RadixKey([1, 2, 3, 4])).indices) == 0  # a miss on a class-1 ghost
+    grown = candidates(cache).shift
+    assert grown > 0.0
+    clock.now = 10.0
+    serve(cache, [1, 2, 3, 4])  # evicts [5..8], class 0: its ghost is next
+    serve(cache, [13, 14, 15, 16])
+    clock.now = 20.0
+    assert len(cache.match_prefix(RadixKey([5, 6, 7, 8])).indices) == 0
+    assert candidates(cache).shift < grown
+
+
+def test_hit_classes_are_log2_buckets() -> None:
+    assert [hit_class(h, 4) for h in (0, 1, 2, 3, 4, 7, 8, 1000)] == [0, 1, 2, 2, 3, 3, 3, 3]
+    with pytest.raises(ValueError, match="num_classes"):
+        AdaptiveCandidates(lambda n: 0, lambda n: n, lambda n: 1, lambda: 0.0, 16, num_classes=1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.booleans()), min_size=5, max_size=60),
+    shift=st.sampled_from([0.0, 1.0, 5.0, 100.0]),
+)
+def test_never_evicts_a_locked_or_interior_node(ops: list[tuple[int, int, bool]], shift: float) -> None:
+    """Prompts from 6 stems x 4 tails, some kept running (locked): every victim is an unlocked leaf."""
+    cache, clock = make_cache(48)
+    real_pop, running = cache.candidates.pop, []
+
+    def checked_pop() -> TreeNode | None:
+        victim = real_pop()
+        assert victim is None or (victim.lock_ref == 0 and not victim.children), f"evicted {victim!r}"
+        return victim
+
+    cache.candidates.pop = checked_pop  # type: ignore[method-assign]
+    for t, (stem, tail, keep) in enumerate(ops):
+        clock.now = float(t)
+        candidates(cache).shift = shift
+        prompt = [100 + stem] * 3 + [200 + tail] * 2 + [300 + t]
+        if keep and len(running) < 3:
+            running.append(start(cache, prompt))
+        elif cache.evictable_size() + cache.allocator.free_size() >= len(prompt):
+            serve(cache, prompt)
+        cache.check_invariants()
+    for req in running:
+        cache.cache_finished_req(req)
+    cache.check_invariants()
