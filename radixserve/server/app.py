@@ -53,7 +53,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
             args.kv_events_topic,
             args.kv_events_hwm,
         )
-    worker = EngineWorker(engine, metrics, args.max_queued_requests, events)
+    worker = EngineWorker(engine, metrics, args.max_queued_requests, events, args.graceful_shutdown_timeout)
     state = ServerState(engine, args, worker, metrics, build_tenancy(args), shared_heads(engine.tokenizer, args))
     app = FastAPI(
         title="radixserve",
