@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+from radixserve.cache.events import KVEventLog
 from radixserve.cache.key import RadixKey, page_hashes
 from radixserve.memory.allocator import IndexArray
 
@@ -92,6 +93,7 @@ class TierIndex:
         self.write_policy = write_policy
         self.clock = clock
         self.stats = TierStats()
+        self.events: KVEventLog | None = None  # the cache's log: copies down are announced with their medium
 
     # ---- hashing ----------------------------------------------------------------------------
 
@@ -150,6 +152,11 @@ class TierIndex:
                     self._to_host(page_hash, page)
                 if to_disk:
                     self._to_disk(page_hash, page)
+                if self.events is not None:
+                    shared = key.shared_len - key.shared_len % size  # as ``hashes`` counts it
+                    page_key = RadixKey(key.token_ids[: (index + 1) * size], key.extra_key, shared)
+                    for medium in ("cpu",) * to_host + ("disk",) * to_disk:
+                        self.events.record("store", index * size, page_key, medium)
 
     def _to_host(self, page_hash: bytes, page: Any) -> None:
         assert self.host is not None

@@ -72,5 +72,6 @@ def build_tiers(config: EngineConfig, loaded: LoadedModel, cache: BasePrefixCach
         capacity = int(config.cache_dir_size * GIB) if config.cache_dir_size is not None else 1 << 62
         disk = DiskPageStore(config.cache_dir, capacity, fingerprint(config, loaded, mover))
     tiers = TierIndex(mover, mover.layout.page_tokens, host, disk, config.hicache_write_policy)  # type: ignore[arg-type]
+    tiers.events = cache.events
     logger.info("cache tiers: %s", tiers.sizes())
     return tiers
