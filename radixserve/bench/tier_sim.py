@@ -9,7 +9,7 @@ is an in-memory stand-in with the disk store's interface (no files, no thread).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,10 +24,16 @@ from radixserve.memory.kv_pages import tier_page_tokens
 class TokenMover:
     """Pages of one byte per token: the tiers count tokens, nothing is copied."""
 
+    def __init__(self, page_tokens: int) -> None:
+        self.page_tokens = page_tokens
+
     def gather(self, slots: IndexArray) -> torch.Tensor:
         return torch.zeros(len(slots), dtype=torch.uint8)
 
-    def scatter(self, slots: IndexArray, page: torch.Tensor, first: int) -> None:
+    def split_pages(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(rows, self.page_tokens)
+
+    def scatter_pages(self, slots: IndexArray, pages: Sequence[torch.Tensor], first: int) -> None:
         pass
 
     def to_bytes(self, page: torch.Tensor) -> bytes:
@@ -80,5 +86,5 @@ def make_tiered_cache(policy: str, page_size: int, capacity: int, clock: Callabl
     cache = RadixCache(TokenAllocator(size, page_size), page_size, policy, clock)
     page_tokens = tier_page_tokens(page_size)
     disk = MemoryPageStore()
-    cache.tiers = TierIndex(TokenMover(), page_tokens, HostArena(2 * size), disk)  # type: ignore[arg-type]
+    cache.tiers = TierIndex(TokenMover(page_tokens), page_tokens, HostArena(2 * size), disk)  # type: ignore[arg-type]
     return cache

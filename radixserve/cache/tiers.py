@@ -24,7 +24,7 @@ queued (bytes held by the writer) or on disk. See ``page_states``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -48,7 +48,8 @@ class PageMover(Protocol):
     """Copies between the KV pool and opaque tier pages (memory/kv_pages.py over a KVPool)."""
 
     def gather(self, slots: IndexArray) -> Any: ...
-    def scatter(self, slots: IndexArray, page: Any, first: int) -> None: ...
+    def split_pages(self, rows: Any) -> Sequence[Any]: ...
+    def scatter_pages(self, slots: IndexArray, pages: Sequence[Any], first: int) -> None: ...
     def to_bytes(self, page: Any) -> bytes: ...
     def from_bytes(self, data: bytes) -> Any: ...
 
@@ -142,21 +143,26 @@ class TierIndex:
         size, disk_store = self.page_tokens, self.disk if disk else None
         host_store = self.host if host else None
         hashes = self.hashes(key, len(slots))
+        todo = []  # (page index, to host, to disk)
         for index in range(start // size, len(hashes)):
-            page_hash = hashes[index]
-            to_host = host_store is not None and page_hash not in host_store
-            to_disk = disk_store is not None and page_hash not in disk_store
+            to_host = host_store is not None and hashes[index] not in host_store
+            to_disk = disk_store is not None and hashes[index] not in disk_store
             if to_host or to_disk:
-                page = self.mover.gather(slots[index * size : (index + 1) * size])
-                if to_host:
-                    self._to_host(page_hash, page)
-                if to_disk:
-                    self._to_disk(page_hash, page)
-                if self.events is not None:
-                    shared = key.shared_len - key.shared_len % size  # as ``hashes`` counts it
-                    page_key = RadixKey(key.token_ids[: (index + 1) * size], key.extra_key, shared)
-                    for medium in ("cpu",) * to_host + ("disk",) * to_disk:
-                        self.events.record("store", index * size, page_key, medium)
+                todo.append((index, to_host, to_disk))
+        if not todo:
+            return
+        rows = np.concatenate([slots[index * size : (index + 1) * size] for index, _, _ in todo])
+        pages = self.mover.split_pages(self.mover.gather(rows))  # one copy per layer for all of them
+        for (index, to_host, to_disk), page in zip(todo, pages):
+            if to_host:
+                self._to_host(hashes[index], page)
+            if to_disk:
+                self._to_disk(hashes[index], page)
+            if self.events is not None:
+                shared = key.shared_len - key.shared_len % size  # as ``hashes`` counts it
+                page_key = RadixKey(key.token_ids[: (index + 1) * size], key.extra_key, shared)
+                for medium in ("cpu",) * to_host + ("disk",) * to_disk:
+                    self.events.record("store", index * size, page_key, medium)
 
     def _to_host(self, page_hash: bytes, page: Any) -> None:
         assert self.host is not None
@@ -195,14 +201,10 @@ class TierIndex:
         return Continuation(start, start - first_page * size, tuple(pages), tuple(tiers), num_tokens)
 
     def load(self, cont: Continuation, slots: IndexArray) -> None:
-        """Copy the continuation into ``slots`` (one per token) of the pool."""
-        size, done = self.page_tokens, 0
+        """Copy the continuation into ``slots`` (one per token) of the pool, in one copy per layer."""
+        self.mover.scatter_pages(slots, cont.pages, cont.first)
         for i, (page, tier) in enumerate(zip(cont.pages, cont.tiers)):
-            first = cont.first if i == 0 else 0
-            count = size - first
-            self.mover.scatter(slots[done : done + count], page, first)
-            done += count
-            self.stats.hit_tokens[tier] += count
+            self.stats.hit_tokens[tier] += self.page_tokens - (cont.first if i == 0 else 0)
             self.stats.bytes_loaded[tier] += int(page.numel() * page.element_size())
 
     def _fetch(self, page_hash: bytes) -> tuple[Any, TierName | None]:

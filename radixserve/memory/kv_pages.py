@@ -8,6 +8,7 @@ in the pool's dtype. On disk it is those bytes, raw: the directory's fingerprint
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,8 +86,14 @@ class PoolPageMover:
     def gather(self, slots: IndexArray) -> torch.Tensor:
         return gather_page(self.pool, slots)
 
-    def scatter(self, slots: IndexArray, page: torch.Tensor, first: int) -> None:
-        scatter_tokens(self.pool, slots, page, first)
+    def split_pages(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Tier pages (views) of what ``gather`` returned for consecutive whole pages of slots."""
+        return torch.split(rows, self.layout.page_tokens, dim=3)
+
+    def scatter_pages(self, slots: IndexArray, pages: Sequence[torch.Tensor], first: int) -> None:
+        """Consecutive pages into ``slots``, from token ``first`` of the first page: one copy per layer."""
+        whole = pages[0] if len(pages) == 1 else torch.cat(list(pages), dim=3)
+        scatter_tokens(self.pool, slots, whole, first)
 
     def to_bytes(self, page: torch.Tensor) -> bytes:
         return self.layout.to_bytes(page)
