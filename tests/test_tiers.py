@@ -129,3 +129,26 @@ def test_tier_options_are_checked(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="need prefix_cache radix"):
         make(tiny_model_dir, prefix_cache="block", hicache_size=1)
     assert make(tiny_model_dir).cache.tiers is None  # no flags: no tiers, exactly as before
+
+
+def test_server_flags_reach_the_engine_config() -> None:
+    from radixserve.server.args import parse_args
+
+    args = parse_args(
+        ["--hicache-size", "2.5", "--hicache-write-policy", "write_through", "--hicache-compress"]
+        + ["--cache-dir", "/tmp/kv", "--cache-dir-size", "10"]
+    )
+    engine = args.engine
+    assert (engine.hicache_size, engine.hicache_write_policy, engine.hicache_compress) == (2.5, "write_through", True)
+    assert (engine.cache_dir, engine.cache_dir_size) == ("/tmp/kv", 10.0)
+    default = parse_args([]).engine
+    assert (default.hicache_size, default.cache_dir) == (0.0, None)
+
+
+def test_compressed_host_tier_serves_close_pages(tiny_model_dir: Path, reference: list[list[int]]) -> None:
+    """int8 L2 pages: lossy by design; the run completes, hits L2, and conserves slots."""
+    tiered = make(tiny_model_dir, hicache_size=0.01, hicache_compress=True)
+    outputs = run(tiered, PROMPTS)
+    assert outputs[:6] == reference[:6]  # first visits compute everything: exact
+    assert tiered.cache.tiers.stats.hit_tokens["host"] == 6 * 48  # type: ignore[union-attr]
+    tiered.check_idle_invariants()
