@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from radixserve.cache import RadixKey
 from radixserve.engine import Engine
 from radixserve.memory.kv_pool import KVPool
 
@@ -46,7 +47,7 @@ def timed_load(engine: Engine, prompt: np.ndarray) -> tuple[float, int]:
     """Seconds to bring ``prompt``'s cached pages back from the lower tiers into the pool, and the tokens."""
     engine.cache.evict(engine.cache.evictable_size())
     start = time.perf_counter()
-    req = engine.cache.open_request(prompt)
+    req = engine.cache.open_request(RadixKey(prompt))
     seconds = time.perf_counter() - start
     engine.cache.cache_finished_req(req, is_insert=False)
     return seconds, len(req.token_ids)
