@@ -30,6 +30,7 @@ BENCHMARKS = {
     "soak": "soak",
     "scale-out": "scale_out",
     "mixed-chunk": "mixed_chunk",
+    "tiers": "tiers",
 }
 
 

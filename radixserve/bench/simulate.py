@@ -35,6 +35,7 @@ import numpy as np
 
 from radixserve.bench.belady import BeladyCache, FutureIndex
 from radixserve.bench.policy_table import adaptive_summary
+from radixserve.bench.tier_sim import make_tiered_cache
 from radixserve.bench.traces import load_trace, working_set_tokens
 from radixserve.bench.workloads import TraceRequest, make_workload
 from radixserve.cache import EVICTION_POLICIES, BasePrefixCache, CacheReq, RadixKey, create_prefix_cache
@@ -75,6 +76,7 @@ class SimResult(TokenCounts):
     cached_tokens: int
     evicted_tokens: int
     cache_seconds: float  # CPU time inside cache operations
+    tier_hit_tokens: dict[str, int] | None = None  # tiered caches: of cached_tokens, loaded from host / disk
 
     @property
     def us_per_request(self) -> float:
@@ -104,10 +106,14 @@ def make_cache(name: str, capacity: int, clock: list[int], index: FutureIndex | 
     if kind == "block" and rest.isdigit():
         return create_prefix_cache("block", TokenAllocator(capacity), int(rest), clock=now)
     policy, _, page = rest.rpartition("-p")
+    if kind == "tiered" and policy in EVICTION_POLICIES and page.isdigit():
+        return make_tiered_cache(policy, int(page), capacity, now)
     if kind == "radix" and policy in EVICTION_POLICIES and page.isdigit():
         size = capacity - capacity % int(page)
         return create_prefix_cache("radix", TokenAllocator(size, int(page)), int(page), policy, clock=now)
-    raise ValueError(f"unknown cache {name!r}: radix-<policy>-p<page>, block-<size>, none or belady")
+    raise ValueError(
+        f"unknown cache {name!r}: radix-<policy>-p<page>, tiered-<policy>-p<page>, block-<size>, none or belady"
+    )
 
 
 def replay(
@@ -161,6 +167,7 @@ def replay(
         cached_tokens,
         cache.evicted_tokens,
         elapsed,
+        dict(cache.tiers.stats.hit_tokens) if cache.tiers is not None else None,
     )
 
 
@@ -208,9 +215,14 @@ def format_table(results: Sequence[SimResult]) -> str:
         for r in sorted(rows, key=lambda r: -r.hit_rate):
             gap = "" if bound is None or r.cache == "belady" else f"{(bound - r.hit_rate) * 100:+.1f} pt"
             name = "belady (bound)" if r.cache == "belady" else r.cache
+            tiers = ""
+            if r.tier_hit_tokens is not None and r.prompt_tokens:
+                l1 = r.cached_tokens - sum(r.tier_hit_tokens.values())
+                split = [l1, r.tier_hit_tokens["host"], r.tier_hit_tokens["disk"]]
+                tiers = "  L1 {:.1%} / L2 {:.1%} / L3 {:.1%}".format(*(n / r.prompt_tokens for n in split))
             lines.append(
                 f"{name:<18} {r.hit_rate:>8.1%} {r.prefill_tokens:>15,} {r.evicted_tokens:>12,} "
-                f"{r.us_per_request:>8.0f} {gap:>12} {r.rejected:>8}"
+                f"{r.us_per_request:>8.0f} {gap:>12} {r.rejected:>8}{tiers}"
             )
     return "\n".join(lines)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple
 
 import numpy as np
 from typing_extensions import TypeVar
@@ -31,6 +31,9 @@ from typing_extensions import TypeVar
 from radixserve.cache.events import KVEventLog
 from radixserve.cache.key import RadixKey, TokenArray
 from radixserve.memory.allocator import IndexArray, TokenAllocator
+
+if TYPE_CHECKING:
+    from radixserve.cache.tiers import TierIndex
 
 EMPTY_INDICES: IndexArray = np.empty(0, dtype=np.int64)
 
@@ -85,6 +88,7 @@ class BasePrefixCache(ABC, Generic[NodeT]):
         self._evictable_size = 0
         self._protected_size = 0
         self.evicted_tokens = 0  # running total, for metrics
+        self.tiers: TierIndex | None = None  # L2 / L3 below the pool (radix only); None: pool only
 
     # ---- the primitives each variant implements -------------------------------------------
 
@@ -200,7 +204,31 @@ class BasePrefixCache(ABC, Generic[NodeT]):
         """
         indices, node = self.match_prefix(key)
         self.inc_lock_ref(node)
-        return CacheReq(key[: len(indices)], indices, priority, node, len(indices))
+        req = CacheReq(key[: len(indices)], indices, priority, node, len(indices))
+        if self.tiers is not None:
+            self.load_continuation(req, key)
+        return req
+
+    def load_continuation(self, req: CacheReq[NodeT], key: RadixKey) -> int:
+        """Copy the part of ``key`` after ``req``'s L1 match that L2 / L3 hold into new slots.
+
+        ``req`` must be locked on its match (``open_request`` does it): the slots
+        for the loaded pages may come from evicting other prefixes. The loaded
+        tokens join the tree and ``req`` is re-locked on the longer prefix.
+        Returns the tokens loaded (0: nothing below, or no room: it is recomputed).
+        """
+        assert self.tiers is not None
+        cont = self.tiers.match_continuation(key, len(req.key))
+        if not cont.num_tokens:
+            return 0
+        slots = self.alloc_slots(cont.num_tokens)
+        if slots is None:
+            return 0
+        self.tiers.load(cont, slots)
+        req.key = key[: cont.start + cont.num_tokens]
+        req.kv_indices = np.concatenate([req.kv_indices, slots])
+        self.cache_unfinished_req(req)
+        return cont.num_tokens
 
     def extend_request(self, req: CacheReq[NodeT], new_token_ids: Sequence[int] | TokenArray) -> bool:
         """Give ``req`` slots for ``new_token_ids`` (evicting if short). False: the pool can't.

@@ -32,6 +32,7 @@ class KVEvent:
     start: int
     key: RadixKey  # tokens [0, end): the range and everything before it
     page_size: int
+    medium: str | None = None  # None: the KV pool; "cpu" / "disk": a page copied down into that tier
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
@@ -63,10 +64,10 @@ class KVEventLog:
         self._queue: deque[KVEvent] = deque()
         self._seq = 0
 
-    def record(self, kind: EventKind, start: int, key: RadixKey) -> None:
+    def record(self, kind: EventKind, start: int, key: RadixKey, medium: str | None = None) -> None:
         """Record that tokens ``key[start:]`` were stored or removed (``key`` is copied)."""
         self._seq += 1
-        self._queue.append(KVEvent(self._seq, kind, start, key.copy(), self.page_size))
+        self._queue.append(KVEvent(self._seq, kind, start, key.copy(), self.page_size, medium))
 
     def record_clear(self) -> None:
         """Record that the whole cache was dropped (``reset``): a consumer forgets everything."""

@@ -154,6 +154,8 @@ class RadixCache(BasePrefixCache[TreeNode]):
             self._add_leaf(node, rest.pure(), value, priority, now)
             if self.events is not None:
                 self.events.record("store", matched_len, key)
+            if self.tiers is not None:
+                self.tiers.on_insert(key, indices, matched_len)
         return matched_len
 
     # ---- eviction ---------------------------------------------------------------------------
@@ -174,6 +176,9 @@ class RadixCache(BasePrefixCache[TreeNode]):
             if self.events is not None:
                 path = self._path_key(node)
                 self.events.record("remove", len(path) - len(node.key), path)
+            if self.tiers is not None:  # before the slots are freed: their K/V is copied down
+                path, slots = self._path_key_slots(node)
+                self.tiers.on_evict(path, slots, len(path) - len(node.key))
             freed.append(node.value)
             evicted += len(node.value)
             self._delete_leaf(node)
@@ -223,6 +228,15 @@ class RadixCache(BasePrefixCache[TreeNode]):
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def flush_to_disk(self) -> None:
+        """Shutdown: queue every cached page (L1 and L2) that the disk tier lacks."""
+        if self.tiers is None:
+            return
+        for node in self.nodes():
+            if not node.children:  # a leaf's path covers all its ancestors
+                self.tiers.flush_path(*self._path_key_slots(node))
+        self.tiers.flush_host()
 
     def cached_slots(self) -> IndexArray:
         values = [node.value for node in self.nodes()]
@@ -302,6 +316,15 @@ class RadixCache(BasePrefixCache[TreeNode]):
             depth += len(node.key)
             node = node.parent
         return depth
+
+    def _path_key_slots(self, node: TreeNode) -> tuple[RadixKey, IndexArray]:
+        """The whole cached sequence ending at ``node`` (its namespace, shared head) and its slots."""
+        values = []
+        cursor: TreeNode | None = node
+        while cursor is not None and cursor is not self.root:
+            values.append(cursor.value)
+            cursor = cursor.parent
+        return self._path_key(node), np.concatenate(values[::-1])
 
     def _path_tokens(self, node: TreeNode) -> TokenArray:
         return self._path_key(node).token_ids

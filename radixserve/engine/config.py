@@ -9,6 +9,7 @@ import torch
 
 from radixserve.cache import PREFIX_CACHES
 from radixserve.cache.policy import EVICTION_POLICIES
+from radixserve.cache.tiers import WRITE_POLICIES
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import DTYPES as DTYPES  # re-exported: server/args.py builds --dtype from it
 from radixserve.model.precision import KV_CACHE_DTYPES, resolve_dtype
@@ -38,6 +39,12 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when present, else cpu
     num_threads: int = 1  # torch CPU threads: 1 is the safe default on a small shared box
     enable_kv_events: bool = False
+    # Tiers below the KV pool (radix cache only); all off by default: the pool is the only tier.
+    hicache_size: float = 0.0  # GiB of host memory (L2) for pages the pool evicts; 0: no L2
+    hicache_write_policy: str = "write_back"  # write_back | write_through (see cache/tiers.py)
+    hicache_compress: bool = False  # int8 L2 pages with per-page scales: ~4x tokens per GiB, lossy
+    cache_dir: str | None = None  # a directory for the disk tier (L3); survives restarts
+    cache_dir_size: float | None = None  # GiB the disk tier may use; None: unbounded
 
     def __post_init__(self) -> None:
         checks = [
@@ -56,6 +63,13 @@ class EngineConfig:
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device: auto|cpu|cuda[:N]"),
             (self.num_threads >= 1, "num_threads must be >= 1"),
+            (self.hicache_size >= 0, "hicache_size must be >= 0 (GiB)"),
+            (self.hicache_write_policy in WRITE_POLICIES, f"hicache_write_policy must be one of {WRITE_POLICIES}"),
+            (self.cache_dir_size is None or self.cache_dir_size > 0, "cache_dir_size must be > 0 (GiB)"),
+            (
+                self.prefix_cache == "radix" or (not self.hicache_size and self.cache_dir is None),
+                "hicache_size and cache_dir need prefix_cache radix",
+            ),
         ]
         problems = [message for ok, message in checks if not ok]
         if problems:

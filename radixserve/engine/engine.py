@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any, overload
 
@@ -27,6 +28,7 @@ from radixserve.cache import create_prefix_cache
 from radixserve.core import GenerateResult, SamplingParams, is_token_ids
 from radixserve.engine.config import EngineConfig, default_pool_tokens
 from radixserve.engine.step import StepExecutor
+from radixserve.engine.tiers import build_tiers
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.precision import resolve_kv_cache_dtype
@@ -81,6 +83,7 @@ class Engine:
             kv_dtype,
             self.device,
         )
+        self.cache.tiers = build_tiers(config, self.loaded, self.cache, self.kv_pool)
         eos = tuple(model.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
         runner = ModelRunner(self.loaded.model, model, self.kv_pool, self.device)
         self.executor = StepExecutor(runner, self.tokenizer.decode_continuation, eos)
@@ -185,6 +188,26 @@ class Engine:
         if self.scheduler.has_work():
             raise RuntimeError("flush_cache while requests are in flight")
         self.cache.reset()
+        if self.cache.tiers is not None and self.cache.tiers.host is not None:
+            self.cache.tiers.host.clear()  # the disk tier stays: remove the directory to drop it
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Flush the cache tiers: every cached page the disk tier lacks is written, for up to
+        ``timeout`` s; then the directory is released. True if everything landed (or no disk tier).
+
+        Call it from the thread that steps the engine, with nothing in flight.
+        """
+        tiers = self.cache.tiers
+        if tiers is None:
+            return True
+        start = time.monotonic()
+        if tiers.disk is not None and tiers.disk.writable:
+            flush = getattr(self.cache, "flush_to_disk", None)
+            if flush is not None:
+                flush()
+        done = tiers.close(timeout)
+        logger.info("cache tiers closed in %.2f s%s", time.monotonic() - start, "" if done else ": flush timed out")
+        return done
 
     def check_idle_invariants(self) -> None:
         """With nothing in flight: the cache is consistent and free + cached == pool."""

@@ -12,7 +12,10 @@ events are tagged maps (``"type"`` is the class name):
     {"type": "AllBlocksCleared"}
 
 ``namespace`` and ``shared_len`` are ours: a peer decoder skips keys it does
-not know. Blocks are whole runs of ``B`` tokens (16 by default, whatever the
+not know. ``medium`` is vLLM's: None for the KV pool, ``"cpu"`` / ``"disk"`` when a
+block is copied down into the host or disk cache tier (``--hicache-size``,
+``--cache-dir``); a lower tier's own evictions are not announced, and
+``BlockMirror`` tracks the pool only. Blocks are whole runs of ``B`` tokens (16 by default, whatever the
 cache's page size), announced once all their tokens are cached and removed as
 soon as one is evicted. A hash is the first 8 bytes, as a signed big-endian
 int64, of the chained 16-byte page hash of ``radixserve.cache.key.page_hashes``:
@@ -45,7 +48,7 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None  # vLLM's decoder requires the key, even when empty
-    medium: str | None = None  # None: the engine's KV pool (we have no other tier yet)
+    medium: str | None = None  # None: the engine's KV pool; "cpu" / "disk": copied down into that cache tier
     lora_name: str | None = None
     namespace: str | None = None
     shared_len: int = 0
@@ -94,7 +97,7 @@ def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
     if not hashes:
         return None
     if event.kind == "remove":
-        return BlockRemoved(hashes)
+        return BlockRemoved(hashes, medium=event.medium)
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=wire_hash(chain[0]) if first > 0 else None,
@@ -102,6 +105,7 @@ def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
         block_size=block_size,
         namespace=event.key.extra_key,
         shared_len=event.key.shared_len,
+        medium=event.medium,
     )
 
 
@@ -135,6 +139,8 @@ class BlockMirror:
         if seq != self.seq + 1:
             raise ValueError(f"batch {seq} after {self.seq}: events were missed (replay or snapshot)")
         for event in batch.events:
+            if not isinstance(event, AllBlocksCleared) and event.medium is not None:
+                continue  # a lower cache tier: the mirror is the KV pool's blocks
             if isinstance(event, BlockStored):
                 self.blocks.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):

@@ -73,6 +73,8 @@ def pool_view(engine: Engine, top: int, check: bool) -> dict[str, Any]:
     out["live_request_tokens"] = out["pool_tokens"] - out["free_tokens"] - out["cached_tokens"]
     out["running_requests"] = len(engine.scheduler.running)
     out["waiting_requests"] = len(engine.scheduler.waiting)
+    if engine.cache.tiers is not None:
+        out["tiers"] = engine.cache.tiers.sizes()
     if check:
         try:
             engine.cache.check_invariants()

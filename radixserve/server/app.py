@@ -35,6 +35,7 @@ from radixserve.server.native_api import NativeCall
 from radixserve.server.openai_api import ChatCall, CompletionCall
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from radixserve.server.tenancy import Tenancy, key_tenant, read_key_file
+from radixserve.server.tier_metrics import TierCollector
 from radixserve.server.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     metrics = ServerMetrics(args.hit_rate_window) if args.enable_metrics else None
+    if metrics is not None and engine.cache.tiers is not None:
+        metrics.registry.register(TierCollector(engine.cache.tiers))
     events = None
     if args.kv_events_endpoint:
         events = KVEventPublisher(
@@ -53,7 +56,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
             args.kv_events_topic,
             args.kv_events_hwm,
         )
-    worker = EngineWorker(engine, metrics, args.max_queued_requests, events)
+    worker = EngineWorker(engine, metrics, args.max_queued_requests, events, args.graceful_shutdown_timeout)
     state = ServerState(engine, args, worker, metrics, build_tenancy(args), shared_heads(engine.tokenizer, args))
     app = FastAPI(
         title="radixserve",

@@ -16,6 +16,7 @@ from typing import Any
 
 from radixserve.cache import PREFIX_CACHES
 from radixserve.cache.policy import EVICTION_POLICIES
+from radixserve.cache.tiers import WRITE_POLICIES
 from radixserve.engine import DTYPES, EngineConfig
 from radixserve.kv_events.config import KVEventsConfig, parse_kv_events_config
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
@@ -198,6 +199,31 @@ def _cache_flags(cache: argparse._ArgumentGroup, d: EngineConfig) -> None:
         type=int,
         default=None,
         help="KV pool size in tokens (default: a quarter of free memory, at most 32k on CPU)",
+    )
+    cache.add_argument(
+        "--hicache-size",
+        type=float,
+        default=d.hicache_size,
+        help="GiB of host memory (L2) that keeps pages the KV pool evicts; 0 = no host tier",
+    )
+    cache.add_argument(
+        "--hicache-write-policy",
+        default=d.hicache_write_policy,
+        choices=WRITE_POLICIES,
+        help="write_back: copy a page down when it is evicted; write_through: as soon as it is cached",
+    )
+    cache.add_argument(
+        "--hicache-compress",
+        action="store_true",
+        help="store host-tier pages as int8 with per-page scales (~4x the tokens per GiB, lossy)",
+    )
+    cache.add_argument(
+        "--cache-dir",
+        default=d.cache_dir,
+        help="directory of the disk tier (L3): pages survive restarts; bound to this model by a fingerprint",
+    )
+    cache.add_argument(
+        "--cache-dir-size", type=float, default=d.cache_dir_size, help="GiB the disk tier may use (default: no limit)"
     )
 
 

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Response
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse
 
+from radixserve.engine import Engine
 from radixserve.server.errors import APIError
 from radixserve.server.generation import ServerState
 
@@ -42,6 +43,7 @@ def info_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter:
             "server_args": args.resolved(),
             "engine": engine.describe(),
             "scheduler": await state.worker_call(engine.scheduler.snapshot),
+            "cache_tiers": await state.worker_call(lambda: tier_sizes(engine)),
             "process": {"pid": os.getpid(), "rss_bytes": rss_bytes()},
         }
 
@@ -102,6 +104,14 @@ def sglang_info_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter
         }
 
     return router
+
+
+def tier_sizes(engine: Engine) -> dict[str, Any] | None:
+    """The cache tiers below the pool, with their sizes and counters (None: the pool is the only tier)."""
+    tiers = engine.cache.tiers
+    if tiers is None:
+        return None
+    return {**tiers.sizes(), "hit_tokens": dict(tiers.stats.hit_tokens), "load_failures": tiers.stats.load_failures}
 
 
 def rss_bytes() -> int:

@@ -69,8 +69,10 @@ class EngineWorker:
         metrics: ServerMetrics | None = None,
         max_in_flight: int = 1 << 30,
         events: KVEventPublisher | None = None,
+        close_timeout: float = 30.0,
     ) -> None:
         self.engine = engine
+        self.close_timeout = close_timeout  # how long shutdown may spend flushing cache tiers to disk
         self.events = events
         self.max_in_flight = max_in_flight
         self._in_flight = 0  # submitted and not yet finished (any thread reads; changed under _count_lock)
@@ -134,7 +136,7 @@ class EngineWorker:
         """Abort whatever is still in flight (sinks get their final delta), then end the thread."""
         self._stopping.set()
         self._inbox.put(lambda: None)  # wake it
-        self._thread.join(timeout)
+        self._thread.join(timeout + self.close_timeout)
 
     # ---- the scheduler thread -----------------------------------------------------------------------
 
@@ -147,6 +149,7 @@ class EngineWorker:
                     self._drain(block=False)
                     for rid in list(self._live):
                         self._abort(rid, "the server is shutting down", "shutdown")
+                    self.engine.close(self.close_timeout)  # dirty pages to the disk tier
                     break
                 if self.scheduler.has_work():
                     self.engine.step()

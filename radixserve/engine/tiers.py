@@ -1,0 +1,77 @@
+"""Wiring the L2 / L3 tiers under an engine's cache, and the fingerprint that binds a cache directory.
+
+The fingerprint names everything that changes what K/V a token gets or how a
+page is laid out: the weights (a hash of the model's files), the dtype, the
+cache and tier page sizes, the tokenizer (a hash of how it encodes a probe text,
+next to its files' hash), the KV layout and the quantization. A directory
+written under any other fingerprint is not used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from radixserve.cache.base import BasePrefixCache
+from radixserve.cache.tiers import TierIndex
+from radixserve.engine.config import EngineConfig
+from radixserve.memory.disk_store import DiskPageStore
+from radixserve.memory.host_arena import HostArena
+from radixserve.memory.kv_pages import PoolPageMover, tier_page_tokens
+from radixserve.memory.kv_pool import KVPool
+from radixserve.model.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+FINGERPRINT_VERSION = 1
+TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog. 0123456789 <|im_start|> ÄÖü 日本語 \n\t"
+
+
+def files_digest(path: str | Path) -> str:
+    """blake2b over the model's files (one file, or every file of a folder): read once at start."""
+    root = Path(path)
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    digest = hashlib.blake2b(digest_size=16)
+    for file in files:
+        digest.update(str(file.relative_to(root) if root.is_dir() else file.name).encode() + b"\0")
+        with open(file, "rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fingerprint(config: EngineConfig, loaded: LoadedModel, mover: PoolPageMover) -> dict[str, Any]:
+    start = time.monotonic()
+    weights = files_digest(loaded.path)
+    probe = loaded.tokenizer.encode(TOKENIZER_PROBE)
+    logger.info("cache dir fingerprint: model files hashed in %.1f s", time.monotonic() - start)
+    return {
+        "version": FINGERPRINT_VERSION,
+        "weights": weights,
+        "tokenizer": hashlib.blake2b(repr(list(probe)).encode(), digest_size=16).hexdigest(),
+        "page_size": config.page_size,
+        "quantization": config.quantization,
+        "kv_layout": mover.layout.describe(),
+    }
+
+
+def build_tiers(config: EngineConfig, loaded: LoadedModel, cache: BasePrefixCache, pool: KVPool) -> TierIndex | None:
+    """The tier index for ``config`` (None when neither ``hicache_size`` nor ``cache_dir`` is set)."""
+    if not config.hicache_size and config.cache_dir is None:
+        return None
+    mover = PoolPageMover(pool, tier_page_tokens(cache.page_size))
+    host = None
+    if config.hicache_size:
+        host = HostArena(int(config.hicache_size * GIB), config.hicache_compress, pin=pool.device.type == "cuda")
+    disk = None
+    if config.cache_dir is not None:
+        capacity = int(config.cache_dir_size * GIB) if config.cache_dir_size is not None else 1 << 62
+        disk = DiskPageStore(config.cache_dir, capacity, fingerprint(config, loaded, mover))
+    tiers = TierIndex(mover, mover.layout.page_tokens, host, disk, config.hicache_write_policy)  # type: ignore[arg-type]
+    tiers.events = cache.events
+    logger.info("cache tiers: %s", tiers.sizes())
+    return tiers

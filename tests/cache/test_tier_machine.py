@@ -1,0 +1,200 @@
+"""The tiered cache (L1 pool, L2 host, L3 disk) against a brute-force reference, checked after every step.
+
+The "model" writes into every slot a value derived from (namespace, the token
+prefix it ends), so a page loaded back from any tier is checked for exactly the
+K/V a recompute would write: a page of another prefix or another tenant shows.
+With unbounded lower tiers the reference predicts every match exactly: each
+whole tier page the tree ever held is in L1 or below, so a request gets the
+longest run of such pages. With a tiny L2 spilling to a bounded disk it checks
+that nothing is invented, every page is in one state per tier, host bytes and
+KV slots are conserved, and locked prefixes survive the evictions a load causes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from radixserve.cache import CacheReq, RadixCache, RadixKey
+from radixserve.cache.radix_check import check_slot_conservation
+from radixserve.cache.tiers import TierIndex
+from radixserve.memory import TokenAllocator
+from radixserve.memory.disk_store import DiskPageStore
+from radixserve.memory.host_arena import HostArena
+from radixserve.memory.kv_pages import PoolPageMover
+from radixserve.memory.kv_pool import KVPool
+from tests.cache.helpers import counter_clock
+from tests.cache.test_radix_machine import key_strategy
+from tests.machine_settings import machine_settings
+
+PageKey = tuple[str | None, tuple[int, ...]]
+
+
+def kv_value(ns: str | None, prefix: np.ndarray) -> float:
+    """What the fake model writes for the last token of ``prefix`` (exact in float32)."""
+    digest = hashlib.blake2b(repr((ns, prefix.tolist())).encode(), digest_size=4).digest()
+    return float(int.from_bytes(digest, "little") % (1 << 20))
+
+
+class TierMachine(RuleBasedStateMachine):
+    page_size = 1
+    write_policy = "write_back"
+    unbounded = True
+    loaded = {"host": 0, "disk": 0}  # across every run of one test: the tiers were really exercised
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tier_page = 2 * self.page_size
+        self.allocator = TokenAllocator(12 * self.page_size, self.page_size)
+        self.cache = RadixCache(self.allocator, self.page_size, "lru", counter_clock())
+        self.pool = KVPool(1, self.allocator.size + self.page_size, 1, 2)
+        mover = PoolPageMover(self.pool, self.tier_page)
+        page_bytes = mover.layout.page_bytes
+        self.dir = Path(tempfile.mkdtemp())
+        if self.unbounded:
+            host, disk = HostArena(1 << 30), None
+        else:  # L2 = 16 tokens (L1 holds 12), L3 = 32: both tiers spill all the time
+            host = HostArena(8 * page_bytes)
+            disk = DiskPageStore(self.dir, 16 * (page_bytes + 64), {"test": 1})
+        self.cache.tiers = TierIndex(mover, self.tier_page, host, disk, self.write_policy)  # type: ignore[arg-type]
+        self.ever: set[PageKey] = set()  # whole tier pages the tree has held
+        self.live: list[CacheReq] = []
+
+    # ---- the fake model and the reference -------------------------------------------------------
+
+    def compute(self, req: CacheReq, start: int) -> None:
+        for pos in range(start, len(req.token_ids)):
+            value = kv_value(req.extra_key, req.token_ids[: pos + 1])
+            slot = int(req.kv_indices[pos])
+            self.pool.k[0][0, slot] = torch.tensor([value, pos])
+            self.pool.v[0][0, slot] = torch.tensor([-value, pos])
+
+    def check_kv(self, ns: str | None, token_ids: np.ndarray, slots: np.ndarray) -> None:
+        for pos, slot in enumerate(slots.tolist()):
+            want = [kv_value(ns, token_ids[: pos + 1]), pos]
+            assert self.pool.k[0][0, slot].tolist() == want, f"wrong K at position {pos}"
+            assert self.pool.v[0][0, slot].tolist() == [-want[0], pos], f"wrong V at position {pos}"
+
+    def tier_pages(self, ns: str | None, token_ids: np.ndarray) -> list[PageKey]:
+        b = self.tier_page
+        return [(ns, tuple(token_ids[:end].tolist())) for end in range(b, len(token_ids) + 1, b)]
+
+    def record_tree(self) -> None:
+        for node in self.cache.nodes():
+            if not node.children:
+                path = self.cache._path_tokens(node)
+                self.ever.update(self.tier_pages(node.key.extra_key, path))
+
+    def expected_len(self, ns: str | None, token_ids: np.ndarray, l1_len: int) -> int:
+        pages, b = self.tier_pages(ns, token_ids), self.tier_page
+        index = l1_len // b
+        while index < len(pages) and pages[index] in self.ever:
+            index += 1
+        return max(l1_len, index * b)
+
+    # ---- rules ------------------------------------------------------------------------------------
+
+    def open(self, ns: str | None, arr: np.ndarray) -> CacheReq | None:
+        l1_len = len(self.cache.match_prefix(RadixKey(arr, ns)).indices)
+        free_before = self.allocator.free_size() + self.cache.evictable_size()
+        req = self.cache.open_request(RadixKey(arr, ns))
+        got = len(req.token_ids)
+        if self.unbounded and free_before >= len(arr):
+            assert got == self.expected_len(ns, arr, l1_len), "continuation differs from the reference"
+        assert l1_len <= got and all(
+            page in self.ever for page in self.tier_pages(ns, arr[:got])[l1_len // self.tier_page :]
+        )
+        self.check_kv(ns, req.token_ids, req.kv_indices)  # loaded pages hold exactly the recomputed K/V
+        if not self.cache.extend_request(req, arr[got:]):
+            self.cache.cache_finished_req(req, is_insert=False)
+            return None
+        self.compute(req, got)
+        return req
+
+    @precondition(lambda self: len(self.live) < 3)
+    @rule(data=st.data())
+    def open_request(self, data: st.DataObject) -> None:
+        ns, token_ids = data.draw(key_strategy(self.page_size))
+        req = self.open(ns, np.asarray(token_ids, dtype=np.int64))
+        if req is not None:
+            self.live.append(req)
+
+    @rule(data=st.data())
+    def serve_request(self, data: st.DataObject) -> None:
+        ns, token_ids = data.draw(key_strategy(self.page_size))
+        req = self.open(ns, np.asarray(token_ids, dtype=np.int64))
+        if req is not None:
+            self.cache.cache_finished_req(req)
+            self.record_tree()
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), is_insert=st.booleans())
+    def finish_request(self, data: st.DataObject, is_insert: bool) -> None:
+        req = self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
+        self.cache.cache_finished_req(req, is_insert=is_insert)
+        self.record_tree()
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def chunk_request(self, data: st.DataObject) -> None:
+        req = self.live[data.draw(st.integers(0, len(self.live) - 1))]
+        self.cache.cache_unfinished_req(req)
+        self.record_tree()
+
+    @rule(num_pages=st.integers(1, 6))
+    def evict(self, num_pages: int) -> None:
+        self.cache.evict(num_pages * self.page_size)
+
+    # ---- checked after every step ------------------------------------------------------------------
+
+    @invariant()
+    def everything_holds(self) -> None:
+        tiers = self.cache.tiers
+        assert tiers is not None
+        if tiers.disk is not None:
+            assert tiers.disk.flush(30)
+        self.cache.check_invariants()
+        check_slot_conservation(self.cache, self.live)
+        for req in self.live:  # locks honoured: a live request's K/V is never taken
+            self.check_kv(req.extra_key, req.token_ids, req.kv_indices)
+        for node in self.cache.nodes():
+            if not node.children:
+                key, slots = self.cache._path_key_slots(node)
+                self.check_kv(key.extra_key, key.token_ids, slots)
+        assert tiers.host is not None
+        tiers.host.check()
+        for page_hash in tiers.host.hashes():
+            assert tiers.page_states(page_hash)[0]
+        if tiers.disk is not None:
+            assert tiers.disk.used_bytes <= tiers.disk.capacity_bytes
+            for page_hash in list(tiers.disk._index):
+                assert tiers.page_states(page_hash)[1] == "on_disk"
+
+    def teardown(self) -> None:
+        for req in self.live:
+            self.cache.cache_finished_req(req)
+        self.cache.check_invariants()
+        check_slot_conservation(self.cache, [])
+        if self.cache.tiers is not None:
+            for tier, count in self.cache.tiers.stats.hit_tokens.items():
+                self.loaded[tier] += count
+            self.cache.tiers.close(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("unbounded", [True, False])
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_tiered_cache_matches_reference(page_size: int, write_policy: str, unbounded: bool) -> None:
+    attrs = {"page_size": page_size, "write_policy": write_policy, "unbounded": unbounded}
+    machine = type("Machine", (TierMachine,), {**attrs, "loaded": {"host": 0, "disk": 0}})
+    run_state_machine_as_test(machine, settings=machine_settings(20, 30))
+    assert machine.loaded["host"] > 0 and (unbounded or machine.loaded["disk"] > 0), machine.loaded

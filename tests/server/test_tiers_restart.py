@@ -1,0 +1,70 @@
+"""A server restarted on its --cache-dir is warm for the same tenant and cold for another; tiers show in
+/cache, /server_info and /metrics."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from radixserve.bench.server_process import ServerProcess
+from tests.server.conftest import MODEL
+
+DOC = " ".join(f"w{3 + (i * 7) % 120}" for i in range(80))  # 80 tokens: five whole tier pages
+
+
+def complete(url: str, prompt: str, salt: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    if salt is not None:
+        body["cache_salt"] = salt
+    response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    out: dict[str, Any] = response.json()
+    return out
+
+
+def cached_tokens(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def metric(text: str, name: str, tier: str) -> float:
+    match = re.search(rf'^radixserve:{name}{{tier="{tier}"}} (\S+)$', text, re.M)
+    assert match is not None, f"{name}{{tier={tier}}} missing"
+    return float(match.group(1))
+
+
+def test_restart_is_warm_for_the_same_tenant_only(tiny_model_dir: Path, tmp_path: Path) -> None:
+    flags = ("--cache-dir", str(tmp_path / "kv"), "--max-total-tokens", "512", "--enable-metrics")
+    with ServerProcess(*flags, model_path=tiny_model_dir) as first:
+        cold = complete(first.url, DOC + " w9")
+        assert cached_tokens(cold) == 0
+        assert cached_tokens(complete(first.url, DOC + " w9", salt="tenant-b")) == 0
+    assert first.proc is not None and first.proc.returncode == 0
+    assert "cache tiers closed" in first.log() and "flush timed out" not in first.log()
+
+    with ServerProcess(*flags, model_path=tiny_model_dir) as second:
+        assert "pages (" in second.log()  # the warm-restart index line
+        warm = complete(second.url, DOC + " w9")
+        assert cached_tokens(warm) >= 64 and warm["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert cached_tokens(complete(second.url, DOC + " w11", salt="tenant-c")) == 0
+        view = httpx.get(second.url + "/cache", timeout=30).json()
+        assert view["tiers"]["disk"]["pages"] >= 10 and view["tiers"]["disk"]["writable"]
+        info = httpx.get(second.url + "/server_info", timeout=30).json()
+        assert info["cache_tiers"]["hit_tokens"]["disk"] >= 64
+        assert info["server_args"]["cache_dir"] == str(tmp_path / "kv")
+        text = httpx.get(second.url + "/metrics", timeout=30).text
+        assert metric(text, "tier_hit_tokens_total", "disk") >= 64
+        assert metric(text, "tier_loaded_bytes_total", "disk") > 0
+        assert "radixserve:tier_load_seconds_count" in text
+
+
+def test_a_second_server_on_the_directory_runs_read_only(tiny_model_dir: Path, tmp_path: Path) -> None:
+    flags = ("--cache-dir", str(tmp_path / "kv"), "--max-total-tokens", "512")
+    with ServerProcess(*flags, model_path=tiny_model_dir) as first:
+        complete(first.url, DOC + " w9")
+        with ServerProcess(*flags, model_path=tiny_model_dir) as second:
+            assert "locked by another server" in second.log()
+            assert httpx.get(second.url + "/cache", timeout=30).json()["tiers"]["disk"]["writable"] is False
+            complete(second.url, DOC + " w9")  # serves all the same

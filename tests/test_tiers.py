@@ -1,0 +1,154 @@
+"""The cache tiers through the offline engine: load-back equals recompute, restarts are warm, faults are safe.
+
+Float32 tiny model: a page loaded back from L2 or L3 must give exactly the
+tokens the no-tier engine computes. The pool holds one document; the working
+set is six, so without tiers every second visit recomputes.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from radixserve.engine import Engine
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+rng = random.Random(7)
+DOCS = [[rng.randrange(3, 128) for _ in range(48)] for _ in range(6)]
+PROMPTS = [doc + [10 + i, 11, 12, 13] for i in range(2) for doc in DOCS]  # every document twice
+
+
+def make(tiny_model_dir: Path, **options: Any) -> Engine:
+    return Engine.create(model_path=str(tiny_model_dir), dtype="float32", max_total_tokens=64, **options)
+
+
+def run(engine: Engine, prompts: list[list[int]], extra_key: str | None = None) -> list[list[int]]:
+    return [engine.generate(input_ids=p, sampling_params=GREEDY, extra_key=extra_key).output_ids for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> list[list[int]]:
+    return run(make(tiny_model_dir), PROMPTS)
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_host_tier_loads_back_instead_of_recomputing(
+    tiny_model_dir: Path, reference: list[list[int]], policy: str
+) -> None:
+    plain = make(tiny_model_dir)
+    tiered = make(tiny_model_dir, hicache_size=0.01, hicache_write_policy=policy)
+    assert run(plain, PROMPTS) == reference
+    assert run(tiered, PROMPTS) == reference
+    stats = tiered.cache.tiers.stats  # type: ignore[union-attr]
+    assert stats.hit_tokens["host"] == 6 * 48  # every document's second visit, all three pages
+    saved = plain.scheduler.stats.prefill_tokens - tiered.scheduler.stats.prefill_tokens
+    assert saved == 6 * 48
+    tiered.check_idle_invariants()
+
+
+def test_disk_tier_survives_a_restart_and_keeps_tenants_apart(
+    tiny_model_dir: Path, reference: list[list[int]], tmp_path: Path
+) -> None:
+    first = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"))
+    assert run(first, PROMPTS[:6]) == reference[:6]
+    assert first.close(30)
+    again = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"))
+    result = again.generate(input_ids=PROMPTS[6], sampling_params=GREEDY)
+    assert result.output_ids == reference[6] and result.cached_tokens == 48
+    assert again.cache.tiers.stats.hit_tokens["disk"] == 48  # type: ignore[union-attr]
+    other = again.generate(input_ids=PROMPTS[7], sampling_params=GREEDY, extra_key="tenant-b")
+    assert other.output_ids == reference[7] and other.cached_tokens == 0
+    again.check_idle_invariants()
+    assert again.close(30)
+
+
+@pytest.mark.parametrize("fault", ["flip", "truncate", "delete"])
+def test_corrupt_disk_pages_are_recomputed(
+    tiny_model_dir: Path, reference: list[list[int]], tmp_path: Path, fault: str
+) -> None:
+    first = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"))
+    run(first, PROMPTS[:6])
+    assert first.close(30)
+    pages = sorted((tmp_path / "kv" / "pages").glob("*/*.kv"))
+    assert len(pages) >= 6 * 3
+    again = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"))
+    for page in pages:  # after the index was built: faults strike files the server believes good
+        if fault == "flip":
+            data = bytearray(page.read_bytes())
+            data[-1] ^= 1
+            page.write_bytes(bytes(data))
+        elif fault == "truncate":
+            page.write_bytes(page.read_bytes()[:100])
+        else:
+            page.unlink()
+    assert run(again, PROMPTS[6:]) == reference[6:]
+    disk = again.cache.tiers.disk  # type: ignore[union-attr]
+    assert disk is not None
+    counted = disk.stats.missing if fault == "delete" else disk.stats.corrupt
+    assert counted >= 6 and again.cache.tiers.stats.hit_tokens["disk"] == 0  # type: ignore[union-attr]
+    again.check_idle_invariants()
+    again.close(30)
+
+
+def test_another_models_directory_is_not_used(tiny_model_dir: Path, reference: list[list[int]], tmp_path: Path) -> None:
+    first = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"), page_size=2)
+    run(first, PROMPTS[:6])
+    assert first.close(30)
+    other = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"))  # another page size: another fingerprint
+    assert other.cache.tiers is not None and other.cache.tiers.disk is None
+    result = other.generate(input_ids=PROMPTS[6], sampling_params=GREEDY)
+    assert result.output_ids == reference[6] and result.cached_tokens == 0
+    other.close(30)
+
+
+def test_disk_full_degrades_to_no_disk_tier(
+    tiny_model_dir: Path, reference: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from radixserve.memory.disk_store import DiskPageStore
+
+    def full(self: DiskPageStore, path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    engine = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"), hicache_size=0.01)
+    monkeypatch.setattr(DiskPageStore, "_write_file", full)
+    assert run(engine, PROMPTS) == reference
+    engine.close(30)
+    disk = engine.cache.tiers.disk  # type: ignore[union-attr]
+    assert disk is not None and disk.stats.write_errors == 1 and not disk.writable
+    assert engine.cache.tiers.stats.hit_tokens["host"] > 0  # type: ignore[union-attr]
+
+
+def test_tier_options_are_checked(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="hicache_write_policy"):
+        make(tiny_model_dir, hicache_size=1, hicache_write_policy="write_around")
+    with pytest.raises(ValueError, match="need prefix_cache radix"):
+        make(tiny_model_dir, prefix_cache="block", hicache_size=1)
+    assert make(tiny_model_dir).cache.tiers is None  # no flags: no tiers, exactly as before
+
+
+def test_server_flags_reach_the_engine_config() -> None:
+    from radixserve.server.args import parse_args
+
+    args = parse_args(
+        ["--hicache-size", "2.5", "--hicache-write-policy", "write_through", "--hicache-compress"]
+        + ["--cache-dir", "/tmp/kv", "--cache-dir-size", "10"]
+    )
+    engine = args.engine
+    assert (engine.hicache_size, engine.hicache_write_policy, engine.hicache_compress) == (2.5, "write_through", True)
+    assert (engine.cache_dir, engine.cache_dir_size) == ("/tmp/kv", 10.0)
+    default = parse_args([]).engine
+    assert (default.hicache_size, default.cache_dir) == (0.0, None)
+
+
+def test_compressed_host_tier_serves_close_pages(tiny_model_dir: Path, reference: list[list[int]]) -> None:
+    """int8 L2 pages: lossy by design; the run completes, hits L2, and conserves slots."""
+    tiered = make(tiny_model_dir, hicache_size=0.01, hicache_compress=True)
+    outputs = run(tiered, PROMPTS)
+    assert outputs[:6] == reference[:6]  # first visits compute everything: exact
+    assert tiered.cache.tiers.stats.hit_tokens["host"] == 6 * 48  # type: ignore[union-attr]
+    tiered.check_idle_invariants()
