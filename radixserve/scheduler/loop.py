@@ -329,6 +329,9 @@ class Scheduler:
         elif out.stop_string is not None:
             req.text, req.matched_stop = out.stop_string
             self._finish(req, "stop", decode=False)
+        elif req.sampling.grammar is not None and req.sampling.grammar.terminated:
+            req.matched_stop = token  # the grammar took its stop token (with ignore_eos, nothing else stops it)
+            self._finish(req, "stop")
         elif len(req.output_ids) >= req.params.max_new_tokens:
             self._finish(req, "length")
         return req.status is not Status.RUNNING

@@ -21,7 +21,8 @@ from radixserve.server.errors import APIError, error_event, raise_first_error
 from radixserve.server.generation import Generation, ServerState, TextStream, finish_unless_disconnected
 from radixserve.server.openai_api import SSE_DONE, sse
 from radixserve.server.protocol import GenerateRequest
-from radixserve.server.sglang_fields import triage
+from radixserve.server.sglang_fields import native_sampling, triage
+from radixserve.server.structured import precompile
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,19 @@ class NativeCall:
                 raise APIError(
                     400, "prompt logprobs (logprob_start_len >= 0) are not supported", param="logprob_start_len"
                 )
-            requests.append(self.request(ids, dict(per_params[i]), bool(logprob[i]), top[i] or 0))
+            params = self.sampling(per_params[i])
+            await precompile(self.state, params)
+            requests.append(self.request(ids, params, bool(logprob[i]), top[i] or 0))
         return Generation(self.state, requests)
+
+    @staticmethod
+    def sampling(raw: Any) -> dict[str, Any]:
+        if not isinstance(raw, dict):
+            raise APIError(400, "sampling_params must be an object", param="sampling_params")
+        params, problem = native_sampling(raw)
+        if problem is not None:
+            raise APIError(400, problem, "unsupported_parameter", "sampling_params")
+        return params
 
     def request(self, ids: list[int], params: dict[str, Any], logprob: bool, top: int) -> Request:
         if logprob or top:
