@@ -169,6 +169,9 @@ class GenerateResult:
     matched_stop: int | str | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None  # set with ``error``
+    # Prompt logprobs (SGLang's logprob_start_len): per prompt token from that start, log P(token | tokens
+    # before it); the first is None (nothing before it was scored). None: not asked for.
+    input_logprobs: list[float | None] | None = None
 
     @property
     def retryable(self) -> bool:
@@ -188,6 +191,8 @@ class GenerateResult:
             meta["output_token_logprobs"] = self.output_logprobs
         if self.output_top_logprobs:
             meta["output_top_logprobs"] = [[list(pair) for pair in step] for step in self.output_top_logprobs]
+        if self.input_logprobs is not None:
+            meta["input_token_logprobs"] = self.input_logprobs
         if self.error is not None:
             meta["error"] = self.error
             meta["retryable"] = self.retryable

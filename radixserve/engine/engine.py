@@ -253,10 +253,13 @@ class Engine:
         extra_key: str | None = None,
         arrival_time: float | None = None,
         shared_len: int = 0,
+        logprob_start_len: int = -1,
     ) -> Request:
         """A validated request (not yet queued); ValueError says what is wrong with the input.
 
-        ``max_new_tokens`` is clipped to what the context leaves after the prompt. A
+        ``logprob_start_len >= 0``: also score the prompt from there (``result.input_logprobs``; with
+        ``max_new_tokens == 0`` the prompt runs for that alone). ``max_new_tokens`` is clipped to what
+        the context leaves after the prompt. A
         ``json_schema`` / ``regex`` / ``ebnf`` that does not compile is a ValueError (GrammarError).
         ``shared_len``: leading prompt tokens cached in the shared namespace even
         though the request has its own ``extra_key`` (rounded down to a page).
@@ -284,6 +287,7 @@ class Engine:
         req = Request(next(self._rids), ids, sp, extra_key)
         if compiled is not None:
             req.sampling.grammar = self.grammars.matcher(compiled)
+        req.ask_prompt_logprobs(logprob_start_len)
         if extra_key is not None and shared_len > 0:
             req.shared_len = min(shared_len, len(ids)) - min(shared_len, len(ids)) % self.config.page_size
         if arrival_time is not None:
