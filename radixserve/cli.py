@@ -31,6 +31,7 @@ BENCHMARKS = {
     "scale-out": "scale_out",
     "mixed-chunk": "mixed_chunk",
     "tiers": "tiers",
+    "programs": "programs",
 }
 
 

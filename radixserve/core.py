@@ -53,6 +53,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # also return the N most likely tokens at each step (implies logprobs)
+    # Constrained decoding (at most one; SGLang's names): the output must match this JSON schema / regex /
+    # EBNF grammar (xgrammar's dialect). The request stops when the grammar is complete.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         problems = _type_problems(self)
@@ -81,6 +86,15 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_logprobs:
             object.__setattr__(self, "logprobs", True)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, source) of the request's constraint, or None."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            source = getattr(self, kind)
+            if source is not None:
+                return kind, source
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +142,12 @@ def _type_problems(params: SamplingParams) -> list[str]:
     ids = params.stop_token_ids
     if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         problems.append(f"stop_token_ids must be a list of integers, got {ids!r}")
+    grammars = [name for name in ("json_schema", "regex", "ebnf") if getattr(params, name) is not None]
+    for name in grammars:
+        if not isinstance(getattr(params, name), str):
+            problems.append(f"{name} must be a string, got {type(getattr(params, name)).__name__}")
+    if len(grammars) > 1:
+        problems.append(f"give at most one of json_schema, regex and ebnf, got {grammars}")
     for name in ("ignore_eos", "logprobs"):
         if not isinstance(getattr(params, name), bool):
             problems.append(f"{name} must be true or false, got {getattr(params, name)!r}")
@@ -149,6 +169,9 @@ class GenerateResult:
     matched_stop: int | str | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None  # set with ``error``
+    # Prompt logprobs (SGLang's logprob_start_len): per prompt token from that start, log P(token | tokens
+    # before it); the first is None (nothing before it was scored). None: not asked for.
+    input_logprobs: list[float | None] | None = None
 
     @property
     def retryable(self) -> bool:
@@ -168,6 +191,8 @@ class GenerateResult:
             meta["output_token_logprobs"] = self.output_logprobs
         if self.output_top_logprobs:
             meta["output_top_logprobs"] = [[list(pair) for pair in step] for step in self.output_top_logprobs]
+        if self.input_logprobs is not None:
+            meta["input_token_logprobs"] = self.input_logprobs
         if self.error is not None:
             meta["error"] = self.error
             meta["retryable"] = self.retryable

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from radixserve.bench.server_process import ServerProcess
-from tests.model.tiny import build_engine_folder
+from tests.model.tiny import build_byte_engine_folder, build_engine_folder
 
 # One thread: libgomp's spinning pool makes 2 threads 3-50x slower on a busy 2-core box.
 torch.set_num_threads(1)
@@ -40,3 +40,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama + word tokenizer as an HF folder named ``tiny-llama`` (built once)."""
     return build_engine_folder(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def byte_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama over a byte-level tokenizer (any text encodes): grammars, SGLang programs."""
+    return build_byte_engine_folder(tmp_path_factory.mktemp("models") / "tiny-byte-llama")

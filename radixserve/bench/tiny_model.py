@@ -72,6 +72,55 @@ def save_word_tokenizer(folder: Path) -> None:
     tok.save_pretrained(folder)
 
 
+BYTE_VOCAB, BYTE_EOS = 260, 257  # 256 byte tokens, then <s>, </s>, <|im_start|>, <|im_end|>
+
+
+def save_byte_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer (one token per byte, no merges): any text encodes, so a grammar can spell anything.
+
+    Its ids 0..255 are bytes in GPT-2's printable mapping; the chat template is ChatML.
+    """
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(_byte_chars())}
+    specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    vocab.update({name: 256 + i for i, name in enumerate(specials)})
+    raw = RawTokenizer(models.BPE(vocab, [], ignore_merges=True))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", additional_special_tokens=specials[2:]
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok.save_pretrained(folder)
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character mapping (what byte-level BPE writes), indexed by byte value."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    chars, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def build_byte_engine_folder(folder: Path, **overrides: Any) -> Path:
+    """A tiny Llama over a byte-level tokenizer (``BYTE_VOCAB`` ids): for grammars and SGLang programs."""
+    build_hf_model("llama", folder, seed=0, vocab_size=BYTE_VOCAB, eos_token_id=BYTE_EOS, bos_token_id=256, **overrides)
+    save_byte_tokenizer(folder)
+    return folder
+
+
 def build_engine_folder(folder: Path, **overrides: Any) -> Path:
     """A tiny Llama with a word-level tokenizer: everything ``Engine.create(model_path=...)`` needs."""
     build_hf_model("llama", folder, seed=0, eos_token_id=EOS, bos_token_id=1, **overrides)

@@ -30,6 +30,7 @@ from radixserve.engine.config import EngineConfig, default_pool_tokens
 from radixserve.engine.step import StepExecutor
 from radixserve.engine.tiers import build_tiers
 from radixserve.memory.kv_pool import KVPool
+from radixserve.model.grammar import GrammarCompiler
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.precision import resolve_kv_cache_dtype
 from radixserve.model.quant import weight_bytes
@@ -85,6 +86,8 @@ class Engine:
         )
         self.cache.tiers = build_tiers(config, self.loaded, self.cache, self.kv_pool)
         eos = tuple(model.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = eos
+        self._grammars: GrammarCompiler | None = None
         runner = ModelRunner(self.loaded.model, model, self.kv_pool, self.device)
         self.executor = StepExecutor(runner, self.tokenizer.decode_continuation, eos)
         self.scheduler = Scheduler(
@@ -183,6 +186,13 @@ class Engine:
         conversations = [self.tokenizer.apply_chat_template(conv) for conv in messages]
         return self._run(conversations, sampling_params, extra_key)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler over this model's tokenizer (built at first use: most servers never need it)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.hf, self.loaded.config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
     def flush_cache(self) -> None:
         """Drop every cached prefix (only when no request is in flight)."""
         if self.scheduler.has_work():
@@ -243,10 +253,14 @@ class Engine:
         extra_key: str | None = None,
         arrival_time: float | None = None,
         shared_len: int = 0,
+        logprob_start_len: int = -1,
     ) -> Request:
         """A validated request (not yet queued); ValueError says what is wrong with the input.
 
-        ``max_new_tokens`` is clipped to what the context leaves after the prompt.
+        ``logprob_start_len >= 0``: also score the prompt from there (``result.input_logprobs``; with
+        ``max_new_tokens == 0`` the prompt runs for that alone). ``max_new_tokens`` is clipped to what
+        the context leaves after the prompt. A
+        ``json_schema`` / ``regex`` / ``ebnf`` that does not compile is a ValueError (GrammarError).
         ``shared_len``: leading prompt tokens cached in the shared namespace even
         though the request has its own ``extra_key`` (rounded down to a page).
         Thread-safe: the server calls it off the scheduler thread.
@@ -267,7 +281,13 @@ class Engine:
         if len(ids) + 1 > self.allocator.size:
             raise ValueError(f"the prompt has {len(ids)} tokens but the KV pool holds {self.allocator.size}")
         sp = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, max_pos - len(ids)))
+        grammar = sp.grammar
+        # Compiling is memoised: the server compiles on a worker thread first, so this is a cache hit there.
+        compiled = None if grammar is None else self.grammars.compile(*grammar)  # type: ignore[arg-type]
         req = Request(next(self._rids), ids, sp, extra_key)
+        if compiled is not None:
+            req.sampling.grammar = self.grammars.matcher(compiled)
+        req.ask_prompt_logprobs(logprob_start_len)
         if extra_key is not None and shared_len > 0:
             req.shared_len = min(shared_len, len(ids)) - min(shared_len, len(ids)) % self.config.page_size
         if arrival_time is not None:

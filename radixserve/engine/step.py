@@ -9,9 +9,11 @@ that request's ``error``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from radixserve.core import TopLogprobs
@@ -25,6 +27,7 @@ logger = logging.getLogger(__name__)
 # (output ids, prompt ids) -> the output's text as it reads after the prompt
 Detokenize = Callable[[Sequence[int], Sequence[int]], str]
 NON_FINITE = "the model produced non-finite logits (NaN or inf)"
+PromptLogprobs = tuple[tuple[int, float], ...]
 
 
 class StepExecutor:
@@ -39,7 +42,8 @@ class StepExecutor:
         if not entries:
             return []
         errors: dict[int, str] = {}  # entry index -> why it failed
-        rows, logits = self._forward(entries, batch.mode, errors)
+        scored: dict[int, PromptLogprobs] = {}  # entry index -> the prompt logprobs its chunk scored
+        rows, logits = self._forward(entries, batch.mode, errors, scored)
         sampled: dict[int, StepOutput] = {}
         if logits is not None:
             finite = torch.isfinite(logits).all(dim=-1).tolist()
@@ -51,21 +55,23 @@ class StepExecutor:
         computed = set(rows)
         outputs = []
         for i in range(len(entries)):
-            if i in sampled:
-                outputs.append(sampled[i])
-            else:
-                outputs.append(StepOutput(computed=i in computed, error=errors.get(i)))
+            out = sampled[i] if i in sampled else StepOutput(computed=i in computed, error=errors.get(i))
+            outputs.append(dataclasses.replace(out, prompt_logprobs=scored[i]) if i in scored else out)
         return outputs
 
     def _forward(
-        self, entries: Sequence[ScheduledRequest], mode: BatchMode, errors: dict[int, str]
+        self,
+        entries: Sequence[ScheduledRequest],
+        mode: BatchMode,
+        errors: dict[int, str],
+        scored: dict[int, PromptLogprobs],
     ) -> tuple[list[int], torch.Tensor | None]:
         """Logits (one row per entry that ran) and which entries they belong to.
 
         If the batched call fails, each request runs alone; the failing ones get an error.
         """
         try:
-            return list(range(len(entries))), self.runner.forward([_step_input(e) for e in entries], mode)
+            return list(range(len(entries))), self._model(entries, mode, scored, list(range(len(entries))))
         except Exception as exc:
             if len(entries) == 1:
                 logger.exception("model step failed for request %d", entries[0].req.rid)
@@ -76,12 +82,29 @@ class StepExecutor:
         logits = []
         for i, entry in enumerate(entries):
             try:
-                logits.append(self.runner.forward([_step_input(entry)], entry.mode))
+                logits.append(self._model([entry], entry.mode, scored, [i]))
                 rows.append(i)
             except Exception as exc:
                 logger.exception("model step failed for request %d", entry.req.rid)
                 errors[i] = _message(exc)
         return rows, (torch.cat(logits) if logits else None)
+
+    def _model(
+        self, entries: Sequence[ScheduledRequest], mode: BatchMode, scored: dict[int, PromptLogprobs], at: list[int]
+    ) -> torch.Tensor:
+        """Each entry's last-token logits; entries scoring their prompt put its logprobs in ``scored[at[k]]``.
+
+        Only a batch with such an entry asks the model for every position's logits.
+        """
+        inputs = [_step_input(e) for e in entries]
+        if not any(_scores_prompt(e) for e in entries):
+            return self.runner.forward(inputs, mode)
+        logits = self.runner.forward(inputs, mode, all_logits=True)
+        ends = np.cumsum([len(e.new_token_ids) for e in entries])
+        for k, entry in enumerate(entries):
+            if _scores_prompt(entry):
+                scored[at[k]] = prompt_logprobs(entry, logits[ends[k] - len(entry.new_token_ids) : ends[k]])
+        return logits[torch.as_tensor(ends - 1, device=logits.device)]
 
     def _sample(
         self,
@@ -137,6 +160,28 @@ class StepExecutor:
             return None
         position, stop = min(hits)
         return text[:position], stop
+
+
+def _scores_prompt(entry: ScheduledRequest) -> bool:
+    return entry.mode == "extend" and entry.req.input_logprobs is not None
+
+
+def prompt_logprobs(entry: ScheduledRequest, logits: torch.Tensor) -> PromptLogprobs:
+    """(position p, log P(prompt[p] | prompt[:p])) for the prompt positions this chunk's logits score.
+
+    Row k is the logits at position ``chunk_start + k``: it scores the token after it. Positions
+    from ``logprob_start_len + 1`` to the prompt's end are scored (the start itself has no score).
+    """
+    req = entry.req
+    chunk_start = len(entry.context_slots) - len(entry.new_token_ids)
+    first = max(chunk_start, req.logprob_start_len)  # the first position whose next token is scored
+    last = min(chunk_start + len(entry.new_token_ids), len(req.prompt_ids) - 1)  # exclusive
+    if first >= last:
+        return ()
+    targets = torch.as_tensor(req.prompt_ids[first + 1 : last + 1], device=logits.device)
+    rows = torch.log_softmax(logits[first - chunk_start : last - chunk_start].float(), dim=-1)
+    values = rows.gather(1, targets[:, None]).squeeze(1).tolist()
+    return tuple(zip(range(first + 1, last + 1), values))
 
 
 def _step_input(entry: ScheduledRequest) -> StepInput:

@@ -39,10 +39,11 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def forward(self, inputs: list[StepInput], mode: ForwardMode) -> torch.Tensor:
-        """Logits [len(inputs), vocab] (float32) of each request's last new token."""
+    def forward(self, inputs: list[StepInput], mode: ForwardMode, all_logits: bool = False) -> torch.Tensor:
+        """Logits [len(inputs), vocab] (float32) of each request's last new token; ``all_logits``: of every
+        new token, [sum of new tokens, vocab] (prompt logprobs)."""
         batch = self.build_batch(inputs, mode)
-        return self.model(batch, self.kv_pool).float()
+        return self.model(batch, self.kv_pool, return_all_logits=all_logits).float()
 
     def build_batch(self, inputs: list[StepInput], mode: ForwardMode) -> ForwardBatch:
         """``mode`` mixed: prefill chunks next to decodes (one new token each) in one forward."""

@@ -3,6 +3,7 @@
 Per row, in this order (a step whose parameter is neutral leaves the row unchanged)::
 
     raw logits -> repetition penalty (prompt + output; CTRL) -> frequency/presence (output; OpenAI)
+      -> grammar mask (constrained rows: disallowed tokens -inf; one bitmask for the batch, see grammar.py)
       greedy (temperature == 0 or top_k == 1):  argmax, no randomness consumed
       otherwise: / temperature -> softmax -> top_k -> top_p -> min_p -> multinomial(row's generator)
 
@@ -26,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from radixserve.core import SamplingParams, TopLogprobs
+from radixserve.model.grammar import GrammarState, apply_masks
 
 
 class SampleOutput(NamedTuple):
@@ -57,13 +59,19 @@ class SamplingState:
         self._generator: torch.Generator | None = None
         self._seen: torch.Tensor | None = None  # [V] bool
         self._counts: torch.Tensor | None = None  # [V] float32
+        self.grammar: GrammarState | None = None  # constrained decoding: set by the engine when params ask
 
     def append(self, token_id: int) -> None:
-        """Record one generated token (O(1); penalty tensors catch up at the next ``sample``)."""
+        """Record one generated token (O(1); penalty tensors catch up at the next ``sample``).
+
+        A constrained request's grammar advances by the token (the mask allowed it).
+        """
         if token_id < 0:
             raise ValueError(f"token id must be >= 0, got {token_id}")
         if self.penalized:
             self._pending.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The request's generator, created and seeded on ``device`` at first use."""
@@ -106,7 +114,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutpu
     unmodified logits (before penalties, temperature and filters): they describe the
     model, not the sampling settings (a greedy or top_k=1 row would otherwise always
     get 0). Rows whose params do not ask get None. ``top_logprobs`` ranks the same
-    distribution.
+    distribution. A constrained row picks only tokens its grammar allows.
     """
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"logits must be [batch, vocab] with vocab > 0, got {tuple(logits.shape)}")
@@ -115,7 +123,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutpu
     if not logits.is_floating_point():
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     raw = logits.float()
-    penalized = _apply_penalties(raw, states)
+    penalized = apply_masks(_apply_penalties(raw, states), [s.grammar for s in states])
     token_ids = penalized.argmax(dim=-1)  # the greedy rows' answer; one op for the batch
     rows = [i for i, s in enumerate(states) if not s.params.greedy]
     if rows:

@@ -67,4 +67,6 @@ class StepOutput:
     # A stop string the output now contains: (the output's text up to it, the stop string).
     stop_string: tuple[str, str] | None = None
     computed: bool = True  # the forward ran for it (its K/V is written)
+    # Prompt logprobs this chunk scored: (prompt position, log P(token there | tokens before)).
+    prompt_logprobs: tuple[tuple[int, float], ...] = ()
     error: str | None = None  # the step failed for this request alone: it aborts, its K/V is never cached

@@ -64,7 +64,7 @@ class Scheduler:
         self._ended: list[Request] = []  # finished while scheduling this step (no room, ever)
 
     def add(self, req: Request) -> None:
-        if req.params.max_new_tokens == 0:
+        if req.params.max_new_tokens == 0 and req.input_logprobs is None:  # nothing to compute
             self._finish(req, "length")
             return
         self.waiting.append(req)
@@ -154,6 +154,9 @@ class Scheduler:
         for entry, out in entries:
             if out.error is not None and out.token is None:
                 self._fail(entry.req, out.error)
+            for position, logprob in out.prompt_logprobs:
+                assert entry.req.input_logprobs is not None
+                entry.req.input_logprobs[position - entry.req.logprob_start_len] = logprob
         finished = [entry.req for entry, out in entries if out.token is not None and self._take(entry.req, out)]
         for entry in batch.entries:  # share every computed prompt chunk at once (dedup-held requests hit it)
             req = entry.req
@@ -168,6 +171,9 @@ class Scheduler:
         if req.status is not Status.RUNNING:
             return False
         req.prefill_done = True
+        if req.params.max_new_tokens == 0:  # it ran for its prompt logprobs: the sampled token is dropped
+            self._finish(req, "length")
+            return True
         if out.logprob is not None:
             req.output_logprobs.append(out.logprob)
         if out.top_logprobs is not None and req.params.top_logprobs:
@@ -329,6 +335,9 @@ class Scheduler:
         elif out.stop_string is not None:
             req.text, req.matched_stop = out.stop_string
             self._finish(req, "stop", decode=False)
+        elif req.sampling.grammar is not None and req.sampling.grammar.terminated:
+            req.matched_stop = token  # the grammar took its stop token (with ignore_eos, nothing else stops it)
+            self._finish(req, "stop")
         elif len(req.output_ids) >= req.params.max_new_tokens:
             self._finish(req, "length")
         return req.status is not Status.RUNNING

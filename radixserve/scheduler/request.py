@@ -38,6 +38,10 @@ class Request:
     priority: int = 0  # schedule_policy=priority: higher first; also the cache eviction priority
     shared_len: int = 0  # leading prompt tokens in the shared namespace (an allowlisted public prefix)
     routing_key: str | None = None  # schedule_policy=routing-key
+    # Prompt logprobs from this prompt position on (-1: none). The cache match stops there, so the
+    # positions after it are computed and scored; ``input_logprobs`` fills in as the chunks run.
+    logprob_start_len: int = -1
+    input_logprobs: list[float | None] | None = None
     status: Status = Status.WAITING
     match_len: int = 0  # cached prefix length found by the last scheduling round (policy input)
     match_node: object = None  # the cache node that match ended on (same round only)
@@ -62,6 +66,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState(self.params, self.prompt_ids.tolist())
+
+    def ask_prompt_logprobs(self, start: int) -> None:
+        """Score the prompt from position ``start`` (clipped to the prompt; negative: don't)."""
+        if start < 0:
+            return
+        self.logprob_start_len = min(start, len(self.prompt_ids) - 1)
+        self.input_logprobs = [None] * (len(self.prompt_ids) - self.logprob_start_len)
 
     def stops_on(self, token: int, eos_token_ids: frozenset[int]) -> bool:
         """``token`` ends this request: an EOS (unless ignored) or one of its stop token ids."""
@@ -89,10 +100,14 @@ class Request:
     def match_key(self) -> RadixKey:
         """What admission looks up in the cache: ``fill_ids`` but the last token, in the request's namespaces.
 
-        The last token always runs (its logits give the next token), so it is never matched.
+        The last token always runs (its logits give the next token), so it is never matched. Prompt logprobs:
+        the positions to score must run too (only until the first token: then they are all scored).
         """
         fill = self.fill_ids
-        return RadixKey(fill[: len(fill) - 1], self.extra_key, self.shared_len)
+        limit = len(fill) - 1
+        if self.input_logprobs is not None and not self.output_ids:
+            limit = min(limit, self.logprob_start_len)
+        return RadixKey(fill[:limit], self.extra_key, self.shared_len)
 
     def result(self) -> GenerateResult:
         assert self.finish_reason is not None and self.finish_time is not None
@@ -108,4 +123,5 @@ class Request:
             matched_stop=self.matched_stop,
             error=self.error,
             error_kind=self.error_kind,
+            input_logprobs=None if self.input_logprobs is None else list(self.input_logprobs),
         )

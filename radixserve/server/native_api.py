@@ -21,7 +21,8 @@ from radixserve.server.errors import APIError, error_event, raise_first_error
 from radixserve.server.generation import Generation, ServerState, TextStream, finish_unless_disconnected
 from radixserve.server.openai_api import SSE_DONE, sse
 from radixserve.server.protocol import GenerateRequest
-from radixserve.server.sglang_fields import triage
+from radixserve.server.sglang_fields import native_sampling, triage
+from radixserve.server.structured import precompile
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class NativeCall:
         self.single = True
         self.streams: list[TextStream] = []
         self.rids: list[str | None] = []
+        self.return_logprob: list[bool] = []
         ignored, problem = triage(dict(body.model_extra or {}))
         if problem is not None:
             raise APIError(400, problem, "unsupported_parameter")
@@ -76,12 +78,23 @@ class NativeCall:
         self.rids = per_prompt(body.rid, count, "rid")
         requests = []
         for i, ids in enumerate(prompts):
-            if logprob[i] and start[i] is not None and 0 <= start[i] < len(ids):
-                raise APIError(
-                    400, "prompt logprobs (logprob_start_len >= 0) are not supported", param="logprob_start_len"
-                )
-            requests.append(self.request(ids, dict(per_params[i]), bool(logprob[i]), top[i] or 0))
+            params = self.sampling(per_params[i])
+            await precompile(self.state, params)
+            req = self.request(ids, params, bool(logprob[i]), top[i] or 0)
+            if logprob[i] and start[i] is not None:
+                req.ask_prompt_logprobs(start[i])  # SGLang's select ranks choices by these
+            requests.append(req)
+        self.return_logprob = [bool(lp or k) for lp, k in zip(logprob, top)]
         return Generation(self.state, requests)
+
+    @staticmethod
+    def sampling(raw: Any) -> dict[str, Any]:
+        if not isinstance(raw, dict):
+            raise APIError(400, "sampling_params must be an object", param="sampling_params")
+        params, problem = native_sampling(raw)
+        if problem is not None:
+            raise APIError(400, problem, "unsupported_parameter", "sampling_params")
+        return params
 
     def request(self, ids: list[int], params: dict[str, Any], logprob: bool, top: int) -> Request:
         if logprob or top:
@@ -99,18 +112,25 @@ class NativeCall:
         return req
 
     def answer(self, index: int, req: Request, result: GenerateResult) -> dict[str, Any]:
+        """SGLang's shape; with return_logprob each logprob is ``[logprob, token id, text or None]``."""
         out = result.to_dict()
         meta = out["meta_info"]
         meta["id"] = self.rids[index] if self.rids[index] is not None else str(req.rid)
-        if self.body.return_text_in_logprobs and result.output_logprobs:  # SGLang's (logprob, id, text)
-            meta["output_token_logprobs"] = [
-                [lp, t, self.token_text(t)] for lp, t in zip(result.output_logprobs, result.output_ids)
+        if not self.return_logprob[index]:
+            return out
+        meta["output_token_logprobs"] = [self.triple(lp, t) for lp, t in zip(result.output_logprobs, result.output_ids)]
+        if result.output_top_logprobs:
+            meta["output_top_logprobs"] = [
+                [self.triple(lp, t) for t, lp in step] for step in result.output_top_logprobs
             ]
-            if result.output_top_logprobs:
-                meta["output_top_logprobs"] = [
-                    [[lp, t, self.token_text(t)] for t, lp in step] for step in result.output_top_logprobs
-                ]
+        scored = result.input_logprobs or []
+        prompt = req.prompt_ids[len(req.prompt_ids) - len(scored) :].tolist()
+        meta["input_token_logprobs"] = [self.triple(lp, t) for lp, t in zip(scored, prompt)]
         return out
+
+    def triple(self, logprob: float | None, token_id: int) -> list[Any]:
+        text = self.token_text(token_id) if self.body.return_text_in_logprobs else None
+        return [logprob, token_id, text]
 
     def token_text(self, token_id: int) -> str:
         return self.state.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -26,6 +26,7 @@ from radixserve.server.errors import APIError, error_event, raise_first_error
 from radixserve.server.generation import Generation, ServerState, TextStream, finish_unless_disconnected
 from radixserve.server.logprobs import LogprobCursor, Released, final_visible, whole
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from radixserve.server.structured import precompile, response_format_params
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class OpenAICall:
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            **response_format_params(body.response_format),
         )
         if max_tokens is not None:
             params["max_new_tokens"] = max_tokens
@@ -90,7 +92,8 @@ class OpenAICall:
             params["max_new_tokens"] = self.state.engine.context_length
         return params
 
-    def start(self, prompts: list[list[int]], params: dict[str, Any], explicit_max: bool) -> Generation:
+    async def start(self, prompts: list[list[int]], params: dict[str, Any], explicit_max: bool) -> Generation:
+        await precompile(self.state, params)
         self.prompts = prompts
         n, seed = self.body.n, self.body.seed
         requests = []
@@ -208,7 +211,7 @@ class CompletionCall(OpenAICall):
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "unsupported_parameter")
         logprobs = body.logprobs is not None
         params = self.sampling(body.max_tokens, logprobs, body.logprobs or 0)
-        return self.start(prompts, params, explicit_max=body.max_tokens is not None)
+        return await self.start(prompts, params, explicit_max=body.max_tokens is not None)
 
     def wants_logprobs(self) -> bool:
         return self.body.logprobs is not None
@@ -283,7 +286,7 @@ class ChatCall(OpenAICall):
             raise APIError(400, f"the chat template failed on these messages: {exc}", "invalid_messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.sampling(max_tokens, body.logprobs, (body.top_logprobs or 0) if body.logprobs else 0)
-        return self.start([ids], params, explicit_max=max_tokens is not None)
+        return await self.start([ids], params, explicit_max=max_tokens is not None)
 
     def wants_logprobs(self) -> bool:
         return self.body.logprobs

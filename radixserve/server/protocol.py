@@ -33,6 +33,11 @@ UNSUPPORTED = {
 }
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
@@ -62,6 +67,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
+    response_format: ResponseFormat | None = None  # text, json_object, json_schema (see server/structured.py)
 
     def unsupported(self) -> str | None:
         """Why this request asks for something we cannot do, or None."""
@@ -95,22 +101,14 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: ResponseFormat | None = None
 
     def unsupported(self) -> str | None:
-        if self.response_format is not None and self.response_format.type != "text":
-            return f"response_format {self.response_format.type!r} is not supported (only 'text')"
         for message in self.messages:
             for part in message.content if isinstance(message.content, list) else []:
                 if part.type != "text" or part.text is None:

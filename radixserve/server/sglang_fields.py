@@ -98,6 +98,26 @@ IGNORED_WHEN_OFF = {
 }
 SGLANG_FIELDS = HONOURED | HARMLESS | IGNORED_WHEN_OFF
 
+# SGLang's sampling parameters that ours lack, and the values that ask for nothing (the frontend
+# sends most of them on every call). Any other value is a 400; ``sampling_seed`` is our ``seed``.
+SAMPLING_AT_DEFAULT: dict[str, tuple[Any, ...]] = {
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "min_new_tokens": (0, None),
+    "n": (1, None),
+    "stop_regex": (None, (), []),
+    "beam_width": (None,),
+    "structural_tag": (None,),
+    "no_stop_trim": (False,),
+    "stream_interval": (None,),
+    "logit_bias": (None, {}),
+    "custom_params": (None, {}),
+    "watermark": (None,),
+    "ebnf_full_assistant": (False,),
+}
+# Ours, where SGLang's None means "unset".
+NONE_IS_UNSET = ("stop", "stop_token_ids", "json_schema", "regex", "ebnf", "max_new_tokens", "sampling_seed")
+
 
 def is_off(value: Any) -> bool:
     """A value that asks for nothing: None, False, 0, -1, or empty (also a batch's list of those)."""
@@ -117,3 +137,22 @@ def triage(extra: dict[str, Any]) -> tuple[list[str], str | None]:
         else:
             return [], f"{name} is not supported by this server (send it off or leave it out)"
     return ignored, None
+
+
+def native_sampling(params: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """SGLang ``sampling_params`` as ours: (params, why the request must be refused or None)."""
+    out = dict(params)
+    for name in NONE_IS_UNSET:
+        if name in out and out[name] is None:
+            del out[name]
+    if "sampling_seed" in out:
+        out["seed"] = out.pop("sampling_seed")
+    for name, defaults in SAMPLING_AT_DEFAULT.items():
+        if name not in out:
+            continue
+        value = out.pop(name)
+        if not any(value == d and type(value) is type(d) for d in defaults):
+            return out, f"sampling_params.{name}={value!r} is not supported by this server"
+    if isinstance(out.get("stop"), list):
+        out["stop"] = tuple(out["stop"])
+    return out, None

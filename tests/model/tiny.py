@@ -11,9 +11,12 @@ from pathlib import Path
 import torch
 
 from radixserve.bench.tiny_model import (  # noqa: F401  (re-exported for the tests)
+    BYTE_EOS,
+    BYTE_VOCAB,
     EOS,
     TINY,
     VOCAB,
+    build_byte_engine_folder,
     build_engine_folder,
     build_hf_model,
     save_word_tokenizer,

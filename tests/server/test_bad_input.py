@@ -74,10 +74,10 @@ CASES: list[tuple[str, str, str, Any, int, tuple[str, ...]]] = [
         ("image_url",),
     ),
     (
-        "json response_format",
+        "yaml response_format",
         "POST",
         "/v1/chat/completions",
-        {**OK_CHAT, "response_format": {"type": "json_object"}},
+        {**OK_CHAT, "response_format": {"type": "yaml"}},
         400,
         ("response_format",),
     ),

@@ -117,8 +117,23 @@ def test_honoured_fields(server: ServerProcess) -> None:
     assert [entry[1] for entry in texts] == out["output_ids"] and all(entry[2].startswith("w") for entry in texts)
     batch = generate(server.url, {"input_ids": [[5], [6]], "sampling_params": params, "rid": ["a", "b"]})
     assert [o["meta_info"]["id"] for o in batch] == ["a", "b"]
-    refused = generate(server.url, {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 0}, status=400)
-    assert "logprob_start_len" in refused["error"]["message"]
+
+
+def test_prompt_logprobs_from_logprob_start_len(server: ServerProcess) -> None:
+    """SGLang's shape: [logprob, id, text or None] per prompt token from the start; the first has no score."""
+    prompt = [5, 6, 7, 8, 9]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+    whole = generate(server.url, {**body, "logprob_start_len": 0})["meta_info"]
+    assert whole["output_token_logprobs"] == [] and whole["completion_tokens"] == 0
+    scored = whole["input_token_logprobs"]
+    assert [entry[1] for entry in scored] == prompt and scored[0][0] is None
+    assert all(entry[0] < 0 for entry in scored[1:]) and all(entry[2] is None for entry in scored)
+    # Cached now: a later start must still compute (not read from the cache) the positions it scores.
+    tail = generate(server.url, {**body, "logprob_start_len": 2, "return_text_in_logprobs": True})["meta_info"]
+    assert [entry[1:] for entry in tail["input_token_logprobs"]] == [[7, "w7"], [8, "w8"], [9, "w9"]]
+    assert tail["input_token_logprobs"][0][0] is None and tail["cached_tokens"] == 2
+    for mine, reference in zip(tail["input_token_logprobs"][1:], scored[3:]):
+        assert abs(mine[0] - reference[0]) < 1e-4
 
 
 def test_model_and_server_info_in_sglangs_shape(server: ServerProcess) -> None:

@@ -1,0 +1,131 @@
+"""Grammars for constrained decoding (xgrammar): compile once per distinct spec, one matcher per request.
+
+A spec is ``(kind, source)``: a JSON schema, a regex or an EBNF grammar, as the user wrote
+it. ``GrammarCompiler.compile`` turns it into xgrammar's compiled form (token masks
+precomputed over this tokenizer's vocabulary), memoised by the spec's hash: a thousand
+requests with the same schema compile it once. Compiling can take tens of milliseconds, so
+the server calls it on a worker thread before it submits the request; the scheduler thread
+only builds a matcher (cheap) from the compiled grammar.
+
+Per step, ``fill_masks`` writes each constrained row's allowed tokens into one bitmask
+([batch, ceil(vocab / 32)] int32) and applies it to the whole batch's logits in one call:
+a disallowed token's logit becomes -inf, an unconstrained row is left untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+GrammarKind = Literal["json_schema", "regex", "ebnf"]
+GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "regex", "ebnf")
+CACHE_ENTRIES = 256  # distinct compiled grammars kept (each holds per-state token masks: ~KBs to MBs)
+
+
+class GrammarError(ValueError):
+    """The spec does not compile: the message names the kind and what is wrong with it."""
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer + vocabulary; thread-safe, memoised by the spec's hash."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.stop_token_ids = list(stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
+        # xgrammar's own cache would also do, but it keeps failures out of reach: ours says what failed.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.vocab_size = vocab_size
+        self.compiles = 0  # how many specs were actually compiled (tests: once per distinct spec)
+
+    def compile(self, kind: GrammarKind, source: str) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``source``; GrammarError (nothing cached) when it does not compile."""
+        key = hashlib.sha256(f"{kind}\0{source}".encode()).hexdigest()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._compile(kind, source)  # outside the lock: two threads may race, both get a valid grammar
+        if not self._can_start(compiled):
+            raise GrammarError(f"invalid {kind}: no token of this model's vocabulary can begin a match")
+        with self._lock:
+            self.compiles += 1
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: GrammarKind, source: str) -> xgr.CompiledGrammar:
+        if not isinstance(source, str) or not source.strip():
+            raise GrammarError(f"{kind} must be a non-empty string")
+        try:
+            if kind == "json_schema":
+                # One layout (``{"a": 1, "b": [2, 3]}``): free whitespace lets a weak model spend every token on it.
+                return self._compiler.compile_json_schema(source, any_whitespace=False)
+            if kind == "regex":
+                return self._compiler.compile_regex(source)
+            return self._compiler.compile_grammar(source)
+        except Exception as exc:  # xgrammar raises RuntimeError with its C++ location first
+            raise GrammarError(f"invalid {kind}: {_xgrammar_message(exc)}") from None
+
+    def _can_start(self, compiled: xgr.CompiledGrammar) -> bool:
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids).fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> GrammarState:
+        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids))
+
+
+class GrammarState:
+    """One request's position in its grammar: which tokens may come next, and whether it has ended."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar accepted a stop token: nothing more may be generated."""
+        return bool(self._matcher.is_terminated())
+
+    def accept(self, token_id: int) -> None:
+        if not self._matcher.is_terminated() and not self._matcher.accept_token(token_id):
+            raise ValueError(f"token {token_id} does not fit the request's grammar")
+
+
+def apply_masks(logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -> torch.Tensor:
+    """``logits`` [B, V] with each constrained row's disallowed tokens at -inf (a new tensor; rows without a
+    grammar, or whose grammar has ended, are unchanged). One bitmask and one apply call for the batch."""
+    rows = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
+    if not rows:
+        return logits
+    bitmask = xgr.allocate_token_bitmask(len(grammars), logits.shape[1])
+    for i in rows:
+        grammar = grammars[i]
+        assert grammar is not None
+        grammar._matcher.fill_next_token_bitmask(bitmask, i)
+    out = logits.clone()
+    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), indices=rows)
+    if torch.isneginf(out[rows]).all(dim=-1).any():  # the engine then samples row by row: only that request fails
+        raise GrammarError("the grammar allows no token of this model's vocabulary here (a dead end)")
+    return out
+
+
+def _xgrammar_message(exc: BaseException) -> str:
+    """xgrammar's message without its C++ source location (``[time] /project/cpp/x.cc:83: ``)."""
+    text = str(exc).strip()
+    if text.startswith("[") and ": " in text:
+        head, _, rest = text.partition("] ")
+        location, sep, message = rest.partition(": ")
+        if sep and (".cc:" in location or ".h:" in location):
+            return message.strip()
+    return text
