@@ -152,3 +152,68 @@ def test_compressed_host_tier_serves_close_pages(tiny_model_dir: Path, reference
     assert outputs[:6] == reference[:6]  # first visits compute everything: exact
     assert tiered.cache.tiers.stats.hit_tokens["host"] == 6 * 48  # type: ignore[union-attr]
     tiered.check_idle_invariants()
+
+
+def restarted(tiny_model_dir: Path, tmp_path: Path) -> Engine:
+    """An engine started on a cache dir holding the six documents' pages, with an empty L2 above it."""
+    first = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"))
+    run(first, PROMPTS[:6])
+    assert first.close(30)
+    return make(tiny_model_dir, cache_dir=str(tmp_path / "kv"), hicache_size=0.01)
+
+
+def queue_and_prefetch(engine: Engine, prompt: list[int]) -> Any:
+    req = engine.make_request(prompt, GREEDY)
+    engine.scheduler.add(req)
+    prefetcher = engine.cache.tiers.prefetcher  # type: ignore[union-attr]
+    assert prefetcher is not None and prefetcher.wait_idle(120)
+    return req
+
+
+def finish(engine: Engine, req: Any) -> Any:
+    while req.finish_reason is None:
+        engine.step()
+    return req.result()
+
+
+def test_queued_request_prefetches_its_disk_pages_into_host(
+    tiny_model_dir: Path, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """After a restart the continuation is on disk only: queueing copies it to L2, admission loads from L2."""
+    engine = restarted(tiny_model_dir, tmp_path)
+    tiers = engine.cache.tiers
+    assert tiers is not None and tiers.host is not None and len(tiers.host) == 0
+    req = queue_and_prefetch(engine, PROMPTS[6])
+    assert tiers.stats.pages_prefetched == 3 and len(tiers.host) == 3  # before any step ran
+    result = finish(engine, req)
+    assert result.output_ids == reference[6] and result.cached_tokens == 48
+    assert tiers.stats.hit_tokens == {"host": 48, "disk": 0} and tiers.stats.prefetch_hits == 3
+    assert run(engine, PROMPTS[7:]) == reference[7:]  # the rest, prefetched as they queue
+    engine.check_idle_invariants()
+    assert engine.close(30)
+
+
+def test_prefetched_pages_evicted_or_corrupt_or_aborted_change_nothing(
+    tiny_model_dir: Path, reference: list[list[int]], tmp_path: Path
+) -> None:
+    engine = restarted(tiny_model_dir, tmp_path)
+    tiers = engine.cache.tiers
+    assert tiers is not None
+    aborted = queue_and_prefetch(engine, PROMPTS[6])  # prefetched, then the client goes away
+    assert engine.scheduler.abort(aborted) and tiers.stats.pages_prefetched == 3
+    tiers.clear_host()  # L2 dropped under the waiting request: admission reads the disk itself
+    req = queue_and_prefetch(engine, PROMPTS[6])
+    tiers.clear_host()
+    result = finish(engine, req)
+    assert result.output_ids == reference[6] and result.cached_tokens == 48
+    assert tiers.stats.hit_tokens["disk"] == 48 and tiers.stats.prefetch_hits == 0
+    for page in sorted((tmp_path / "kv" / "pages").glob("*/*.kv")):  # every disk page now fails its check
+        data = bytearray(page.read_bytes())
+        data[-1] ^= 1
+        page.write_bytes(bytes(data))
+    req = queue_and_prefetch(engine, PROMPTS[7])
+    result = finish(engine, req)
+    assert result.output_ids == reference[7] and result.cached_tokens == 0  # recomputed, never loaded
+    assert tiers.disk is not None and tiers.disk.stats.corrupt >= 1 and tiers.stats.pages_prefetched == 6
+    engine.check_idle_invariants()
+    engine.close(30)

@@ -21,7 +21,7 @@ the same but keeps the request running, now locked on its own longer prefix.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple
 
@@ -208,6 +208,20 @@ class BasePrefixCache(ABC, Generic[NodeT]):
         if self.tiers is not None:
             self.load_continuation(req, key)
         return req
+
+    def cached_len(self, key: RadixKey) -> int:
+        """Tokens of ``key`` cached in L1, without mutating anything (as ``match_prefix`` would)."""
+        return 0  # only the radix tree has tiers below it: it overrides this
+
+    def prefetch(self, token: Hashable, key: RadixKey) -> None:
+        """``key``'s request (``token``) was queued: start bringing its disk continuation into L2."""
+        if self.tiers is not None:
+            self.tiers.submit_prefetch(token, key, self.cached_len(key))
+
+    def cancel_prefetch(self, token: Hashable) -> None:
+        """The request left the queue (admitted, aborted): its prefetch, if not started, is skipped."""
+        if self.tiers is not None:
+            self.tiers.cancel_prefetch(token)
 
     def load_continuation(self, req: CacheReq[NodeT], key: RadixKey) -> int:
         """Copy the part of ``key`` after ``req``'s L1 match that L2 / L3 hold into new slots.

@@ -121,6 +121,21 @@ class RadixCache(BasePrefixCache[TreeNode]):
         indices = values[0] if len(values) == 1 else np.concatenate(values)
         return MatchResult(indices, node)
 
+    def cached_len(self, key: RadixKey) -> int:
+        """Tokens of ``key`` the tree holds, page-aligned; read only (no split, touch or miss noted)."""
+        key = key[: len(key) - len(key) % self.page_size].aligned(self.page_size)
+        node, total = self.root, 0
+        while len(key):
+            child = node.children.get(key.child_key(self.page_size))
+            if child is None:
+                break
+            matched = child.key.match(key, self.page_size)
+            total += matched
+            if matched < len(child.key):
+                break
+            node, key = child, key[matched:]
+        return total
+
     def insert(self, key: RadixKey, indices: IndexArray, priority: int = 0, count_hit: bool = True) -> int:
         """Cache ``key`` -> ``indices``; return the length already cached (see base class).
 

@@ -17,12 +17,18 @@ L1 evicts it (and to disk when L2 evicts it, or at shutdown); ``write_through``
 copies every page to L2 and L3 as soon as the tree caches it, so a crash loses
 nothing that reached the disk queue.
 
+Prefetch (with both L2 and L3): a request entering the waiting queue has its
+disk-only continuation read into L2 by a thread (cache/prefetch.py), so
+admission copies from host memory. ``lock`` guards the host arena and the
+prefetch bookkeeping; the disk store locks itself.
+
 Per tier and page, one state: L1 cached or not; L2 present or not; L3 absent,
 queued (bytes held by the writer) or on disk. See ``page_states``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +38,7 @@ import numpy as np
 
 from radixserve.cache.events import KVEventLog
 from radixserve.cache.key import RadixKey, page_hashes
+from radixserve.cache.prefetch import Prefetcher
 from radixserve.memory.allocator import IndexArray
 
 if TYPE_CHECKING:  # torch stays out of the cache layer's imports
@@ -62,6 +69,8 @@ class TierStats:
     load_seconds: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS_S) + 1))  # histogram counts
     load_seconds_sum: float = 0.0
     load_failures: int = 0  # a continuation page that failed its check: the rest is recomputed
+    pages_prefetched: int = 0  # disk pages a queued request's prefetch copied into L2
+    prefetch_hits: int = 0  # of those, pages admission then loaded from L2
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,7 @@ class TierIndex:
         disk: DiskPageStore | None,
         write_policy: WritePolicy = "write_back",
         clock: Callable[[], float] = time.perf_counter,
+        prefetch: bool = True,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
@@ -95,6 +105,9 @@ class TierIndex:
         self.clock = clock
         self.stats = TierStats()
         self.events: KVEventLog | None = None  # the cache's log: copies down are announced with their medium
+        self.lock = threading.RLock()  # the host arena and ``_prefetched``: the prefetch thread shares them
+        self._prefetched: set[bytes] = set()  # L2 pages a prefetch brought in and no admission used yet
+        self.prefetcher = Prefetcher(self.prefetch) if prefetch and host is not None and self.disk is not None else None
 
     # ---- hashing ----------------------------------------------------------------------------
 
@@ -104,8 +117,9 @@ class TierIndex:
         return list(page_hashes(key.token_ids[:length], key.extra_key, self.page_tokens, shared_len=shared))
 
     def holds(self, page_hash: bytes) -> TierName | None:
-        if self.host is not None and page_hash in self.host:
-            return "host"
+        with self.lock:
+            if self.host is not None and page_hash in self.host:
+                return "host"
         if self.disk is not None and page_hash in self.disk:
             return "disk"
         return None
@@ -133,13 +147,25 @@ class TierIndex:
         """Shutdown: queue every L2 page the disk lacks."""
         if self.disk is None or self.host is None:
             return
-        for page_hash in self.host.hashes():
-            page = self.host.get(page_hash)
-            if page is not None and page_hash not in self.disk:
-                self._to_disk(page_hash, page)
+        with self.lock:
+            for page_hash in self.host.hashes():
+                page = self.host.get(page_hash)
+                if page is not None and page_hash not in self.disk:
+                    self._to_disk(page_hash, page)
+
+    def clear_host(self) -> None:
+        """Drop L2 (``/flush_cache``). A prefetch still running may add pages back: they are valid."""
+        with self.lock:
+            if self.host is not None:
+                self.host.clear()
+            self._prefetched.clear()
 
     def _store(self, key: RadixKey, slots: IndexArray, start: int, host: bool, disk: bool) -> None:
         """Copy the whole tier pages of ``key[start:]`` into the tiers asked for that lack them."""
+        with self.lock:
+            self._store_locked(key, slots, start, host, disk)
+
+    def _store_locked(self, key: RadixKey, slots: IndexArray, start: int, host: bool, disk: bool) -> None:
         size, disk_store = self.page_tokens, self.disk if disk else None
         host_store = self.host if host else None
         hashes = self.hashes(key, len(slots))
@@ -168,6 +194,7 @@ class TierIndex:
         assert self.host is not None
         self.stats.bytes_stored["host"] += int(page.numel() * page.element_size())
         for old_hash, old_page in self.host.put(page_hash, page):
+            self._prefetched.discard(old_hash)
             if self.disk is not None and old_hash not in self.disk:
                 self._to_disk(old_hash, old_page)
 
@@ -208,21 +235,65 @@ class TierIndex:
             self.stats.bytes_loaded[tier] += int(page.numel() * page.element_size())
 
     def _fetch(self, page_hash: bytes) -> tuple[Any, TierName | None]:
-        if self.host is not None:
-            page = self.host.get(page_hash)
+        with self.lock:
+            page = self.host.get(page_hash) if self.host is not None else None
             if page is not None:
+                if page_hash in self._prefetched:
+                    self._prefetched.discard(page_hash)
+                    self.stats.prefetch_hits += 1
                 return page, "host"
+        return self._read_disk(page_hash)
+
+    def _read_disk(self, page_hash: bytes) -> tuple[Any, TierName | None]:
         if self.disk is None or page_hash not in self.disk:
             return None, None
         data = self.disk.get(page_hash)
-        if data is None:
-            self.stats.load_failures += 1
-            return None, None
         try:
-            return self.mover.from_bytes(data), "disk"
+            if data is not None:
+                return self.mover.from_bytes(data), "disk"
         except ValueError:  # a verified page of the wrong size: the fingerprint should have caught it
+            pass
+        with self.lock:  # two threads read the disk
             self.stats.load_failures += 1
-            return None, None
+        return None, None
+
+    # ---- prefetch ---------------------------------------------------------------------------
+
+    def submit_prefetch(self, token: Any, key: RadixKey, start: int) -> None:
+        """A request (``token``) was queued; ``key[:start]`` is in L1: prefetch the rest's disk pages."""
+        if self.prefetcher is not None and len(key) - start >= self.page_tokens:
+            self.prefetcher.submit(token, key, start)
+
+    def cancel_prefetch(self, token: Any) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.cancel(token)
+
+    def prefetch(self, key: RadixKey, start: int) -> int:
+        """Copy the pages after ``key[:start]`` that only the disk holds into L2 (the prefetch thread).
+
+        Stops where no tier holds a page, at a page failing its check, or once
+        the pages brought in would fill half of L2 (more would evict this
+        request's own first pages). Returns the pages brought in.
+        """
+        assert self.host is not None
+        budget, brought = self.host.capacity_bytes // 2, 0
+        for page_hash in self.hashes(key, len(key))[start // self.page_tokens :]:
+            with self.lock:
+                if page_hash in self.host:
+                    continue
+            page, tier = self._read_disk(page_hash)
+            if page is None or tier is None:
+                break
+            budget -= int(page.numel() * page.element_size())
+            if budget < 0:
+                break
+            with self.lock:
+                self._to_host(page_hash, page)
+                if page_hash in self.host:
+                    self._prefetched.add(page_hash)
+                    self.stats.pages_prefetched += 1
+                    brought += 1
+        return brought
 
     def _observe_latency(self, seconds: float) -> None:
         bucket = int(np.searchsorted(LOAD_BUCKETS_S, seconds))
@@ -233,7 +304,8 @@ class TierIndex:
 
     def page_states(self, page_hash: bytes) -> tuple[bool, str]:
         """(in L2, L3 state: absent | queued | on_disk) of one page."""
-        in_host = self.host is not None and page_hash in self.host
+        with self.lock:
+            in_host = self.host is not None and page_hash in self.host
         if self.disk is None:
             return in_host, "absent"
         return in_host, self.disk.state(page_hash)
@@ -260,6 +332,9 @@ class TierIndex:
 
     def close(self, timeout: float) -> bool:
         """Flush queued disk writes (up to ``timeout`` s) and release the directory; True if all landed."""
+        if self.prefetcher is not None:
+            self.prefetcher.close(min(timeout, 5.0))
+            self.prefetcher = None
         if self.disk is None:
             return True
         done = self.disk.flush(timeout)

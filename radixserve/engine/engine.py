@@ -198,8 +198,8 @@ class Engine:
         if self.scheduler.has_work():
             raise RuntimeError("flush_cache while requests are in flight")
         self.cache.reset()
-        if self.cache.tiers is not None and self.cache.tiers.host is not None:
-            self.cache.tiers.host.clear()  # the disk tier stays: remove the directory to drop it
+        if self.cache.tiers is not None:
+            self.cache.tiers.clear_host()  # the disk tier stays: remove the directory to drop it
 
     def close(self, timeout: float = 30.0) -> bool:
         """Flush the cache tiers: every cached page the disk tier lacks is written, for up to

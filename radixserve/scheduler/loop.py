@@ -68,6 +68,7 @@ class Scheduler:
             self._finish(req, "length")
             return
         self.waiting.append(req)
+        self.cache.prefetch(req.rid, req.match_key)  # disk pages into host memory while it waits
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -100,6 +101,7 @@ class Scheduler:
             return False
         if req in self.waiting:
             self.waiting.remove(req)
+            self.cache.cancel_prefetch(req.rid)
         self._finish(req, "abort", error=error, kind=kind, insert=False)
         self.running = [r for r in self.running if r is not req]
         return True
@@ -246,6 +248,7 @@ class Scheduler:
                 self._ended.append(req)
             return False
         self.waiting.remove(req)
+        self.cache.cancel_prefetch(req.rid)
         if req.num_retractions == 0:
             req.cached_tokens = matched
             self.stats.cached_tokens += matched

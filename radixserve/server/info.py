@@ -111,7 +111,13 @@ def tier_sizes(engine: Engine) -> dict[str, Any] | None:
     tiers = engine.cache.tiers
     if tiers is None:
         return None
-    return {**tiers.sizes(), "hit_tokens": dict(tiers.stats.hit_tokens), "load_failures": tiers.stats.load_failures}
+    stats = tiers.stats
+    return {
+        **tiers.sizes(),
+        "hit_tokens": dict(stats.hit_tokens),
+        "load_failures": stats.load_failures,
+        "prefetch": {"pages": stats.pages_prefetched, "hits": stats.prefetch_hits},
+    }
 
 
 def rss_bytes() -> int:

@@ -40,6 +40,15 @@ class TierCollector(Collector):
                 family.add_metric([tier], value)
             yield family
         yield self._latency()
+        for name, doc, value in (
+            (
+                "tier_prefetched_pages",
+                "Disk pages a queued request's prefetch copied into host memory.",
+                stats.pages_prefetched,
+            ),
+            ("tier_prefetch_hits", "Prefetched host pages that admission then loaded.", stats.prefetch_hits),
+        ):
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
         used = GaugeMetricFamily(PREFIX + "tier_used_bytes", "Bytes each tier holds now.", labels=["tier"])
         if self.tiers.host is not None:
             used.add_metric(["host"], self.tiers.host.used_bytes)

@@ -58,6 +58,7 @@ def test_restart_is_warm_for_the_same_tenant_only(tiny_model_dir: Path, tmp_path
         assert metric(text, "tier_hit_tokens_total", "disk") >= 64
         assert metric(text, "tier_loaded_bytes_total", "disk") > 0
         assert "radixserve:tier_load_seconds_count" in text
+        assert "radixserve:tier_prefetched_pages_total 0.0" in text  # no host tier: nothing to prefetch into
 
 
 def test_a_second_server_on_the_directory_runs_read_only(tiny_model_dir: Path, tmp_path: Path) -> None:
