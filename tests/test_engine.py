@@ -98,8 +98,11 @@ def test_stop_conditions(tiny_model_dir: Path) -> None:
     stop_word = f"w{free[2]}"
     by_text = engine.generate(input_ids=[3, 4, 5], sampling_params={**GREEDY, "stop": [stop_word]})
     assert stop_word not in by_text.text and by_text.matched_stop == stop_word
-    none = engine.generate(input_ids=[3, 4, 5], sampling_params={**GREEDY, "max_new_tokens": 0})
-    assert none.output_ids == [] and none.finish_reason == "length"
+    none = engine.generate(input_ids=[7, 8, 9, 10], sampling_params={**GREEDY, "max_new_tokens": 0})
+    assert none.output_ids == [] and none.finish_reason == "length" and none.text == ""
+    # It still prefilled its prompt into the cache (SGLang's frontend caches a prefix this way).
+    after = engine.generate(input_ids=[7, 8, 9, 10, 11], sampling_params={**GREEDY, "max_new_tokens": 1})
+    assert after.cached_tokens == 4
     engine.check_idle_invariants()
 
 

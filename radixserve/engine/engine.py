@@ -257,8 +257,8 @@ class Engine:
     ) -> Request:
         """A validated request (not yet queued); ValueError says what is wrong with the input.
 
-        ``logprob_start_len >= 0``: also score the prompt from there (``result.input_logprobs``; with
-        ``max_new_tokens == 0`` the prompt runs for that alone). ``max_new_tokens`` is clipped to what
+        ``logprob_start_len >= 0``: also score the prompt from there (``result.input_logprobs``).
+        ``max_new_tokens == 0`` still prefills the prompt into the cache. ``max_new_tokens`` is clipped to what
         the context leaves after the prompt. A
         ``json_schema`` / ``regex`` / ``ebnf`` that does not compile is a ValueError (GrammarError).
         ``shared_len``: leading prompt tokens cached in the shared namespace even

@@ -64,9 +64,8 @@ class Scheduler:
         self._ended: list[Request] = []  # finished while scheduling this step (no room, ever)
 
     def add(self, req: Request) -> None:
-        if req.params.max_new_tokens == 0 and req.input_logprobs is None:  # nothing to compute
-            self._finish(req, "length")
-            return
+        """Queue ``req``. ``max_new_tokens == 0`` queues too: its prompt is prefilled into the cache (SGLang's
+        frontend sends exactly this to cache a prefix before ``fork``) and it finishes "length" with no token."""
         self.waiting.append(req)
         self.cache.prefetch(req.rid, req.match_key)  # disk pages into host memory while it waits
 
@@ -173,7 +172,7 @@ class Scheduler:
         if req.status is not Status.RUNNING:
             return False
         req.prefill_done = True
-        if req.params.max_new_tokens == 0:  # it ran for its prompt logprobs: the sampled token is dropped
+        if req.params.max_new_tokens == 0:  # it ran to cache its prompt (or score it): the sampled token is dropped
             self._finish(req, "length")
             return True
         if out.logprob is not None:

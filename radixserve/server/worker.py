@@ -191,8 +191,6 @@ class EngineWorker:
         live = _Live(req, sink, index)
         self._live[req.rid] = live
         self.scheduler.add(req)
-        if req.finish_reason is not None:  # finished on arrival (max_new_tokens = 0)
-            self._publish()
 
     def _abort(self, rid: int, error: str | None = None, kind: ErrorKind = "engine") -> None:
         live = self._live.get(rid)

@@ -106,6 +106,34 @@ def test_a_second_request_hits_the_first_while_it_is_still_prefilling(model_dir:
     engine.check_idle_invariants()
 
 
+def test_max_new_tokens_zero_prefills_in_chunks_into_the_cache_then_finishes(model_dir: Path) -> None:
+    """SGLang's frontend caches a prefix with max_new_tokens 0: it must run like any prompt, not end on arrival."""
+    engine = make_engine(model_dir, chunked_prefill_size=64)
+    sched = engine.scheduler
+    prompt = list(range(3, 123)) * 2  # 240 tokens: four chunks
+    warm = new_request(1, prompt, max_new_tokens=0)
+    sched.add(warm)
+    steps = 0
+    while sched.has_work():
+        engine.step()
+        steps += 1
+    assert steps == 4 and sched.stats.prefill_tokens == 240
+    assert warm.finish_reason == "length" and warm.output_ids == [] and warm.text == "" and warm.kv is None
+    engine.check_idle_invariants()  # nothing locked, every slot free or cached
+    assert engine.cache.total_size() == 240
+    hit = new_request(2, prompt + [7], max_new_tokens=2)
+    sched.add(hit)
+    while sched.has_work():
+        engine.step()
+    assert hit.cached_tokens == 240 and sched.stats.prefill_tokens == 241
+    # Aborted mid-prefill: its slots are freed, not cached (the chunks done so far stay shared).
+    gone = new_request(3, list(range(5, 125)) * 2, max_new_tokens=0)
+    sched.add(gone)
+    engine.step()
+    assert gone.status is Status.RUNNING and sched.abort(gone) and gone.finish_reason == "abort"
+    engine.check_idle_invariants()
+
+
 @pytest.mark.parametrize("when", ["waiting", "mid-prefill", "mid-decode"])
 def test_abort_in_any_state_frees_everything(model_dir: Path, when: str) -> None:
     engine = make_engine(model_dir, chunked_prefill_size=64)

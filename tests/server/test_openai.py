@@ -38,6 +38,19 @@ def test_completion_then_shared_prefix_reports_cached_tokens(client: openai.Open
     assert_idle_and_conserved(server.url)
 
 
+def test_max_tokens_zero_caches_the_prompt_like_sglangs_max_new_tokens_zero(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    prefix = words(range(80, 120))  # 40 tokens
+    warm = client.completions.create(model=MODEL, prompt=prefix, max_tokens=0)
+    assert warm.choices[0].text == "" and warm.choices[0].finish_reason == "length"
+    assert warm.usage is not None and warm.usage.prompt_tokens == 40 and warm.usage.completion_tokens == 0
+    hit = client.completions.create(model=MODEL, prompt=prefix + " w7", max_tokens=2, temperature=0)
+    assert hit.usage is not None and hit.usage.prompt_tokens_details is not None
+    assert hit.usage.prompt_tokens_details.cached_tokens == 40
+    assert_idle_and_conserved(server.url)
+
+
 def test_stream_concatenates_to_the_non_streamed_text(client: openai.OpenAI) -> None:
     prompt, params = words(range(3, 13)), dict(max_tokens=12, temperature=0)
     whole = client.completions.create(model=MODEL, prompt=prompt, **params)

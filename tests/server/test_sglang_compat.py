@@ -18,6 +18,7 @@ import pytest
 
 from radixserve.bench.server_process import ServerProcess
 from radixserve.server.sglang_fields import HONOURED, SGLANG_FIELDS
+from tests.server.conftest import assert_idle_and_conserved
 
 
 def sglang_source(relative: str) -> ast.Module:
@@ -134,6 +135,30 @@ def test_prompt_logprobs_from_logprob_start_len(server: ServerProcess) -> None:
     assert tail["input_token_logprobs"][0][0] is None and tail["cached_tokens"] == 2
     for mine, reference in zip(tail["input_token_logprobs"][1:], scored[3:]):
         assert abs(mine[0] - reference[0]) < 1e-4
+
+
+def test_max_new_tokens_zero_prefills_the_prompt_into_the_cache(server: ServerProcess) -> None:
+    """SGLang's frontend caches a prefix before fork with exactly this request: the prompt must reach the cache."""
+    before = assert_idle_and_conserved(server.url)
+    prefix = [(7 * i) % 120 + 5 for i in range(48)]  # 48 tokens no other test sends
+    warm = generate(server.url, {"input_ids": prefix, "sampling_params": {"max_new_tokens": 0}})
+    assert warm["text"] == "" and warm["output_ids"] == []
+    meta = warm["meta_info"]
+    assert meta["prompt_tokens"] == 48 and meta["completion_tokens"] == 0 and meta["cached_tokens"] < 48
+    assert meta["finish_reason"] == "length"
+    after = assert_idle_and_conserved(server.url)  # no slot leaked: every slot free or cached
+    assert after["cached_tokens"] == before["cached_tokens"] + 48 - meta["cached_tokens"]
+    branches = [{"input_ids": prefix + [tail], "sampling_params": {"max_new_tokens": 3}} for tail in (9, 10)]
+    for body in branches:
+        assert generate(server.url, body)["meta_info"]["cached_tokens"] == 48
+    streamed = httpx.post(
+        server.url + "/generate",
+        json={"text": "w5 w6 w7", "sampling_params": {"max_new_tokens": 0}, "stream": True},
+        timeout=60,
+    )
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["text"] == "" and events[-1]["meta_info"]["finish_reason"] == "length"
+    assert_idle_and_conserved(server.url)
 
 
 def test_model_and_server_info_in_sglangs_shape(server: ServerProcess) -> None:
