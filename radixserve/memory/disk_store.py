@@ -172,18 +172,23 @@ class DiskPageStore:
         try:
             data = self._path(page_hash).read_bytes()
         except FileNotFoundError:
-            self.stats.missing += 1
+            self._count(missing=1)
             self._forget(page_hash, unlink=False)
             return None
         payload = self._verify(page_hash, data)
         if payload is None:
-            self.stats.corrupt += 1
+            self._count(corrupt=1)
             logger.warning("cache dir page %s failed its check: dropped, will be recomputed", page_hash.hex())
             self._forget(page_hash, unlink=self.writable)
             return None
-        self.stats.pages_read += 1
-        self.stats.bytes_read += len(payload)
+        self._count(pages_read=1, bytes_read=len(payload))
         return payload
+
+    def _count(self, **deltas: int) -> None:
+        """Add to the counters under the mutex: the step loop, the writer and the prefetcher all count."""
+        with self._mutex:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
 
     def state(self, page_hash: bytes) -> str:
         """This page's L3 state: ``queued`` (bytes held for the writer), ``on_disk`` or ``absent``."""
@@ -262,8 +267,7 @@ class DiskPageStore:
                 self._index[page_hash] = len(data)
                 self.used_bytes += len(data)
         if written:
-            self.stats.pages_written += 1
-            self.stats.bytes_written += len(payload)
+            self._count(pages_written=1, bytes_written=len(payload))
 
     def _make_room(self, size: int) -> None:
         while True:
@@ -272,7 +276,7 @@ class DiskPageStore:
                     return
                 old = next(iter(self._index))
             self._forget(old, unlink=True)
-            self.stats.evicted += 1
+            self._count(evicted=1)
 
     def _write_file(self, path: Path, data: bytes) -> None:
         """Atomically create ``path`` holding ``data`` (a temp file, then a rename)."""
@@ -287,7 +291,7 @@ class DiskPageStore:
             raise
 
     def _disable_writes(self, exc: OSError) -> None:
-        self.stats.write_errors += 1
+        self._count(write_errors=1)
         if self.writable:
             why = "disk full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else str(exc)
             logger.warning("cache dir %s: write failed (%s): disk tier goes read-only", self.directory, why)
