@@ -166,7 +166,7 @@ class TierMachine(RuleBasedStateMachine):
         self.cache.cancel_prefetch(object())  # another request's token: changes nothing
         prefetcher = self.cache.tiers.prefetcher if self.cache.tiers is not None else None
         if prefetcher is not None and data.draw(st.booleans()):  # else it races the next rules
-            assert prefetcher.wait_idle(30)
+            assert prefetcher.wait_idle(120)
 
     @rule(num_pages=st.integers(1, 6))
     def evict(self, num_pages: int) -> None:
