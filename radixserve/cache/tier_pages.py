@@ -9,6 +9,15 @@ private, so no tier ever answers one tenant with another's page.
 Per tier and page, one state: L1 cached or not; L2 present or not; L3 absent,
 queued (bytes held by the writer) or on disk. See ``page_states``.
 
+KV events (with ``events`` set): copies down are announced as they happen
+(tier_store.py); a page L2 or L3 drops is announced as a removal with its
+medium. Drops happen on three threads (the step loop's, the disk writer's, the
+prefetcher's) and the event log is the step loop's alone, so a drop only
+enters a thread-safe inbox; the log drains it at its next ``drain`` (on the
+step loop) and announces each page *that tier still lacks then*. So the
+announced state is the tier's state at the drain: a page dropped and stored
+again in between (its store announced or not) is not reported gone.
+
 ``TierPages`` is the state the store flow (tier_store.py) and the load-back
 (tiers.py) share: the stores, the lock, the counters.
 """
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -32,6 +42,7 @@ if TYPE_CHECKING:  # torch stays out of the cache layer's imports
 WRITE_POLICIES = ("write_back", "write_through")
 WritePolicy = Literal["write_back", "write_through"]
 TierName = Literal["host", "disk"]
+Medium = Literal["cpu", "disk"]  # vLLM's names for the tiers on the wire
 LOAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -76,9 +87,45 @@ class TierPages:
         self.write_policy = write_policy
         self.clock = clock
         self.stats = TierStats()
-        self.events: KVEventLog | None = None  # the cache's log: copies down are announced with their medium
         self.lock = threading.RLock()  # the host arena and ``_prefetched``: the prefetch thread shares them
         self._prefetched: set[bytes] = set()  # L2 pages a prefetch brought in and no admission used yet
+        self._events: KVEventLog | None = None
+        self._drops: deque[tuple[bytes, Medium]] = deque()  # appends and pops are atomic: any thread adds
+        if self.disk is not None:
+            self.disk.on_drop = self._dropped_from_disk
+
+    @property
+    def events(self) -> KVEventLog | None:
+        """The cache's log: copies down and drops are announced with their medium (None: no events)."""
+        return self._events
+
+    @events.setter
+    def events(self, log: KVEventLog | None) -> None:
+        self._events = log
+        if log is not None:
+            log.add_source(self._announce_drops)
+
+    def _dropped(self, page_hash: bytes, medium: Medium) -> None:
+        """A tier dropped a page (any thread): announce it at the next drain."""
+        if self._events is not None:
+            self._drops.append((page_hash, medium))
+
+    def _dropped_from_disk(self, page_hash: bytes) -> None:
+        self._dropped(page_hash, "disk")
+
+    def _announce_drops(self) -> None:
+        """At a drain (step loop): a removal for each dropped page its tier still lacks, once."""
+        assert self._events is not None
+        announced: set[tuple[bytes, Medium]] = set()
+        while self._drops:
+            page_hash, medium = drop = self._drops.popleft()
+            if drop in announced:
+                continue
+            in_host, on_disk = self.page_states(page_hash)
+            if in_host if medium == "cpu" else on_disk != "absent":
+                continue
+            announced.add(drop)
+            self._events.record_drop(page_hash, self.page_tokens, medium)
 
     def hashes(self, key: RadixKey, length: int) -> list[bytes]:
         """Chained hashes of the whole tier pages of ``key[:length]``."""

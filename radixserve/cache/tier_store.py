@@ -52,6 +52,8 @@ class TierStore(TierPages):
         """Drop L2 (``/flush_cache``). A prefetch still running may add pages back: they are valid."""
         with self.lock:
             if self.host is not None:
+                for page_hash in self.host.hashes():
+                    self._dropped(page_hash, "cpu")
                 self.host.clear()
             self._prefetched.clear()
 
@@ -78,7 +80,7 @@ class TierStore(TierPages):
             if to_host:
                 self._to_host(hashes[index], page)
             if to_disk:
-                self._to_disk(hashes[index], page)
+                to_disk = self._to_disk(hashes[index], page)  # a read-only store takes nothing: announce nothing
             if self.events is not None:
                 shared = key.shared_len - key.shared_len % size  # as ``hashes`` counts it
                 page_key = RadixKey(key.token_ids[: (index + 1) * size], key.extra_key, shared)
@@ -90,11 +92,15 @@ class TierStore(TierPages):
         self.stats.bytes_stored["host"] += int(page.numel() * page.element_size())
         for old_hash, old_page in self.host.put(page_hash, page):
             self._prefetched.discard(old_hash)
+            self._dropped(old_hash, "cpu")
             if self.disk is not None and old_hash not in self.disk:
                 self._to_disk(old_hash, old_page)
 
-    def _to_disk(self, page_hash: bytes, page: Any) -> None:
+    def _to_disk(self, page_hash: bytes, page: Any) -> bool:
+        """Queue ``page`` for the disk; False if the store did not take it (read-only, or there already)."""
         assert self.disk is not None
         data = self.mover.to_bytes(page)
-        if self.disk.put(page_hash, data):
-            self.stats.bytes_stored["disk"] += len(data)
+        if not self.disk.put(page_hash, data):
+            return False
+        self.stats.bytes_stored["disk"] += len(data)
+        return True
