@@ -42,10 +42,10 @@ def run_one(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One workload's batch on one server: its figures."""
     import sglang as sgl
 
-    from radixserve.bench import sgl_programs
+    from radixserve.bench import sgl_programs  # sglang is a test extra: imported only when a bench runs
 
     backend = sgl.RuntimeEndpoint(url, chat_template_name=args.chat_template)
-    program, batch = sgl_programs.workload(name, args.count, args.seed, args.max_tokens)
+    program, batch = sgl_programs.workload(name, args.count, args.seed, args.max_tokens, args.json_max_tokens)
     flush(url)
     program.run(**batch[0], backend=backend)  # warm-up (compiles the schema, first-call costs)
     flush(url)
@@ -55,14 +55,22 @@ def run_one(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     after = counters(url)
     cached, prefill = after["cached"] - before["cached"], after["prefill"] - before["prefill"]
-    ok = sum(state.error() is None and sgl_programs.valid(name, state) for state in states)
     return {
         "seconds": seconds,
         "throughput": len(states) / seconds,
         "hit_rate": cached / max(cached + prefill, 1),
         "prefill_tokens": prefill,
-        "valid": f"{ok}/{len(states)}",
+        "valid": validity(name, states),
     }
+
+
+def validity(name: str, states: list[Any]) -> str:
+    """``"ok/all"`` outputs of the right shape, and how many of the others ``max_tokens`` cut short."""
+    from radixserve.bench import sgl_programs
+
+    ok = sum(state.error() is None and sgl_programs.valid(name, state) for state in states)
+    cut = sum(state.error() is None and sgl_programs.stopped_by_length(name, state) for state in states)
+    return f"{ok}/{len(states)}" + (f" ({cut} cut by max_tokens)" if cut else "")
 
 
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -87,7 +95,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, Any]]]:
     parser.add_argument("--workloads", default="mmlu,tree,chat,json", help="comma-separated: mmlu, tree, chat, json")
     parser.add_argument("--count", type=int, default=16, help="programs per workload")
     parser.add_argument("--num-threads", type=int, default=8, help="run_batch's client threads (programs in flight)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="per gen (json: 4x)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="per gen (json: see --json-max-tokens)")
+    parser.add_argument(
+        "--json-max-tokens",
+        type=int,
+        default=None,
+        help="the JSON gen's limit (default: 4x --max-tokens; 256 with --tiny, whose tokens are bytes)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-total-tokens", type=int, default=16384, help="each server's KV pool")
     parser.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -95,6 +109,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, Any]]]:
     parser.add_argument("--tiny", action="store_true", help="a random tiny byte-level Llama (a quick smoke run)")
     args = parser.parse_args(argv)
     model_path = args.model_path
+    if args.tiny and args.json_max_tokens is None:
+        # A byte per token, and the random model fills the name (up to 24 characters, up to 4 bytes
+        # each) before closing it: the object takes ~150 tokens where SmolLM2 needs ~40.
+        args.json_max_tokens = 256
     if args.tiny:
         folder = Path(tempfile.mkdtemp(prefix="radixserve-")) / "tiny-byte-llama"
         model_path = build_byte_engine_folder(folder, max_position_embeddings=8192)  # byte prompts are long

@@ -6,13 +6,22 @@ token positions ``[start, end)`` of a key (the tokens that lead to it, in their
 namespaces), so a node split (which changes ids, not content) needs no event.
 Page hashes are chained exactly like the block cache's and computed only when read.
 
+A lower cache tier (L2 host, L3 disk) that drops a page knows only its hash:
+that is a ``remove`` event with ``page_hash`` set and an empty key.
+
 Off by default: a cache built with ``events=None`` pays one ``is None`` check.
+
+One thread records and drains (the step loop's). Events that other threads
+cause (the disk writer's evictions, the prefetcher's) wait in their owner's
+thread-safe inbox, which a *source* registered here turns into events at the
+start of every ``drain``, on the draining thread.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,6 +42,7 @@ class KVEvent:
     key: RadixKey  # tokens [0, end): the range and everything before it
     page_size: int
     medium: str | None = None  # None: the KV pool; "cpu" / "disk": a page copied down into that tier
+    page_hash: bytes | None = None  # a tier dropped this page (``page_size`` tokens); ``key`` is then empty
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
@@ -50,6 +60,8 @@ class KVEvent:
     @property
     def block_hashes(self) -> list[bytes]:
         """Chained page hashes of the pages in ``[start, end)``, computed on first read."""
+        if self.page_hash is not None:
+            return [self.page_hash]
         if not self._hashes:
             hashes = self.key.page_hashes(self.page_size)
             self._hashes.extend(itertools.islice(hashes, self.start // self.page_size, None))
@@ -63,6 +75,7 @@ class KVEventLog:
         self.page_size = page_size
         self._queue: deque[KVEvent] = deque()
         self._seq = 0
+        self._sources: list[Callable[[], None]] = []
 
     def record(self, kind: EventKind, start: int, key: RadixKey, medium: str | None = None) -> None:
         """Record that tokens ``key[start:]`` were stored or removed (``key`` is copied)."""
@@ -74,8 +87,20 @@ class KVEventLog:
         self._seq += 1
         self._queue.append(KVEvent(self._seq, "clear", 0, RadixKey(np.empty(0, dtype=np.int64)), self.page_size))
 
+    def record_drop(self, page_hash: bytes, page_size: int, medium: str) -> None:
+        """Record that the tier ``medium`` dropped the ``page_size``-token page named ``page_hash``."""
+        self._seq += 1
+        empty = RadixKey(np.empty(0, dtype=np.int64))
+        self._queue.append(KVEvent(self._seq, "remove", 0, empty, page_size, medium, page_hash))
+
+    def add_source(self, source: Callable[[], None]) -> None:
+        """Call ``source()`` at the start of every drain: it records what other threads left for it."""
+        self._sources.append(source)
+
     def drain(self) -> list[KVEvent]:
-        """Every event recorded since the last drain, oldest first."""
+        """Every event recorded since the last drain (and what the sources record now), oldest first."""
+        for source in self._sources:
+            source()
         events = list(self._queue)
         self._queue.clear()
         return events

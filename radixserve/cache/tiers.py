@@ -1,76 +1,35 @@
-"""The tier index: where a cached page lives below the KV pool (L2 host, L3 disk), and moving it.
+"""The tier index: where a cached page lives below the KV pool (L2 host, L3 disk), and loading it back.
 
-The tree holds L1 only (slot indices). A page leaving L1 is *demoted*: its K/V
-is copied, under its chained page hash, into the host arena (L2), whose LRU
-victims spill to the disk store (L3). ``match_continuation`` finds, after the
-part of a key the tree matched, the run of pages still held in L2 or L3, so
-admission copies them back into fresh slots instead of recomputing them.
-
-Tier pages are ``page_tokens`` long (a multiple of the cache's page, at least
-16 tokens: one file per token would be absurd). Their hash is the KV events'
-chained page hash, namespace folded in, with the shared head counted only in
-whole tier pages: a page that mixes a public head and private tokens is
-private, so no tier ever answers one tenant with another's page.
-
-Write policies (SGLang's names): ``write_back`` copies a page down only when
-L1 evicts it (and to disk when L2 evicts it, or at shutdown); ``write_through``
-copies every page to L2 and L3 as soon as the tree caches it, so a crash loses
-nothing that reached the disk queue.
+The tree holds L1 only (slot indices). Pages it evicts are kept below it
+(tier_store.py); ``match_continuation`` finds, after the part of a key the
+tree matched, the run of pages still held in L2 or L3, so admission copies
+them back into fresh slots instead of recomputing them. What a tier page is,
+and how it is named: tier_pages.py.
 
 Prefetch (with both L2 and L3): a request entering the waiting queue has its
 disk-only continuation read into L2 by a thread (cache/prefetch.py), so
 admission copies from host memory. ``lock`` guards the host arena and the
 prefetch bookkeeping; the disk store locks itself.
-
-Per tier and page, one state: L1 cached or not; L2 present or not; L3 absent,
-queued (bytes held by the writer) or on disk. See ``page_states``.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from radixserve.cache.events import KVEventLog
-from radixserve.cache.key import RadixKey, page_hashes
+from radixserve.cache.key import RadixKey
 from radixserve.cache.prefetch import Prefetcher
+from radixserve.cache.tier_pages import LOAD_BUCKETS_S, PageMover, TierName, WritePolicy
+from radixserve.cache.tier_store import TierStore
 from radixserve.memory.allocator import IndexArray
 
 if TYPE_CHECKING:  # torch stays out of the cache layer's imports
     from radixserve.memory.disk_store import DiskPageStore
     from radixserve.memory.host_arena import HostArena
-
-WRITE_POLICIES = ("write_back", "write_through")
-WritePolicy = Literal["write_back", "write_through"]
-TierName = Literal["host", "disk"]
-LOAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-
-
-class PageMover(Protocol):
-    """Copies between the KV pool and opaque tier pages (memory/kv_pages.py over a KVPool)."""
-
-    def gather(self, slots: IndexArray) -> Any: ...
-    def split_pages(self, rows: Any) -> Sequence[Any]: ...
-    def scatter_pages(self, slots: IndexArray, pages: Sequence[Any], first: int) -> None: ...
-    def to_bytes(self, page: Any) -> bytes: ...
-    def from_bytes(self, data: bytes) -> Any: ...
-
-
-@dataclass
-class TierStats:
-    hit_tokens: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    bytes_loaded: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    bytes_stored: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    load_seconds: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS_S) + 1))  # histogram counts
-    load_seconds_sum: float = 0.0
-    load_failures: int = 0  # a continuation page that failed its check: the rest is recomputed
-    pages_prefetched: int = 0  # disk pages a queued request's prefetch copied into L2
-    prefetch_hits: int = 0  # of those, pages admission then loaded from L2
 
 
 @dataclass(frozen=True)
@@ -84,7 +43,7 @@ class Continuation:
     num_tokens: int
 
 
-class TierIndex:
+class TierIndex(TierStore):
     def __init__(
         self,
         mover: PageMover,
@@ -95,114 +54,8 @@ class TierIndex:
         clock: Callable[[], float] = time.perf_counter,
         prefetch: bool = True,
     ) -> None:
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
-        self.mover = mover
-        self.page_tokens = page_tokens
-        self.host = host
-        self.disk = disk if disk is not None and disk.enabled else None
-        self.write_policy = write_policy
-        self.clock = clock
-        self.stats = TierStats()
-        self.events: KVEventLog | None = None  # the cache's log: copies down are announced with their medium
-        self.lock = threading.RLock()  # the host arena and ``_prefetched``: the prefetch thread shares them
-        self._prefetched: set[bytes] = set()  # L2 pages a prefetch brought in and no admission used yet
+        super().__init__(mover, page_tokens, host, disk, write_policy, clock)
         self.prefetcher = Prefetcher(self.prefetch) if prefetch and host is not None and self.disk is not None else None
-
-    # ---- hashing ----------------------------------------------------------------------------
-
-    def hashes(self, key: RadixKey, length: int) -> list[bytes]:
-        """Chained hashes of the whole tier pages of ``key[:length]``."""
-        shared = key.shared_len - key.shared_len % self.page_tokens  # a mixed page is private
-        return list(page_hashes(key.token_ids[:length], key.extra_key, self.page_tokens, shared_len=shared))
-
-    def holds(self, page_hash: bytes) -> TierName | None:
-        with self.lock:
-            if self.host is not None and page_hash in self.host:
-                return "host"
-        if self.disk is not None and page_hash in self.disk:
-            return "disk"
-        return None
-
-    # ---- storing ----------------------------------------------------------------------------
-
-    def on_insert(self, key: RadixKey, slots: IndexArray, start: int) -> None:
-        """The tree just cached ``key[start:]`` at ``slots[start:]``: write-through copies it down."""
-        if self.write_policy == "write_through":
-            self._store(key, slots, start, host=True, disk=True)
-
-    def on_evict(self, key: RadixKey, slots: IndexArray, start: int) -> None:
-        """L1 is about to free ``key[start:]`` (``slots``: the whole path's): keep its pages below.
-
-        Into L2 even when the disk has a copy: a page that came back from disk and
-        was evicted again is hot, and L2 is the faster tier.
-        """
-        self._store(key, slots, start, host=True, disk=self.host is None)
-
-    def flush_path(self, key: RadixKey, slots: IndexArray) -> None:
-        """Shutdown: make sure every whole page of a cached path is on disk (or queued)."""
-        self._store(key, slots, 0, host=False, disk=True)
-
-    def flush_host(self) -> None:
-        """Shutdown: queue every L2 page the disk lacks."""
-        if self.disk is None or self.host is None:
-            return
-        with self.lock:
-            for page_hash in self.host.hashes():
-                page = self.host.get(page_hash)
-                if page is not None and page_hash not in self.disk:
-                    self._to_disk(page_hash, page)
-
-    def clear_host(self) -> None:
-        """Drop L2 (``/flush_cache``). A prefetch still running may add pages back: they are valid."""
-        with self.lock:
-            if self.host is not None:
-                self.host.clear()
-            self._prefetched.clear()
-
-    def _store(self, key: RadixKey, slots: IndexArray, start: int, host: bool, disk: bool) -> None:
-        """Copy the whole tier pages of ``key[start:]`` into the tiers asked for that lack them."""
-        with self.lock:
-            self._store_locked(key, slots, start, host, disk)
-
-    def _store_locked(self, key: RadixKey, slots: IndexArray, start: int, host: bool, disk: bool) -> None:
-        size, disk_store = self.page_tokens, self.disk if disk else None
-        host_store = self.host if host else None
-        hashes = self.hashes(key, len(slots))
-        todo = []  # (page index, to host, to disk)
-        for index in range(start // size, len(hashes)):
-            to_host = host_store is not None and hashes[index] not in host_store
-            to_disk = disk_store is not None and hashes[index] not in disk_store
-            if to_host or to_disk:
-                todo.append((index, to_host, to_disk))
-        if not todo:
-            return
-        rows = np.concatenate([slots[index * size : (index + 1) * size] for index, _, _ in todo])
-        pages = self.mover.split_pages(self.mover.gather(rows))  # one copy per layer for all of them
-        for (index, to_host, to_disk), page in zip(todo, pages):
-            if to_host:
-                self._to_host(hashes[index], page)
-            if to_disk:
-                self._to_disk(hashes[index], page)
-            if self.events is not None:
-                shared = key.shared_len - key.shared_len % size  # as ``hashes`` counts it
-                page_key = RadixKey(key.token_ids[: (index + 1) * size], key.extra_key, shared)
-                for medium in ("cpu",) * to_host + ("disk",) * to_disk:
-                    self.events.record("store", index * size, page_key, medium)
-
-    def _to_host(self, page_hash: bytes, page: Any) -> None:
-        assert self.host is not None
-        self.stats.bytes_stored["host"] += int(page.numel() * page.element_size())
-        for old_hash, old_page in self.host.put(page_hash, page):
-            self._prefetched.discard(old_hash)
-            if self.disk is not None and old_hash not in self.disk:
-                self._to_disk(old_hash, old_page)
-
-    def _to_disk(self, page_hash: bytes, page: Any) -> None:
-        assert self.disk is not None
-        data = self.mover.to_bytes(page)
-        if self.disk.put(page_hash, data):
-            self.stats.bytes_stored["disk"] += len(data)
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -301,14 +154,6 @@ class TierIndex:
         self.stats.load_seconds_sum += seconds
 
     # ---- state ------------------------------------------------------------------------------
-
-    def page_states(self, page_hash: bytes) -> tuple[bool, str]:
-        """(in L2, L3 state: absent | queued | on_disk) of one page."""
-        with self.lock:
-            in_host = self.host is not None and page_hash in self.host
-        if self.disk is None:
-            return in_host, "absent"
-        return in_host, self.disk.state(page_hash)
 
     def sizes(self) -> dict[str, Any]:
         """Tier sizes for /cache and /server_info."""

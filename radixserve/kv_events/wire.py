@@ -14,10 +14,13 @@ events are tagged maps (``"type"`` is the class name):
 ``namespace`` and ``shared_len`` are ours: a peer decoder skips keys it does
 not know. ``medium`` is vLLM's: None for the KV pool, ``"cpu"`` / ``"disk"`` when a
 block is copied down into the host or disk cache tier (``--hicache-size``,
-``--cache-dir``); a lower tier's own evictions are not announced, and
-``BlockMirror`` tracks the pool only. Blocks are whole runs of ``B`` tokens (16 by default, whatever the
-cache's page size), announced once all their tokens are cached and removed as
-soon as one is evicted. A hash is the first 8 bytes, as a signed big-endian
+``--cache-dir``), and when that tier drops it (``BlockRemoved`` with that medium:
+a tier knows only the page hash then, so a drop is announced only when ``B`` is
+the tier page, 16 tokens for cache pages up to 16; a page that L2 spills to L3
+is not announced as stored on disk, for the same reason). ``BlockMirror`` tracks
+the pool only: a tier's events never touch it. Blocks are whole runs of ``B`` tokens
+(16 by default, whatever the cache's page size), announced once all their tokens
+are cached and removed as soon as one is evicted. A hash is the first 8 bytes, as a signed big-endian
 int64, of the chained 16-byte page hash of ``radixserve.cache.key.page_hashes``:
 
     c_-1 = 16 zero bytes
@@ -90,6 +93,10 @@ def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
     """One cache event as a wire event at ``block_size`` (None if it covers no whole block)."""
     if event.kind == "clear":
         return AllBlocksCleared()
+    if event.page_hash is not None:  # a tier dropped a page: its hash is a wire hash only at its own size
+        return (
+            BlockRemoved([wire_hash(event.page_hash)], medium=event.medium) if event.page_size == block_size else None
+        )
     first = event.start // block_size
     # The chain up to the event's end: its tail is the event's blocks, the one before is their parent.
     chain = list(itertools.islice(event.key.page_hashes(block_size), max(first - 1, 0), None))

@@ -26,6 +26,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,9 @@ class DiskPageStore:
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
         self._lock_fd: int | None = None
         self._writer: threading.Thread | None = None
+        # Called with a page's hash once it leaves the store (evicted, corrupt, missing, or a queued write
+        # that failed), on whichever thread dropped it (the writer's, a reader's): it must be thread-safe.
+        self.on_drop: Callable[[bytes], None] | None = None
         try:
             self._open()
         except OSError as exc:
@@ -239,6 +243,8 @@ class DiskPageStore:
                 self.used_bytes -= size
         if unlink:
             self._path(page_hash).unlink(missing_ok=True)
+        if size is not None and self.on_drop is not None:
+            self.on_drop(page_hash)
 
     def _write_loop(self) -> None:
         while True:
@@ -268,6 +274,8 @@ class DiskPageStore:
                 self.used_bytes += len(data)
         if written:
             self._count(pages_written=1, bytes_written=len(payload))
+        elif self.on_drop is not None:
+            self.on_drop(page_hash)  # it was readable while queued: now it is gone
 
     def _make_room(self, size: int) -> None:
         while True:

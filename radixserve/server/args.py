@@ -16,7 +16,7 @@ from typing import Any
 
 from radixserve.cache import PREFIX_CACHES
 from radixserve.cache.policy import EVICTION_POLICIES
-from radixserve.cache.tiers import WRITE_POLICIES
+from radixserve.cache.tier_pages import WRITE_POLICIES
 from radixserve.engine import DTYPES, EngineConfig
 from radixserve.kv_events.config import KVEventsConfig, parse_kv_events_config
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS

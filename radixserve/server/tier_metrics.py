@@ -19,7 +19,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from radixserve.cache.tiers import LOAD_BUCKETS_S, TierIndex
+from radixserve.cache.tier_pages import LOAD_BUCKETS_S
+from radixserve.cache.tiers import TierIndex
 
 PREFIX = "radixserve:"
 

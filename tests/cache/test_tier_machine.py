@@ -8,6 +8,8 @@ whole tier page the tree ever held is in L1 or below, so a request gets the
 longest run of such pages. With a tiny L2 spilling to a bounded disk it checks
 that nothing is invented, every page is in one state per tier, host bytes and
 KV slots are conserved, and locked prefixes survive the evictions a load causes.
+KV events follow: every page announced in a tier (stores minus drops, with
+their medium) is in that tier after each drain.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from radixserve.cache import CacheReq, RadixCache, RadixKey
 from radixserve.cache.radix_check import check_slot_conservation
 from radixserve.cache.tiers import TierIndex
+from radixserve.kv_events.wire import BlockRemoved, BlockStored, event_record, wire_hash
 from radixserve.memory import TokenAllocator
 from radixserve.memory.disk_store import DiskPageStore
 from radixserve.memory.host_arena import HostArena
@@ -54,7 +57,7 @@ class TierMachine(RuleBasedStateMachine):
         super().__init__()
         self.tier_page = 2 * self.page_size
         self.allocator = TokenAllocator(12 * self.page_size, self.page_size)
-        self.cache = RadixCache(self.allocator, self.page_size, "lru", counter_clock())
+        self.cache = RadixCache(self.allocator, self.page_size, "lru", counter_clock(), enable_kv_events=True)
         self.pool = KVPool(1, self.allocator.size + self.page_size, 1, 2)
         mover = PoolPageMover(self.pool, self.tier_page)
         page_bytes = mover.layout.page_bytes
@@ -65,6 +68,8 @@ class TierMachine(RuleBasedStateMachine):
             host = HostArena(8 * page_bytes)
             disk = DiskPageStore(self.dir, 16 * (page_bytes + 64), {"test": 1})
         self.cache.tiers = TierIndex(mover, self.tier_page, host, disk, self.write_policy)  # type: ignore[arg-type]
+        self.cache.tiers.events = self.cache.events
+        self.announced: dict[str | None, set[int]] = {"cpu": set(), "disk": set()}  # per tier, from KV events
         self.ever: set[PageKey] = set()  # whole tier pages the tree has held
         self.live: list[CacheReq] = []
         self.seen: list[tuple[str | None, np.ndarray]] = []  # prompts opened so far: queue_request repeats them
@@ -197,6 +202,24 @@ class TierMachine(RuleBasedStateMachine):
             assert tiers.disk.used_bytes <= tiers.disk.capacity_bytes
             for page_hash in list(tiers.disk._index):
                 assert tiers.page_states(page_hash)[1] == "on_disk"
+        self.check_events()
+
+    def check_events(self) -> None:
+        """The tiers' KV events, drained now, name only pages the tiers hold (a tier page is one block)."""
+        tiers, events = self.cache.tiers, self.cache.events
+        assert tiers is not None and tiers.host is not None and events is not None
+        with tiers.lock:  # no prefetch changes L2 or queues disk writes meanwhile
+            if tiers.disk is not None:
+                assert tiers.disk.flush(30)  # the writer is idle: no disk drop races the drain
+            for event in events.drain():
+                record = event_record(event, self.tier_page)
+                if isinstance(record, BlockStored) and record.medium is not None:
+                    self.announced[record.medium].update(record.block_hashes)
+                elif isinstance(record, BlockRemoved) and record.medium is not None:
+                    self.announced[record.medium].difference_update(record.block_hashes)
+            assert self.announced["cpu"] <= {wire_hash(h) for h in tiers.host.hashes()}
+            on_disk = {wire_hash(h) for h in tiers.disk._index} if tiers.disk is not None else set()
+            assert self.announced["disk"] <= on_disk
 
     def teardown(self) -> None:
         for req in self.live:

@@ -1,0 +1,149 @@
+"""Tier pages: what the lower cache tiers (L2 host, L3 disk) hold, how a page is named, and where it is.
+
+Tier pages are ``page_tokens`` long (a multiple of the cache's page, at least
+16 tokens: one file per token would be absurd). Their hash is the KV events'
+chained page hash, namespace folded in, with the shared head counted only in
+whole tier pages: a page that mixes a public head and private tokens is
+private, so no tier ever answers one tenant with another's page.
+
+Per tier and page, one state: L1 cached or not; L2 present or not; L3 absent,
+queued (bytes held by the writer) or on disk. See ``page_states``.
+
+KV events (with ``events`` set): copies down are announced as they happen
+(tier_store.py); a page L2 or L3 drops is announced as a removal with its
+medium. Drops happen on three threads (the step loop's, the disk writer's, the
+prefetcher's) and the event log is the step loop's alone, so a drop only
+enters a thread-safe inbox; the log drains it at its next ``drain`` (on the
+step loop) and announces each page *that tier still lacks then*. So the
+announced state is the tier's state at the drain: a page dropped and stored
+again in between (its store announced or not) is not reported gone.
+
+``TierPages`` is the state the store flow (tier_store.py) and the load-back
+(tiers.py) share: the stores, the lock, the counters.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from radixserve.cache.events import KVEventLog
+from radixserve.cache.key import RadixKey, page_hashes
+from radixserve.memory.allocator import IndexArray
+
+if TYPE_CHECKING:  # torch stays out of the cache layer's imports
+    from radixserve.memory.disk_store import DiskPageStore
+    from radixserve.memory.host_arena import HostArena
+
+WRITE_POLICIES = ("write_back", "write_through")
+WritePolicy = Literal["write_back", "write_through"]
+TierName = Literal["host", "disk"]
+Medium = Literal["cpu", "disk"]  # vLLM's names for the tiers on the wire
+LOAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class PageMover(Protocol):
+    """Copies between the KV pool and opaque tier pages (memory/kv_pages.py over a KVPool)."""
+
+    def gather(self, slots: IndexArray) -> Any: ...
+    def split_pages(self, rows: Any) -> Sequence[Any]: ...
+    def scatter_pages(self, slots: IndexArray, pages: Sequence[Any], first: int) -> None: ...
+    def to_bytes(self, page: Any) -> bytes: ...
+    def from_bytes(self, data: bytes) -> Any: ...
+
+
+@dataclass
+class TierStats:
+    hit_tokens: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    bytes_loaded: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    bytes_stored: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    load_seconds: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS_S) + 1))  # histogram counts
+    load_seconds_sum: float = 0.0
+    load_failures: int = 0  # a continuation page that failed its check: the rest is recomputed
+    pages_prefetched: int = 0  # disk pages a queued request's prefetch copied into L2
+    prefetch_hits: int = 0  # of those, pages admission then loaded from L2
+
+
+class TierPages:
+    def __init__(
+        self,
+        mover: PageMover,
+        page_tokens: int,
+        host: HostArena | None,
+        disk: DiskPageStore | None,
+        write_policy: WritePolicy = "write_back",
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        self.mover = mover
+        self.page_tokens = page_tokens
+        self.host = host
+        self.disk = disk if disk is not None and disk.enabled else None
+        self.write_policy = write_policy
+        self.clock = clock
+        self.stats = TierStats()
+        self.lock = threading.RLock()  # the host arena and ``_prefetched``: the prefetch thread shares them
+        self._prefetched: set[bytes] = set()  # L2 pages a prefetch brought in and no admission used yet
+        self._events: KVEventLog | None = None
+        self._drops: deque[tuple[bytes, Medium]] = deque()  # appends and pops are atomic: any thread adds
+        if self.disk is not None:
+            self.disk.on_drop = self._dropped_from_disk
+
+    @property
+    def events(self) -> KVEventLog | None:
+        """The cache's log: copies down and drops are announced with their medium (None: no events)."""
+        return self._events
+
+    @events.setter
+    def events(self, log: KVEventLog | None) -> None:
+        self._events = log
+        if log is not None:
+            log.add_source(self._announce_drops)
+
+    def _dropped(self, page_hash: bytes, medium: Medium) -> None:
+        """A tier dropped a page (any thread): announce it at the next drain."""
+        if self._events is not None:
+            self._drops.append((page_hash, medium))
+
+    def _dropped_from_disk(self, page_hash: bytes) -> None:
+        self._dropped(page_hash, "disk")
+
+    def _announce_drops(self) -> None:
+        """At a drain (step loop): a removal for each dropped page its tier still lacks, once."""
+        assert self._events is not None
+        announced: set[tuple[bytes, Medium]] = set()
+        while self._drops:
+            page_hash, medium = drop = self._drops.popleft()
+            if drop in announced:
+                continue
+            in_host, on_disk = self.page_states(page_hash)
+            if in_host if medium == "cpu" else on_disk != "absent":
+                continue
+            announced.add(drop)
+            self._events.record_drop(page_hash, self.page_tokens, medium)
+
+    def hashes(self, key: RadixKey, length: int) -> list[bytes]:
+        """Chained hashes of the whole tier pages of ``key[:length]``."""
+        shared = key.shared_len - key.shared_len % self.page_tokens  # a mixed page is private
+        return list(page_hashes(key.token_ids[:length], key.extra_key, self.page_tokens, shared_len=shared))
+
+    def holds(self, page_hash: bytes) -> TierName | None:
+        with self.lock:
+            if self.host is not None and page_hash in self.host:
+                return "host"
+        if self.disk is not None and page_hash in self.disk:
+            return "disk"
+        return None
+
+    def page_states(self, page_hash: bytes) -> tuple[bool, str]:
+        """(in L2, L3 state: absent | queued | on_disk) of one page."""
+        with self.lock:
+            in_host = self.host is not None and page_hash in self.host
+        if self.disk is None:
+            return in_host, "absent"
+        return in_host, self.disk.state(page_hash)
