@@ -44,6 +44,7 @@ class NodeStats(Protocol):
     creation_time: float
     hit_count: int
     priority: int
+    depth: int  # tokens above the node's first token
 
 
 class EvictionStrategy(ABC):
@@ -109,19 +110,19 @@ class PriorityStrategy(EvictionStrategy):
 
 
 class AdaptiveStrategy(EvictionStrategy):
-    """Recency or frequency, whichever the workload rewards (see adaptive.py).
+    """The deepest leaf first; within a depth, recency or frequency, whichever the workload rewards (adaptive.py).
 
-    LRU within hit classes (0, 1, 2+ reuses); the classes are compared at
-    ``last_access_time + class * shift``, ``shift`` learned online from ghosts
-    of evicted leaves: 0 (exactly LRU) on chat-like traces, large (LFU over the
-    classes) where a popular set is reused.
+    Rank: (-depth, last_access_time + class * shift) with classes 0, 1, 2+
+    reuses and ``shift`` learned online from ghosts of evicted leaves: 0 (LRU
+    within a depth) on chat-like traces, large (LFU over the classes) where a
+    popular set is reused.
     """
 
     NUM_CLASSES = 3  # hits 0, 1, 2+ (a fourth class, 4+, protected stale counts too long in the replays)
     LEARNING_RATE = 3.0  # see AdaptiveCandidates.note_miss
 
     def rank(self, node: NodeStats) -> Rank:
-        return (node.last_access_time,)  # within a class; across classes the candidate set adds the shift
+        return (-node.depth, node.last_access_time)  # within a class; across classes the candidate set adds the shift
 
     def candidate_set(self, tie_break: Callable[[Any], int], hooks: CandidateHooks) -> CandidateSet[Any]:
         return AdaptiveCandidates(

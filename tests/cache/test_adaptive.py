@@ -17,12 +17,21 @@ from tests.cache.helpers import serve, start
 Rank = Callable[[TreeNode], tuple[float, ...]]
 
 
+def depth(n: TreeNode) -> int:
+    """Tokens above ``n``, counted the slow way (the root's key is empty)."""
+    total, cursor = 0, n.parent
+    while cursor is not None:
+        total += len(cursor.key)
+        cursor = cursor.parent
+    return total
+
+
 def lru(n: TreeNode) -> tuple[float, ...]:
-    return (n.last_access_time, n.id)
+    return (-depth(n), n.last_access_time, n.id)
 
 
 def lfu_by_class(n: TreeNode) -> tuple[float, ...]:
-    return (min(n.hit_count, 2), n.last_access_time, n.id)
+    return (-depth(n), min(n.hit_count, 2), n.last_access_time, n.id)
 
 
 class Clock:
@@ -73,15 +82,16 @@ def eviction_order(cache: RadixCache) -> list[int]:
 
 
 def recency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -> None:
-    """Conversations: each turn extends its own user's history; old turns are never read again alone."""
-    histories = [list(rng.integers(10_000, 20_000, 8)) for _ in range(12)]
-    for t in range(600):
+    """Topics in a sliding window: each is asked about a few times, then never again (counts go stale).
+
+    Every prompt is a shared system prefix + one of the 3 newest topics + a question asked once,
+    so topics sit at one depth and compete by recency or frequency alone. Last, a new topic once.
+    """
+    system = [1, 2, 3, 4]
+    for t in range(601):
         clock.now = float(t)
-        user = int(rng.integers(len(histories)))
-        histories[user] = histories[user] + list(rng.integers(20_000, 90_000, 12))
-        if len(histories[user]) > 80:  # the conversation ends; a new user takes the seat
-            histories[user] = list(rng.integers(10_000, 20_000, 8))
-        serve(cache, histories[user])
+        topic = t // 10 + int(rng.integers(3)) if t < 600 else 1000
+        serve(cache, system + [10_000 + 100 * topic + i for i in range(12)] + list(rng.integers(100_000, 900_000, 4)))
 
 
 def frequency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -> None:
@@ -95,7 +105,7 @@ def frequency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -
 
 
 def test_orders_like_lru_after_a_recency_friendly_trace() -> None:
-    cache, clock = make_cache(600)
+    cache, clock = make_cache(72)
     recency_trace(cache, clock, np.random.default_rng(0))
     assert candidates(cache).shift == 0.0
     expected = brute_force_order(cache, lru)
@@ -104,12 +114,38 @@ def test_orders_like_lru_after_a_recency_friendly_trace() -> None:
 
 
 def test_orders_like_lfu_after_a_frequency_friendly_trace() -> None:
-    cache, clock = make_cache(600)
+    cache, clock = make_cache(400)
     frequency_trace(cache, clock, np.random.default_rng(0))
     assert candidates(cache).shift > 0.0
     expected = brute_force_order(cache, lfu_by_class)
     assert expected != brute_force_order(cache, lru), "the trace cannot tell LRU from LFU"
     assert eviction_order(cache) == expected
+
+
+def test_the_deepest_leaf_goes_first_whatever_its_recency() -> None:
+    """A question asked once below a shared stem goes before an older, shallower prompt (LRU evicts that first)."""
+    cache, clock = make_cache(16)
+    for t, prompt in enumerate(([1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11, 12])):
+        clock.now = float(t)
+        serve(cache, prompt)
+    by_tokens = {tuple(n.key.token_ids.tolist()): n.id for n in cache.nodes()}
+    deep_first = [by_tokens[(9, 10)], by_tokens[(11, 12)], by_tokens[(1, 2, 3, 4)], by_tokens[(5, 6, 7, 8)]]
+    assert brute_force_order(cache, lru) == deep_first
+    assert eviction_order(cache) == deep_first
+
+
+def test_a_leaf_split_below_its_start_is_reranked_at_its_new_depth() -> None:
+    """A partial match splits a leaf: its tail now starts deeper and must go before a shallow, older leaf."""
+    cache, clock = make_cache(16)
+    serve(cache, [20, 21])
+    clock.now = 1.0
+    serve(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    clock.now = 2.0
+    cache.match_prefix(RadixKey([1, 2, 3, 4, 99]))  # splits [1..8] at 4; the tail [5..8] keeps access time 1
+    cache.check_invariants()
+    tail = next(n for n in cache.nodes() if n.key.token_ids[0] == 5)
+    assert tail.depth == 4
+    assert eviction_order(cache)[0] == tail.id
 
 
 def test_a_reused_ghost_grows_the_shift_and_a_cold_one_shrinks_it() -> None:

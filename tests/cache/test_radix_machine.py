@@ -37,11 +37,15 @@ EXPECTED_RANK: dict[str, Any] = {
 
 
 def adaptive_rank(shift: float) -> Any:
-    """LRU within hit classes 0, 1, 2+; a class c leaf is compared ``c * shift`` clock units later."""
+    """The deepest leaf first; within a depth LRU within hit classes 0, 1, 2+, class c compared ``c * shift`` later."""
 
-    def rank(n: TreeNode) -> tuple[float, int]:
+    def rank(n: TreeNode) -> tuple[float, float, int]:
         hit_class = min(n.hit_count, 2)
-        return (n.last_access_time + hit_class * shift, n.id)
+        depth, cursor = 0, n.parent
+        while cursor is not None:  # tokens above n, counted the slow way (the root's key is empty)
+            depth += len(cursor.key)
+            cursor = cursor.parent
+        return (-depth, n.last_access_time + hit_class * shift, n.id)
 
     return rank
 
