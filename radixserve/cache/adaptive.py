@@ -19,7 +19,7 @@ clock units longer per class than a cold one of the same depth. ``shift == 0``
 is LRU within a depth; a large shift is LFU over log2 buckets.
 
 The shift is learned from ghosts, as in ARC: every evicted leaf leaves a ghost
-(its class, eviction time and length) under its place in the tree (parent id,
+(its class, hit count, eviction time and length) under its place in the tree (parent id,
 first page); ghosts hold at most ``ghost_capacity_len`` tokens (the pool's
 size), oldest forgotten first. A lookup that stops exactly where a ghost would
 have continued is a miss the other ranking might have avoided. A ghost of a
@@ -30,6 +30,13 @@ of this cache's turnover, in the tree's clock units) x the ghost's share of
 its side's ghost tokens, so a hit among few ghosts moves the shift as much as
 many hits among many (ARC's ratio): the shift settles where a remembered token
 of either side is as likely to come back. It stays within [0, 4 horizons].
+
+Frequency outlives eviction: the node a missed ghost's request inserts at the
+ghost's place starts with the ghost's hit count instead of 0 (the "perfect
+LFU" of the literature, which beats in-cache counts on Zipf popularity): a
+popular document evicted in a burst of other traffic is protected again as
+soon as it is back, instead of having to earn its reuses anew. The restored
+count is the node's ``hit_count`` (a radix split copies it to both halves).
 
 Costs: ``add``/``discard``/``refresh`` O(log n) at worst; a pop compares
 ``num_classes`` heads (a constant) and pops one heap: evicting k leaves stays
@@ -66,6 +73,7 @@ class AdaptiveCandidates(Generic[T]):
     """Unlocked leaves for the ``adaptive`` policy; the interface of ``CandidateHeap`` plus ``shift``."""
 
     MAX_SHIFT = 4.0  # horizons: beyond that the order is LFU's already, and unlearning would take long
+    MAX_REVIVED = 1024  # missed ghosts awaiting their node's return (about one per request in flight)
 
     def __init__(
         self,
@@ -82,7 +90,9 @@ class AdaptiveCandidates(Generic[T]):
         self._heaps = [CandidateHeap(_depth_then_recency, tie_break, True) for _ in range(num_classes)]
         self._class: dict[T, int] = {}  # member -> the heap it is in
         self._ghost_key, self._size, self._clock = ghost_key, size, clock
-        self._ghosts: OrderedDict[Hashable, tuple[int, float, int]] = OrderedDict()  # -> (class, evicted at, len)
+        # ghost key -> (class, evicted at, len, hit count)
+        self._ghosts: OrderedDict[Hashable, tuple[int, float, int, int]] = OrderedDict()
+        self._revived: OrderedDict[Hashable, int] = OrderedDict()  # a missed ghost's hit count, until re-inserted
         self._ghost_len, self.ghost_capacity_len = 0, ghost_capacity_len
         self._side_len = [0, 0]  # ghost tokens of class 0, of every other class
         self.num_classes, self.learning_rate = num_classes, learning_rate
@@ -101,6 +111,8 @@ class AdaptiveCandidates(Generic[T]):
         return hit_class(member.hit_count, self.num_classes)
 
     def add(self, member: T) -> None:
+        if self._revived and not member.hit_count:  # back where a missed ghost was: its count goes on
+            member.hit_count = self._revived.pop(self._ghost_key(member), 0)
         cls = self.class_of(member)
         old = self._class.get(member)
         if old is not None and old != cls:
@@ -142,7 +154,11 @@ class AdaptiveCandidates(Generic[T]):
         ghost = self._ghosts.pop(ghost_key, None)
         if ghost is None:
             return
-        cls, evicted_at, length = ghost
+        cls, evicted_at, length, hits = ghost
+        if hits:
+            self._revived[ghost_key] = hits
+            if len(self._revived) > self.MAX_REVIVED:
+                self._revived.popitem(last=False)
         side_len = self._side_len[cls > 0]  # this ghost's side, itself included
         self._forget(cls, length)
         oldest = next(iter(self._ghosts.values()))[1] if self._ghosts else evicted_at
@@ -161,6 +177,7 @@ class AdaptiveCandidates(Generic[T]):
         assert self._side_len[0] == sum(g[2] for g in self._ghosts.values() if not g[0]), "cold ghost count drifted"
         assert self._ghost_len <= self.ghost_capacity_len or len(self._ghosts) == 1, "ghosts over capacity"
         assert self.shift >= 0.0
+        assert len(self._revived) <= self.MAX_REVIVED and all(self._revived.values()), "revived counts"
 
     def _remember(self, member: T, cls: int) -> None:
         key = self._ghost_key(member)
@@ -168,11 +185,11 @@ class AdaptiveCandidates(Generic[T]):
         if old is not None:
             self._forget(old[0], old[2])
         length, now = self._size(member), self._clock()
-        self._ghosts[key] = (cls, now, length)
+        self._ghosts[key] = (cls, now, length, member.hit_count)
         self._ghost_len += length
         self._side_len[cls > 0] += length
         while self._ghost_len > self.ghost_capacity_len and len(self._ghosts) > 1:
-            _, (old_cls, _, forgotten) = self._ghosts.popitem(last=False)
+            _, (old_cls, _, forgotten, _) = self._ghosts.popitem(last=False)
             self._forget(old_cls, forgotten)
 
     def _forget(self, cls: int, length: int) -> None:

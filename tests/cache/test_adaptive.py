@@ -165,6 +165,22 @@ def test_a_reused_ghost_grows_the_shift_and_a_cold_one_shrinks_it() -> None:
     assert candidates(cache).shift < grown
 
 
+def test_a_ghost_hit_restores_the_count_the_node_had_when_evicted() -> None:
+    """Frequency outlives eviction: a popular prompt pushed out by a burst comes back protected."""
+    cache, clock = make_cache(8)
+    for t in range(3):
+        clock.now = float(t)
+        serve(cache, [1, 2, 3, 4])  # two reuses
+    clock.now = 3.0
+    serve(cache, [5, 6, 7, 8])
+    serve(cache, [9, 10, 11, 12])  # LRU at shift 0: [1..4] (older) goes, with its 2 hits in its ghost
+    assert cache.cached_len(RadixKey([1, 2, 3, 4])) == 0
+    clock.now = 4.0
+    serve(cache, [1, 2, 3, 4])  # misses where the ghost is, then comes back
+    node = next(n for n in cache.nodes() if n.key.token_ids[0] == 1)
+    assert node.hit_count == 2 and candidates(cache).class_of(node) == 2  # protected as before, not class 0
+
+
 def test_hit_classes_are_log2_buckets() -> None:
     assert [hit_class(h, 4) for h in (0, 1, 2, 3, 4, 7, 8, 1000)] == [0, 1, 2, 2, 3, 3, 3, 3]
     with pytest.raises(ValueError, match="num_classes"):
