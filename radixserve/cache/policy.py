@@ -110,12 +110,13 @@ class PriorityStrategy(EvictionStrategy):
 
 
 class AdaptiveStrategy(EvictionStrategy):
-    """The deepest leaf first; within a depth, recency or frequency, whichever the workload rewards (adaptive.py).
+    """Deepest first below the top level; recency or frequency, whichever the workload rewards (adaptive.py).
 
-    Rank: (-depth, last_access_time + class * shift) with classes 0, 1, 2+
-    reuses and ``shift`` learned online from ghosts of evicted leaves: 0 (LRU
-    within a depth) on chat-like traces, large (LFU over the classes) where a
-    popular set is reused.
+    Rank in a group: (-depth, last_access_time + class * shift), classes 0, 1,
+    2+ reuses, ``shift`` learned online from ghosts of evicted leaves (0: LRU
+    within a depth; large: LFU over the classes). The top level's best leaf
+    goes instead of the deepest one below when its shifted access time plus a
+    learned ``top_shift`` is older.
     """
 
     NUM_CLASSES = 3  # hits 0, 1, 2+ (a fourth class, 4+, protected stale counts too long in the replays)

@@ -95,8 +95,8 @@ def recency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -> 
 
 
 def frequency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -> None:
-    """RAG: Zipf-popular documents, each followed by a question never asked again."""
-    docs = [list(range(1000 * d + 1, 1000 * d + 41)) for d in range(1, 41)]
+    """RAG: a system prefix, Zipf-popular documents, each followed by a question never asked again."""
+    docs = [[1, 2, 3, 4] + list(range(1000 * d + 1, 1000 * d + 41)) for d in range(1, 41)]
     popularity = 1.0 / np.arange(1, len(docs) + 1) ** 1.2
     for t in range(600):
         clock.now = float(t)
@@ -123,19 +123,59 @@ def test_orders_like_lfu_after_a_frequency_friendly_trace() -> None:
 
 
 def test_the_deepest_leaf_goes_first_whatever_its_recency() -> None:
-    """A question asked once below a shared stem goes before an older, shallower prompt (LRU evicts that first)."""
+    """Below a shared prefix, a question asked once goes before an older, shallower leaf (LRU evicts that first)."""
     cache, clock = make_cache(16)
-    for t, prompt in enumerate(([1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11, 12])):
+    for t, prompt in enumerate(([1, 2, 3, 4], [1, 2, 5, 6, 7, 8, 9, 10], [1, 2, 5, 6, 7, 8, 11, 12])):
         clock.now = float(t)
         serve(cache, prompt)
     by_tokens = {tuple(n.key.token_ids.tolist()): n.id for n in cache.nodes()}
-    deep_first = [by_tokens[(9, 10)], by_tokens[(11, 12)], by_tokens[(1, 2, 3, 4)], by_tokens[(5, 6, 7, 8)]]
+    deep_first = [
+        by_tokens[(9, 10)],
+        by_tokens[(11, 12)],
+        by_tokens[(3, 4)],
+        by_tokens[(5, 6, 7, 8)],
+        by_tokens[(1, 2)],
+    ]
     assert brute_force_order(cache, lru) == deep_first
     assert eviction_order(cache) == deep_first
 
 
+def test_a_top_level_leaf_competes_by_recency_plus_the_top_shift() -> None:
+    """An old one-off prompt (nothing above it) goes before newer deep leaves, unless top-level reuse was learned."""
+    orders = []
+    for top_shift in (0.0, 10.0):
+        cache, clock = make_cache(16)
+        for t, prompt in enumerate(([100, 101, 102, 103], [1, 2, 3, 4], [1, 2, 5, 6])):
+            clock.now = float(t)
+            serve(cache, prompt)
+        candidates(cache).top_shift = top_shift
+        names = {n.id: tuple(n.key.token_ids.tolist()) for n in cache.nodes()}
+        orders.append([names[i] for i in eviction_order(cache)])
+    one_off, shared = (100, 101, 102, 103), (1, 2)
+    assert orders[0] == [one_off, (3, 4), (5, 6), shared]  # shift 0: recency across the groups
+    assert orders[1] == [(3, 4), (5, 6), one_off, shared]  # learned: the deep leaves go first
+
+
+def test_top_level_ghosts_grow_the_top_shift_and_deeper_ones_shrink_it() -> None:
+    cache, clock = make_cache(8)
+    for t, prompt in enumerate(([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12])):  # the third evicts [1..4]
+        clock.now = float(t)
+        serve(cache, prompt)
+    clock.now = 5.0
+    cache.match_prefix(RadixKey([1, 2, 3, 4]))  # a miss on a top-level ghost
+    assert candidates(cache).top_shift > 0.0
+    cache, clock = make_cache(8)
+    for t, prompt in enumerate(([1, 2, 3, 4], [1, 2, 5, 6], [9, 10, 11])):  # the third evicts [3, 4], below [1, 2]
+        clock.now = float(t)
+        serve(cache, prompt)
+    candidates(cache).top_shift = 5.0
+    clock.now = 5.0
+    cache.match_prefix(RadixKey([1, 2, 3, 4]))  # a miss on a ghost below the top level
+    assert candidates(cache).top_shift < 5.0
+
+
 def test_a_leaf_split_below_its_start_is_reranked_at_its_new_depth() -> None:
-    """A partial match splits a leaf: its tail now starts deeper and must go before a shallow, older leaf."""
+    """A partial match splits a leaf: its tail now starts below the top level and deeper, and is re-ranked."""
     cache, clock = make_cache(16)
     serve(cache, [20, 21])
     clock.now = 1.0
@@ -144,7 +184,8 @@ def test_a_leaf_split_below_its_start_is_reranked_at_its_new_depth() -> None:
     cache.match_prefix(RadixKey([1, 2, 3, 4, 99]))  # splits [1..8] at 4; the tail [5..8] keeps access time 1
     cache.check_invariants()
     tail = next(n for n in cache.nodes() if n.key.token_ids[0] == 5)
-    assert tail.depth == 4
+    assert tail.depth == 4 and candidates(cache).slot_of(tail) >= candidates(cache).num_classes
+    candidates(cache).top_shift = 100.0  # below the top level, the deepest first: the tail before [20, 21]
     assert eviction_order(cache)[0] == tail.id
 
 
