@@ -281,7 +281,8 @@ def chat_and_one_offs(num_users: int = 84, seed: int = 0, vocab_size: int = VOCA
 
     The one-off prompts sit at the top of the radix tree and are never reused;
     the conversations' reused turns sit deep below the shared preamble. A
-    policy that trusts depth (``adaptive``) keeps the wrong ones here.
+    policy that ranked every leaf by depth would keep the wrong ones here
+    (why ``adaptive`` weighs the top level by recency, cache/adaptive.py).
     """
     chats = support_agent(num_users=num_users, seed=seed, vocab_size=vocab_size)
     one_offs = no_sharing(num_requests=len(chats), seed=seed + 1, vocab_size=vocab_size)
