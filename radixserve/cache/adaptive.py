@@ -80,7 +80,7 @@ def hit_class(hit_count: int, num_classes: int) -> int:
 
 
 class AdaptiveCandidates(Generic[T]):
-    """Unlocked leaves for the ``adaptive`` policy; the interface of ``CandidateHeap`` plus ``shift``."""
+    """Unlocked leaves for the ``adaptive`` policy; the interface of ``CandidateHeap`` plus the two shifts."""
 
     MAX_SHIFT = 4.0  # horizons: beyond that the order is LFU's already, and unlearning would take long
     MAX_TOP_SHIFT = 16.0  # horizons: tree roots reused across long gaps (thought trees) need more than MAX_SHIFT
