@@ -276,6 +276,19 @@ def no_sharing(
     ]
 
 
+def chat_and_one_offs(num_users: int = 84, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> list[TraceRequest]:
+    """``support_agent`` turns and as many ``no_sharing`` prompts, taking turns: chat beside unrelated prompts.
+
+    The one-off prompts sit at the top of the radix tree and are never reused;
+    the conversations' reused turns sit deep below the shared preamble. A
+    policy that ranked every leaf by depth would keep the wrong ones here
+    (why ``adaptive`` weighs the top level by recency, cache/adaptive.py).
+    """
+    chats = support_agent(num_users=num_users, seed=seed, vocab_size=vocab_size)
+    one_offs = no_sharing(num_requests=len(chats), seed=seed + 1, vocab_size=vocab_size)
+    return [r for pair in zip(chats, one_offs, strict=True) for r in pair]
+
+
 WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
     "support-agent": support_agent,
     "fewshot-burst": fewshot_burst,
@@ -284,6 +297,7 @@ WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
     "branching": branching,
     "generated-shared-prefix": generated_shared_prefix,
     "no-sharing": no_sharing,
+    "chat-and-one-offs": chat_and_one_offs,
 }
 
 # How make_workload scales each workload: the size parameter it sets, and how
@@ -296,6 +310,7 @@ _SIZES: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
     "branching": ("num_trees", lambda p: sum(int(p["fanout"]) ** i for i in range(int(p["depth"])))),
     "generated-shared-prefix": ("num_groups", lambda p: int(p["prompts_per_group"])),
     "no-sharing": ("num_requests", lambda p: 1),
+    "chat-and-one-offs": ("num_users", lambda p: 12),  # 6 turns a user, each beside a one-off prompt
 }
 
 
@@ -308,7 +323,7 @@ def make_workload(
     support-agent ``num_users`` (x turns_per_user), fewshot-burst
     ``num_requests`` per burst (x num_bursts), branching ``num_trees`` (x nodes
     per tree), generated-shared-prefix ``num_groups`` (x prompts_per_group),
-    rag and no-sharing ``num_requests``. ``overrides`` go to the generator
+    rag and no-sharing ``num_requests``, chat-and-one-offs ``num_users`` (x 12). ``overrides`` go to the generator
     unchanged; an unknown one is a TypeError there, never ignored.
     """
     if name not in WORKLOADS:

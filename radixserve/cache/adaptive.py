@@ -1,15 +1,36 @@
-"""The adaptive eviction candidate set: LRU within hit classes, classes weighed by a learned shift.
+"""The adaptive eviction candidate set: deepest first below the top level; recency or frequency learned from ghosts.
+
+A leaf's depth is the number of tokens above its first token. Below the top
+level (depth > 0, under a cached prefix) the deepest leaf goes first. A deep
+leaf is the most specific content there is: the newest turn of one
+conversation, a question asked once below a shared document, a leaf step of
+one thought tree. A shallow one is what many later requests start with (a
+document, a thought tree's middle step). In the replays of ``bench simulate``
+this order is most of the gain over LRU on tree-of-thought traces and grouped
+prompts (BENCHMARKS §2). Among leaves of one depth (siblings, documents below
+one system prompt) recency or frequency decides:
 
 Leaves fall into classes by how often finished requests reused them: class 0
 never (seen once), class c >= 1 about 2**(c-1) times (log2 buckets, capped).
-Each class is an LRU heap (``CandidateHeap``). To evict, the head of every
-class is compared at ``last_access_time + c * shift``: a reused leaf survives
-``shift`` clock units longer per class than a cold one. ``shift == 0`` is
-plain LRU; a large shift is LFU over log2 buckets (LRU within a bucket).
+Each class is an LRU heap (``CandidateHeap``) ordered by (-depth, last access),
+one set of them for the top level and one below it. The best leaf of a group
+is its smallest ``(-depth, last_access_time + c * shift)``: a reused leaf
+survives ``shift`` clock units longer per class than a cold one of the same
+depth (``shift == 0``: LRU within a depth; large: LFU over log2 buckets).
+
+Top-level leaves (nothing cached above them) are the roots of whatever comes:
+a thought tree's root, a group's system prompt, but also a one-off prompt that
+shares nothing. Depth cannot tell those apart, so the two groups' best are
+compared by recency: the top level's is evicted when its shifted access time
+plus ``top_shift`` is below the deepest leaf's. ``top_shift`` is learned like
+``shift``: a ghost hit on a top-level leaf grows it (roots come back: keep
+them longer), one below shrinks it (the deep-first order erred), up to 16
+horizons. One-off prompts beside conversations drive it to 0 (plain recency
+across the groups); thought trees drive it up.
 
 The shift is learned from ghosts, as in ARC: every evicted leaf leaves a ghost
-(its class, eviction time and length) under its place in the tree (parent id,
-first page); ghosts hold at most ``ghost_capacity_len`` tokens (the pool's
+(its heap, hit count, eviction time and length) under its place in the tree
+(parent id, first page); ghosts hold at most ``ghost_capacity_len`` tokens (the pool's
 size), oldest forgotten first. A lookup that stops exactly where a ghost would
 have continued is a miss the other ranking might have avoided. A ghost of a
 reused class says "frequency mattered": the shift grows; a ghost of class 0
@@ -20,16 +41,24 @@ its side's ghost tokens, so a hit among few ghosts moves the shift as much as
 many hits among many (ARC's ratio): the shift settles where a remembered token
 of either side is as likely to come back. It stays within [0, 4 horizons].
 
+Frequency outlives eviction: the node a missed ghost's request inserts at the
+ghost's place starts with the ghost's hit count instead of 0 (the "perfect
+LFU" of the literature, which beats in-cache counts on Zipf popularity): a
+popular document evicted in a burst of other traffic is protected again as
+soon as it is back, instead of having to earn its reuses anew. The restored
+count is the node's ``hit_count`` (a radix split copies it to both halves).
+
 Costs: ``add``/``discard``/``refresh`` O(log n) at worst; a pop compares
-``num_classes`` heads (a constant) and pops one heap: evicting k leaves stays
-O(k log n). ``note_miss`` is one dict lookup.
+``2 * num_classes`` heads (a constant) and pops one heap: evicting k leaves stays
+O(k log n). ``note_miss`` is one dict lookup. The tree keeps each node's depth
+(O(1) per insert or split; a split leaf is re-added at its new depth).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, cast
 
 from radixserve.cache.candidates import CandidateHeap
 
@@ -37,6 +66,7 @@ from radixserve.cache.candidates import CandidateHeap
 class _Ranked(Protocol):
     last_access_time: float
     hit_count: int
+    depth: int
 
     def __hash__(self) -> int: ...
 
@@ -50,9 +80,12 @@ def hit_class(hit_count: int, num_classes: int) -> int:
 
 
 class AdaptiveCandidates(Generic[T]):
-    """Unlocked leaves for the ``adaptive`` policy; the interface of ``CandidateHeap`` plus ``shift``."""
+    """Unlocked leaves for the ``adaptive`` policy; the interface of ``CandidateHeap`` plus the two shifts."""
 
     MAX_SHIFT = 4.0  # horizons: beyond that the order is LFU's already, and unlearning would take long
+    MAX_TOP_SHIFT = 16.0  # horizons: tree roots reused across long gaps (thought trees) need more than MAX_SHIFT
+    TOP_LEARNING_RATE = 10.0  # top-level ghosts are few and far between: each must move the top shift further
+    MAX_REVIVED = 1024  # missed ghosts awaiting their node's return (about one per request in flight)
 
     def __init__(
         self,
@@ -66,62 +99,75 @@ class AdaptiveCandidates(Generic[T]):
     ) -> None:
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
-        self._heaps = [CandidateHeap(_recency, tie_break, True) for _ in range(num_classes)]
-        self._class: dict[T, int] = {}  # member -> the heap it is in
+        # Heap group * num_classes + class: group 0 the top level (depth 0), group 1 below a cached prefix.
+        self._heaps = [CandidateHeap(_depth_then_recency, tie_break, True) for _ in range(2 * num_classes)]
+        self._slot: dict[T, int] = {}  # member -> the heap it is in
         self._ghost_key, self._size, self._clock = ghost_key, size, clock
-        self._ghosts: OrderedDict[Hashable, tuple[int, float, int]] = OrderedDict()  # -> (class, evicted at, len)
+        # ghost key -> (heap slot, evicted at, len, hit count)
+        self._ghosts: OrderedDict[Hashable, tuple[int, float, int, int]] = OrderedDict()
+        self._revived: OrderedDict[Hashable, int] = OrderedDict()  # a missed ghost's hit count, until re-inserted
         self._ghost_len, self.ghost_capacity_len = 0, ghost_capacity_len
         self._side_len = [0, 0]  # ghost tokens of class 0, of every other class
+        self._group_len = [0, 0]  # ghost tokens of the top level, of below it
         self.num_classes, self.learning_rate = num_classes, learning_rate
         self.shift = 0.0  # clock units a leaf outlives one a class below it
+        self.top_shift = 0.0  # clock units a top-level leaf outlives the deepest leaf below
 
     def __len__(self) -> int:
-        return len(self._class)
+        return len(self._slot)
 
     def __contains__(self, member: T) -> bool:
-        return member in self._class
+        return member in self._slot
 
     def __iter__(self) -> Iterator[T]:
-        return iter(self._class)
+        return iter(self._slot)
 
     def class_of(self, member: T) -> int:
         return hit_class(member.hit_count, self.num_classes)
 
+    def slot_of(self, member: T) -> int:
+        return (member.depth > 0) * self.num_classes + self.class_of(member)
+
     def add(self, member: T) -> None:
-        cls = self.class_of(member)
-        old = self._class.get(member)
-        if old is not None and old != cls:
+        if self._revived and not member.hit_count:  # back where a missed ghost was: its count goes on
+            member.hit_count = self._revived.pop(self._ghost_key(member), 0)
+        slot = self.slot_of(member)
+        old = self._slot.get(member)
+        if old is not None and old != slot:
             self._heaps[old].discard(member)
-        self._class[member] = cls
-        self._heaps[cls].add(member)
+        self._slot[member] = slot
+        self._heaps[slot].add(member)
 
     def discard(self, member: T) -> None:
-        cls = self._class.pop(member, None)
-        if cls is not None:
-            self._heaps[cls].discard(member)
+        slot = self._slot.pop(member, None)
+        if slot is not None:
+            self._heaps[slot].discard(member)
 
     def refresh(self, member: T) -> None:
         """A hit may move ``member`` up a class; an access alone is handled lazily by its heap."""
-        if member in self._class and self._class[member] != self.class_of(member):
+        if member in self._slot and self._slot[member] != self.slot_of(member):
             self.add(member)
 
     def pop(self) -> T | None:
-        """Remove and return the leaf whose shifted recency is lowest; remember it as a ghost."""
-        best: tuple[object, ...] | None = None
-        best_cls = -1
-        for cls, heap in enumerate(self._heaps):
+        """Evict the deepest leaf below the top level unless the oldest top-level one is older; remember it."""
+        best: list[tuple[float, float, int, int] | None] = [None, None]  # per group: -depth, recency, tie, slot
+        for slot, heap in enumerate(self._heaps):
             if heap.peek() is None:
                 continue
-            last_access, tie = heap.peek_key()
-            key = (float(last_access) + cls * self.shift, tie)  # type: ignore[arg-type]
-            if best is None or key < best:
-                best, best_cls = key, cls
-        if best is None:
+            group, cls = divmod(slot, self.num_classes)
+            neg_depth, last_access, tie = cast(tuple[float, float, int], heap.peek_key())
+            key = (neg_depth, last_access + cls * self.shift, tie, slot)
+            if (old := best[group]) is None or key < old:
+                best[group] = key
+        top, below = best
+        if below is not None and (top is None or below[1] < top[1] + self.top_shift):
+            top = below
+        if top is None:
             return None
-        member = self._heaps[best_cls].pop()
+        member = self._heaps[top[3]].pop()
         assert member is not None
-        del self._class[member]
-        self._remember(member, best_cls)
+        del self._slot[member]
+        self._remember(member, top[3])
         return member
 
     def note_miss(self, ghost_key: Hashable, now: float) -> None:
@@ -129,43 +175,59 @@ class AdaptiveCandidates(Generic[T]):
         ghost = self._ghosts.pop(ghost_key, None)
         if ghost is None:
             return
-        cls, evicted_at, length = ghost
-        side_len = self._side_len[cls > 0]  # this ghost's side, itself included
-        self._forget(cls, length)
+        slot, evicted_at, length, hits = ghost
+        group, cls = divmod(slot, self.num_classes)
+        if hits:
+            self._revived[ghost_key] = hits
+            if len(self._revived) > self.MAX_REVIVED:
+                self._revived.popitem(last=False)
+        side_len, group_len = self._side_len[cls > 0], self._group_len[group]  # this ghost's sides, itself included
+        self._forget(slot, length)
         oldest = next(iter(self._ghosts.values()))[1] if self._ghosts else evicted_at
-        step = self.learning_rate * max(now - oldest, 0.0) * length / max(side_len, 1)
+        horizon = max(now - oldest, 0.0)
+        step = self.learning_rate * horizon * length / max(side_len, 1)
         if cls:
-            self.shift = min(self.shift + step, self.MAX_SHIFT * max(now - oldest, 0.0))
+            self.shift = min(self.shift + step, self.MAX_SHIFT * horizon)
         else:
             self.shift = max(self.shift - step, 0.0)
+        step = self.TOP_LEARNING_RATE * horizon * length / max(group_len, 1)
+        if group:  # a leaf below the top level came back: the deep-first order erred
+            self.top_shift = max(self.top_shift - step, 0.0)
+        else:
+            self.top_shift = min(self.top_shift + step, self.MAX_TOP_SHIFT * horizon)
 
     def check(self) -> None:
-        for cls, heap in enumerate(self._heaps):
+        for slot, heap in enumerate(self._heaps):
             heap.check()
-            assert set(heap) == {m for m, c in self._class.items() if c == cls}, f"class {cls} heap != its members"
-        assert all(c == self.class_of(m) for m, c in self._class.items()), "a member sits in a stale class"
-        assert self._ghost_len == sum(g[2] for g in self._ghosts.values()), "ghost token count drifted"
-        assert self._side_len[0] == sum(g[2] for g in self._ghosts.values() if not g[0]), "cold ghost count drifted"
+            assert set(heap) == {m for m, s in self._slot.items() if s == slot}, f"heap {slot} != its members"
+        assert all(s == self.slot_of(m) for m, s in self._slot.items()), "a member sits in a stale heap"
+        ghosts = self._ghosts.values()
+        assert self._ghost_len == sum(g[2] for g in ghosts), "ghost token count drifted"
+        assert self._side_len[0] == sum(g[2] for g in ghosts if not g[0] % self.num_classes), "cold ghosts drifted"
+        assert self._group_len[0] == sum(g[2] for g in ghosts if g[0] < self.num_classes), "top ghosts drifted"
         assert self._ghost_len <= self.ghost_capacity_len or len(self._ghosts) == 1, "ghosts over capacity"
-        assert self.shift >= 0.0
+        assert self.shift >= 0.0 and self.top_shift >= 0.0
+        assert len(self._revived) <= self.MAX_REVIVED and all(self._revived.values()), "revived counts"
 
-    def _remember(self, member: T, cls: int) -> None:
+    def _remember(self, member: T, slot: int) -> None:
         key = self._ghost_key(member)
         old = self._ghosts.pop(key, None)
         if old is not None:
             self._forget(old[0], old[2])
         length, now = self._size(member), self._clock()
-        self._ghosts[key] = (cls, now, length)
+        self._ghosts[key] = (slot, now, length, member.hit_count)
         self._ghost_len += length
-        self._side_len[cls > 0] += length
+        self._side_len[slot % self.num_classes > 0] += length
+        self._group_len[slot // self.num_classes] += length
         while self._ghost_len > self.ghost_capacity_len and len(self._ghosts) > 1:
-            _, (old_cls, _, forgotten) = self._ghosts.popitem(last=False)
-            self._forget(old_cls, forgotten)
+            _, (old_slot, _, forgotten, _) = self._ghosts.popitem(last=False)
+            self._forget(old_slot, forgotten)
 
-    def _forget(self, cls: int, length: int) -> None:
+    def _forget(self, slot: int, length: int) -> None:
         self._ghost_len -= length
-        self._side_len[cls > 0] -= length
+        self._side_len[slot % self.num_classes > 0] -= length
+        self._group_len[slot // self.num_classes] -= length
 
 
-def _recency(member: _Ranked) -> tuple[float, ...]:
-    return (member.last_access_time,)
+def _depth_then_recency(member: _Ranked) -> tuple[float, ...]:
+    return (-member.depth, member.last_access_time)

@@ -44,6 +44,7 @@ class NodeStats(Protocol):
     creation_time: float
     hit_count: int
     priority: int
+    depth: int  # tokens above the node's first token
 
 
 class EvictionStrategy(ABC):
@@ -109,19 +110,20 @@ class PriorityStrategy(EvictionStrategy):
 
 
 class AdaptiveStrategy(EvictionStrategy):
-    """Recency or frequency, whichever the workload rewards (see adaptive.py).
+    """Deepest first below the top level; recency or frequency, whichever the workload rewards (adaptive.py).
 
-    LRU within hit classes (0, 1, 2+ reuses); the classes are compared at
-    ``last_access_time + class * shift``, ``shift`` learned online from ghosts
-    of evicted leaves: 0 (exactly LRU) on chat-like traces, large (LFU over the
-    classes) where a popular set is reused.
+    Rank in a group: (-depth, last_access_time + class * shift), classes 0, 1,
+    2+ reuses, ``shift`` learned online from ghosts of evicted leaves (0: LRU
+    within a depth; large: LFU over the classes). The top level's best leaf
+    goes instead of the deepest one below when its shifted access time plus a
+    learned ``top_shift`` is older.
     """
 
     NUM_CLASSES = 3  # hits 0, 1, 2+ (a fourth class, 4+, protected stale counts too long in the replays)
     LEARNING_RATE = 3.0  # see AdaptiveCandidates.note_miss
 
     def rank(self, node: NodeStats) -> Rank:
-        return (node.last_access_time,)  # within a class; across classes the candidate set adds the shift
+        return (-node.depth, node.last_access_time)  # within a class; across classes the candidate set adds the shift
 
     def candidate_set(self, tie_break: Callable[[Any], int], hooks: CandidateHooks) -> CandidateSet[Any]:
         return AdaptiveCandidates(

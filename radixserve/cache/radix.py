@@ -40,6 +40,7 @@ class TreeNode:
         "creation_time",
         "hit_count",
         "priority",
+        "depth",
     )
 
     def __init__(self, node_id: int, key: RadixKey, value: IndexArray, parent: TreeNode | None, now: float) -> None:
@@ -53,6 +54,7 @@ class TreeNode:
         self.creation_time = now
         self.hit_count = 0  # finished requests that reused this node's tokens
         self.priority = 0  # max request priority among the inserts that passed through
+        self.depth: int = parent.depth + len(parent.key) if parent is not None else 0  # tokens above key[0]
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -283,12 +285,16 @@ class RadixCache(BasePrefixCache[TreeNode]):
         new.key.token_ids = new.key.token_ids.copy()
         new.lock_ref, new.hit_count, new.priority = child.lock_ref, child.hit_count, child.priority
         new.last_access_time, new.creation_time = child.last_access_time, child.creation_time
+        new.depth = child.depth
         parent.children[new.key.child_key(self.page_size)] = new
         child.key = child.key[split_len:]
         child.key.token_ids = child.key.token_ids.copy()
         child.value = child.value[split_len:].copy()
         child.parent = new
+        child.depth += split_len
         new.children[child.key.child_key(self.page_size)] = child
+        if child in self.candidates:  # it now starts deeper: a policy ranking by depth re-ranks it
+            self.candidates.add(child)
         return new
 
     def _add_leaf(self, parent: TreeNode, key: RadixKey, value: IndexArray, priority: int, now: float) -> TreeNode:

@@ -33,6 +33,7 @@ def check_radix_invariants(cache: RadixCache) -> None:
         assert len(node.key) > 0 and len(node.key) % page == 0, f"{node!r}: edge not whole pages"
         assert len(node.key) == len(node.value), f"{node!r}: {len(node.key)} tokens, {len(node.value)} slots"
         assert node.key.is_pure, f"{node!r}: an edge spans two namespaces"
+        assert node.depth == parent.depth + len(parent.key), f"{node!r}: depth {node.depth} != tokens above it"
         if parent is not root:  # a namespace may start below the shared namespace (a shared head), never end
             assert parent.key.extra_key in (None, node.key.extra_key), f"{node!r} crosses namespaces"
         assert node.lock_ref >= 0, f"{node!r}: negative lock_ref"

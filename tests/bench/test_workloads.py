@@ -218,3 +218,12 @@ def test_working_set_counts_shared_prefixes_once_per_namespace() -> None:
     assert working_set_tokens([]) == 0
     gsp = generated_shared_prefix(num_groups=3, prompts_per_group=5, system_prompt_len=30, question_len=7, output_len=4)
     assert working_set_tokens(gsp) == 3 * 30 + 15 * (7 + 4)
+
+
+def test_chat_and_one_offs_alternates_conversation_turns_with_unrelated_prompts() -> None:
+    trace = make_workload("chat-and-one-offs", 48, seed=2)
+    assert len(trace) == 48
+    chats, one_offs = trace[0::2], trace[1::2]
+    preamble = chats[0].prompt[: 512 + 1543]
+    assert all(is_prefix(preamble, r.prompt) for r in chats)
+    assert len({int(r.prompt[0]) for r in one_offs}) == len(one_offs)  # no two one-offs share a first token

@@ -17,12 +17,21 @@ from tests.cache.helpers import serve, start
 Rank = Callable[[TreeNode], tuple[float, ...]]
 
 
+def depth(n: TreeNode) -> int:
+    """Tokens above ``n``, counted the slow way (the root's key is empty)."""
+    total, cursor = 0, n.parent
+    while cursor is not None:
+        total += len(cursor.key)
+        cursor = cursor.parent
+    return total
+
+
 def lru(n: TreeNode) -> tuple[float, ...]:
-    return (n.last_access_time, n.id)
+    return (-depth(n), n.last_access_time, n.id)
 
 
 def lfu_by_class(n: TreeNode) -> tuple[float, ...]:
-    return (min(n.hit_count, 2), n.last_access_time, n.id)
+    return (-depth(n), min(n.hit_count, 2), n.last_access_time, n.id)
 
 
 class Clock:
@@ -73,20 +82,21 @@ def eviction_order(cache: RadixCache) -> list[int]:
 
 
 def recency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -> None:
-    """Conversations: each turn extends its own user's history; old turns are never read again alone."""
-    histories = [list(rng.integers(10_000, 20_000, 8)) for _ in range(12)]
-    for t in range(600):
+    """Topics in a sliding window: each is asked about a few times, then never again (counts go stale).
+
+    Every prompt is a shared system prefix + one of the 3 newest topics + a question asked once,
+    so topics sit at one depth and compete by recency or frequency alone. Last, a new topic once.
+    """
+    system = [1, 2, 3, 4]
+    for t in range(601):
         clock.now = float(t)
-        user = int(rng.integers(len(histories)))
-        histories[user] = histories[user] + list(rng.integers(20_000, 90_000, 12))
-        if len(histories[user]) > 80:  # the conversation ends; a new user takes the seat
-            histories[user] = list(rng.integers(10_000, 20_000, 8))
-        serve(cache, histories[user])
+        topic = t // 10 + int(rng.integers(3)) if t < 600 else 1000
+        serve(cache, system + [10_000 + 100 * topic + i for i in range(12)] + list(rng.integers(100_000, 900_000, 4)))
 
 
 def frequency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -> None:
-    """RAG: Zipf-popular documents, each followed by a question never asked again."""
-    docs = [list(range(1000 * d + 1, 1000 * d + 41)) for d in range(1, 41)]
+    """RAG: a system prefix, Zipf-popular documents, each followed by a question never asked again."""
+    docs = [[1, 2, 3, 4] + list(range(1000 * d + 1, 1000 * d + 41)) for d in range(1, 41)]
     popularity = 1.0 / np.arange(1, len(docs) + 1) ** 1.2
     for t in range(600):
         clock.now = float(t)
@@ -95,7 +105,7 @@ def frequency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -
 
 
 def test_orders_like_lru_after_a_recency_friendly_trace() -> None:
-    cache, clock = make_cache(600)
+    cache, clock = make_cache(72)
     recency_trace(cache, clock, np.random.default_rng(0))
     assert candidates(cache).shift == 0.0
     expected = brute_force_order(cache, lru)
@@ -104,12 +114,79 @@ def test_orders_like_lru_after_a_recency_friendly_trace() -> None:
 
 
 def test_orders_like_lfu_after_a_frequency_friendly_trace() -> None:
-    cache, clock = make_cache(600)
+    cache, clock = make_cache(400)
     frequency_trace(cache, clock, np.random.default_rng(0))
     assert candidates(cache).shift > 0.0
     expected = brute_force_order(cache, lfu_by_class)
     assert expected != brute_force_order(cache, lru), "the trace cannot tell LRU from LFU"
     assert eviction_order(cache) == expected
+
+
+def test_the_deepest_leaf_goes_first_whatever_its_recency() -> None:
+    """Below a shared prefix, a question asked once goes before an older, shallower leaf (LRU evicts that first)."""
+    cache, clock = make_cache(16)
+    for t, prompt in enumerate(([1, 2, 3, 4], [1, 2, 5, 6, 7, 8, 9, 10], [1, 2, 5, 6, 7, 8, 11, 12])):
+        clock.now = float(t)
+        serve(cache, prompt)
+    by_tokens = {tuple(n.key.token_ids.tolist()): n.id for n in cache.nodes()}
+    deep_first = [
+        by_tokens[(9, 10)],
+        by_tokens[(11, 12)],
+        by_tokens[(3, 4)],
+        by_tokens[(5, 6, 7, 8)],
+        by_tokens[(1, 2)],
+    ]
+    assert brute_force_order(cache, lru) == deep_first
+    assert eviction_order(cache) == deep_first
+
+
+def test_a_top_level_leaf_competes_by_recency_plus_the_top_shift() -> None:
+    """An old one-off prompt (nothing above it) goes before newer deep leaves, unless top-level reuse was learned."""
+    orders = []
+    for top_shift in (0.0, 10.0):
+        cache, clock = make_cache(16)
+        for t, prompt in enumerate(([100, 101, 102, 103], [1, 2, 3, 4], [1, 2, 5, 6])):
+            clock.now = float(t)
+            serve(cache, prompt)
+        candidates(cache).top_shift = top_shift
+        names = {n.id: tuple(n.key.token_ids.tolist()) for n in cache.nodes()}
+        orders.append([names[i] for i in eviction_order(cache)])
+    one_off, shared = (100, 101, 102, 103), (1, 2)
+    assert orders[0] == [one_off, (3, 4), (5, 6), shared]  # shift 0: recency across the groups
+    assert orders[1] == [(3, 4), (5, 6), one_off, shared]  # learned: the deep leaves go first
+
+
+def test_top_level_ghosts_grow_the_top_shift_and_deeper_ones_shrink_it() -> None:
+    cache, clock = make_cache(8)
+    for t, prompt in enumerate(([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12])):  # the third evicts [1..4]
+        clock.now = float(t)
+        serve(cache, prompt)
+    clock.now = 5.0
+    cache.match_prefix(RadixKey([1, 2, 3, 4]))  # a miss on a top-level ghost
+    assert candidates(cache).top_shift > 0.0
+    cache, clock = make_cache(8)
+    for t, prompt in enumerate(([1, 2, 3, 4], [1, 2, 5, 6], [9, 10, 11])):  # the third evicts [3, 4], below [1, 2]
+        clock.now = float(t)
+        serve(cache, prompt)
+    candidates(cache).top_shift = 5.0
+    clock.now = 5.0
+    cache.match_prefix(RadixKey([1, 2, 3, 4]))  # a miss on a ghost below the top level
+    assert candidates(cache).top_shift < 5.0
+
+
+def test_a_leaf_split_below_its_start_is_reranked_at_its_new_depth() -> None:
+    """A partial match splits a leaf: its tail now starts below the top level and deeper, and is re-ranked."""
+    cache, clock = make_cache(16)
+    serve(cache, [20, 21])
+    clock.now = 1.0
+    serve(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    clock.now = 2.0
+    cache.match_prefix(RadixKey([1, 2, 3, 4, 99]))  # splits [1..8] at 4; the tail [5..8] keeps access time 1
+    cache.check_invariants()
+    tail = next(n for n in cache.nodes() if n.key.token_ids[0] == 5)
+    assert tail.depth == 4 and candidates(cache).slot_of(tail) >= candidates(cache).num_classes
+    candidates(cache).top_shift = 100.0  # below the top level, the deepest first: the tail before [20, 21]
+    assert eviction_order(cache)[0] == tail.id
 
 
 def test_a_reused_ghost_grows_the_shift_and_a_cold_one_shrinks_it() -> None:
@@ -127,6 +204,22 @@ def test_a_reused_ghost_grows_the_shift_and_a_cold_one_shrinks_it() -> None:
     clock.now = 20.0
     assert len(cache.match_prefix(RadixKey([5, 6, 7, 8])).indices) == 0
     assert candidates(cache).shift < grown
+
+
+def test_a_ghost_hit_restores_the_count_the_node_had_when_evicted() -> None:
+    """Frequency outlives eviction: a popular prompt pushed out by a burst comes back protected."""
+    cache, clock = make_cache(8)
+    for t in range(3):
+        clock.now = float(t)
+        serve(cache, [1, 2, 3, 4])  # two reuses
+    clock.now = 3.0
+    serve(cache, [5, 6, 7, 8])
+    serve(cache, [9, 10, 11, 12])  # LRU at shift 0: [1..4] (older) goes, with its 2 hits in its ghost
+    assert cache.cached_len(RadixKey([1, 2, 3, 4])) == 0
+    clock.now = 4.0
+    serve(cache, [1, 2, 3, 4])  # misses where the ghost is, then comes back
+    node = next(n for n in cache.nodes() if n.key.token_ids[0] == 1)
+    assert node.hit_count == 2 and candidates(cache).class_of(node) == 2  # protected as before, not class 0
 
 
 def test_hit_classes_are_log2_buckets() -> None:
