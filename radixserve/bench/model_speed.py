@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     labels = {"prefill": f"prefill tok/s, {args.context}-token prompt"}
     labels.update({f"decode {b}": f"decode tok/s, batch {b} @ {args.context} ctx" for b in batches})
     shared_len = args.context - SHARED_TAIL_LEN
-    labels.update({f"shared {b}": f"  same, {shared_len} shared" for b in shared_batches(batches)})
+    labels.update({f"shared {b}": f"  batch {b}, first {shared_len} shared" for b in shared_batches(batches)})
     labels.update(ratio=f"decode batch {max(batches)} / batch {min(batches)}", dtype="dtype / KV dtype, attention")
     labels.update(weights="weights", kv="KV tokens per GiB")
     print(f"{'':<36}" + "".join(f"{name:>26}" for name in names))
