@@ -211,6 +211,41 @@ class PartialMerge {
   std::vector<float> max_, sum_;
 };
 
+// Every work item of a batch: shared-prefix items first (the big ones start first), then the
+// per-request ones; offsets[i] is item i's first partial row.
+struct Plan {
+  std::vector<SharedItem> shared;
+  std::vector<WorkItem> items;
+  std::vector<int64_t> tokens, token_starts, offsets;
+
+  int64_t size() const { return static_cast<int64_t>(shared.size() + items.size()); }
+  bool is_shared(int64_t i) const { return i < static_cast<int64_t>(shared.size()); }
+  const WorkItem& item(int64_t i) const { return items[i - shared.size()]; }
+  // Partial row r of item i belongs to query row (token, head) = the returned index into [T * H].
+  int64_t target(int64_t i, int64_t r, const int64_t* q_starts, const Shape& s) const {
+    const int64_t hkv = is_shared(i) ? shared[i].hkv : item(i).hkv;
+    const int64_t t = is_shared(i) ? tokens[token_starts[shared[i].group] + shared[i].tok0 + r / s.group]
+                                   : q_starts[item(i).b] + item(i).t0 + r / s.group;
+    return t * s.num_heads + hkv * s.group + r % s.group;
+  }
+};
+
+inline Plan make_plan(const int64_t* q_starts, const int64_t* ctx_starts, int64_t batch, int64_t num_splits,
+                      const SharedGroups& groups, const Shape& s) {
+  Plan plan;
+  const bool cascade = s.dim % 4 == 0;  // the blocked shared pass steps the head dim by 4
+  std::vector<int64_t> key_starts(batch, 0);
+  for (int64_t g = 0; cascade && g < groups.count; ++g)
+    for (int64_t m = groups.starts[g]; m < groups.starts[g + 1]; ++m) key_starts[groups.members[m]] = groups.lens[g];
+  if (cascade) plan.shared = plan_shared(groups, q_starts, s, plan.tokens, plan.token_starts);
+  plan.items = plan_items(q_starts, ctx_starts, batch, s.num_kv_heads, num_splits, key_starts.data());
+  plan.offsets.assign(plan.size() + 1, 0);
+  for (int64_t i = 0; i < plan.size(); ++i)
+    plan.offsets[i + 1] = plan.offsets[i] + s.group * (plan.is_shared(i) ? plan.shared[i].tok1 - plan.shared[i].tok0
+                                                                         : plan.item(i).t1 - plan.item(i).t0);
+  return plan;
+}
+
 // The whole batch; parallel_for(n, fn) runs fn(begin, end) over [0, n) on the caller's threads.
 // Items are taken from a shared counter rather than the ranges handed out: a shared-prefix item
 // costs many suffix items, and a static split would leave a thread idle.
@@ -218,32 +253,21 @@ template <typename kv_t, typename ParallelFor>
 void paged_attention(const float* q, const kv_t* k, const kv_t* v, const int64_t* slots, const int64_t* q_starts,
                      const int64_t* ctx_starts, int64_t batch, int64_t num_splits, const SharedGroups& groups,
                      const Shape& s, float* out, ParallelFor parallel_for) {
-  const bool cascade = s.dim % 4 == 0;  // the blocked shared pass steps the head dim by 4
-  std::vector<int64_t> key_starts(batch, 0), tokens, token_starts;
-  for (int64_t g = 0; cascade && g < groups.count; ++g)
-    for (int64_t m = groups.starts[g]; m < groups.starts[g + 1]; ++m) key_starts[groups.members[m]] = groups.lens[g];
-  const std::vector<SharedItem> shared = cascade ? plan_shared(groups, q_starts, s, tokens, token_starts)
-                                                 : std::vector<SharedItem>{};
-  const std::vector<WorkItem> items =
-      plan_items(q_starts, ctx_starts, batch, s.num_kv_heads, num_splits, key_starts.data());
-  const int64_t n_shared = static_cast<int64_t>(shared.size()), n = n_shared + static_cast<int64_t>(items.size());
-  std::vector<int64_t> offsets(n + 1, 0);  // partial rows: shared items first, the big ones start first
-  for (int64_t i = 0; i < n; ++i)
-    offsets[i + 1] = offsets[i] + s.group * (i < n_shared ? shared[i].tok1 - shared[i].tok0
-                                                          : items[i - n_shared].t1 - items[i - n_shared].t0);
-  std::vector<float> acc(offsets[n] * s.dim), row_max(offsets[n]), row_sum(offsets[n]);
+  const Plan plan = make_plan(q_starts, ctx_starts, batch, num_splits, groups, s);
+  const int64_t n = plan.size(), num_rows = plan.offsets[n];
+  std::vector<float> acc(num_rows * s.dim), row_max(num_rows), row_sum(num_rows);
   std::atomic<int64_t> next{0};
   parallel_for(n, [&](int64_t, int64_t) {
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      const int64_t o = offsets[i];
-      if (i < n_shared) {
-        const SharedItem& w = shared[i];
+      const int64_t o = plan.offsets[i];
+      if (plan.is_shared(i)) {
+        const SharedItem& w = plan.shared[i];
         const int64_t lead = groups.members[groups.starts[w.group]];
-        run_shared_item(w, s, q, tokens.data() + token_starts[w.group], k, v, slots + ctx_starts[lead],
+        run_shared_item(w, s, q, plan.tokens.data() + plan.token_starts[w.group], k, v, slots + ctx_starts[lead],
                         acc.data() + o * s.dim, row_max.data() + o, row_sum.data() + o);
         continue;
       }
-      const WorkItem& w = items[i - n_shared];
+      const WorkItem& w = plan.item(i);
       const int64_t prefix_len = ctx_starts[w.b + 1] - ctx_starts[w.b] - (q_starts[w.b + 1] - q_starts[w.b]);
       run_item(w, s, q + q_starts[w.b] * s.num_heads * s.dim, k, v, slots + ctx_starts[w.b], prefix_len,
                acc.data() + o * s.dim, row_max.data() + o, row_sum.data() + o);
@@ -251,13 +275,8 @@ void paged_attention(const float* q, const kv_t* k, const kv_t* v, const int64_t
   });
   PartialMerge merge(out, q_starts[batch] * s.num_heads, s.dim);
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t r = 0; r < offsets[i + 1] - offsets[i]; ++r) {
-      const int64_t h = (i < n_shared ? shared[i].hkv : items[i - n_shared].hkv) * s.group + r % s.group;
-      const int64_t t = i < n_shared ? tokens[token_starts[shared[i].group] + shared[i].tok0 + r / s.group]
-                                     : q_starts[items[i - n_shared].b] + items[i - n_shared].t0 + r / s.group;
-      const int64_t o = offsets[i] + r;
-      merge.fold(t * s.num_heads + h, acc.data() + o * s.dim, row_max[o], row_sum[o]);
-    }
+    for (int64_t o = plan.offsets[i]; o < plan.offsets[i + 1]; ++o)
+      merge.fold(plan.target(i, o - plan.offsets[i], q_starts, s), acc.data() + o * s.dim, row_max[o], row_sum[o]);
   merge.finish();
 }
 
