@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from radixserve import Engine
 from radixserve.core import GenerateResult
+from radixserve.model import paged_kernel
+from radixserve.model.shared_prefix import SharedPrefixes, find_shared_prefixes
 from tests.model.tiny import VOCAB
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -74,6 +77,30 @@ def test_a_mixed_batch_equals_one_by_one(tiny_model_dir: Path) -> None:
     alone = [make_engine(tiny_model_dir).generate(input_ids=p, sampling_params=GREEDY).output_ids for p in PROMPTS]
     together = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert [r.output_ids for r in together] == alone
+    engine.check_idle_invariants()
+
+
+@pytest.mark.skipif(not paged_kernel.load(), reason="no C++ compiler: the paged kernel cannot build")
+def test_many_requests_on_one_shared_prefix_equal_one_by_one(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Their decode steps read the cached preamble once for all of them (cascade attention)."""
+    groups: list[int] = []
+
+    def spy(*args: Any) -> SharedPrefixes:
+        found = find_shared_prefixes(*args)
+        groups.extend(np.diff(found.starts).tolist())
+        return found
+
+    monkeypatch.setattr(paged_kernel, "find_shared_prefixes", spy)
+    preamble = [3 + i % 90 for i in range(100)]
+    prompts = [preamble + [100 + i, 20 + i] for i in range(8)]
+    engine = make_engine(tiny_model_dir)
+    engine.generate(input_ids=preamble, sampling_params={**GREEDY, "max_new_tokens": 1})
+    together = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    alone = [make_engine(tiny_model_dir).generate(input_ids=p, sampling_params=GREEDY).output_ids for p in prompts]
+    assert [r.output_ids for r in together] == alone
+    assert max(groups) == 8  # all eight decoded as one group
     engine.check_idle_invariants()
 
 

@@ -7,7 +7,9 @@ round), in one process:
 - ``reference``: float32, gather + SDPA attention (the path before in-place attention);
 - ``auto``: the defaults (``--dtype auto``, ``--attention-backend auto``);
 - ``auto+int8``: the defaults with ``--quantization int8``;
-- ``auto+kv-bf16``: the defaults with ``--kv-cache-dtype bfloat16`` (half the K/V bytes per token).
+- ``auto+kv-bf16``: the defaults with ``--kv-cache-dtype bfloat16`` (half the K/V bytes per token);
+- ``auto-no-cascade``: the defaults with the paged kernel's shared-prefix pass off (each request
+  reads a shared prefix on its own, as before cascade attention).
 
 ``--num-threads 1,2`` measures every column at each thread count, back to back in
 one run (column ``auto 2t``), so the 2-vs-1 ratio shares the machine's load.
@@ -15,9 +17,10 @@ one run (column ``auto 2t``), so the 2-vs-1 ratio shares the machine's load.
 Rows: cold prefill of a 2,048-token prompt; decode at 2,048 tokens of context
 for batch 1, 4 and 16 (aggregate tokens/s; each request's context in its own
 slots, allocated as the engine would: prompt in one run, then a slot a step);
-weight and KV memory. Decode runs the model step alone (ModelRunner), no
-scheduler. Absolute figures move with the machine's load: read columns of one
-run side by side. Token ids are seeded random draws.
+the same batches on a shared prefix (every request's first ``context - 64`` slots are the
+same slots, as after a radix hit, then 64 slots of its own); weight and KV memory. Decode
+runs the model step alone (ModelRunner), no scheduler. Absolute figures move with the
+machine's load: read columns of one run side by side. Token ids are seeded random draws.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ COLUMNS: dict[str, dict[str, str]] = {
     "auto": {},
     "auto+int8": {"quantization": "int8"},
     "auto+kv-bf16": {"kv_cache_dtype": "bfloat16"},
+    "auto-no-cascade": {"cascade_attention": "off"},
 }
+SHARED_TAIL_LEN = 64  # shared-prefix rows: the tokens after the shared prefix each request has alone
 
 
 def timed(fn: Callable[[], object], repeat: int = 2) -> float:
@@ -70,12 +75,18 @@ def _one_slot(allocator: TokenAllocator) -> np.ndarray:
     return slot
 
 
-def decode_tok_s(engine: Engine, batch: int, context_len: int, steps: int, rng: np.random.Generator) -> float:
-    """Aggregate tokens/s of a decode step (the median of ``steps``) for ``batch`` requests at ``context_len``."""
+def decode_tok_s(
+    engine: Engine, batch: int, context_len: int, steps: int, rng: np.random.Generator, shared: bool = False
+) -> float:
+    """Aggregate tokens/s of a decode step (the median of ``steps``) for ``batch`` requests at ``context_len``.
+
+    ``shared``: the requests' contexts begin with the same ``context_len - SHARED_TAIL_LEN`` slots."""
     runner, allocator = engine.executor.runner, engine.allocator
-    contexts = [allocator.alloc(context_len) for _ in range(batch)]
-    assert all(c is not None for c in contexts), "pool too small"
-    ctx: list[np.ndarray] = [c for c in contexts if c is not None]
+    prefix_len = context_len - SHARED_TAIL_LEN if shared else 0
+    prefix = allocator.alloc(prefix_len)
+    contexts = [allocator.alloc(context_len - prefix_len) for _ in range(batch)]
+    assert prefix is not None and all(c is not None for c in contexts), "pool too small"
+    ctx: list[np.ndarray] = [np.concatenate([prefix, c]) for c in contexts if c is not None]
     tokens = rng.integers(0, engine.loaded.config.vocab_size, batch)
     runner.forward([StepInput([int(t)], c) for t, c in zip(tokens, ctx)], "decode")  # warm-up
     seconds = []
@@ -85,14 +96,18 @@ def decode_tok_s(engine: Engine, batch: int, context_len: int, steps: int, rng: 
         logits = runner.forward([StepInput([int(t)], c) for t, c in zip(tokens, ctx)], "decode")
         seconds.append(time.perf_counter() - t0)
         tokens = logits.argmax(-1).numpy()
-    allocator.free(np.concatenate(ctx))
+    allocator.free(np.concatenate([prefix, *(c[prefix_len:] for c in ctx)]))
     # The median step: on a shared machine a step that lost its core to another job is an outlier.
     return batch / float(np.median(seconds))
 
 
 def build(options: dict[str, str], args: argparse.Namespace, batches: list[int]) -> Engine:
     pool_tokens = max(batches) * (args.context + args.decode_steps + 1) + args.context + 64
-    return Engine.create(model_path=args.model_path, max_total_tokens=pool_tokens, **options)
+    options = dict(options)
+    cascade = options.pop("cascade_attention", "on") == "on"  # a model attribute, not an engine option
+    engine = Engine.create(model_path=args.model_path, max_total_tokens=pool_tokens, **options)
+    engine.loaded.model.cascade_attention = cascade
+    return engine
 
 
 def speeds(engine: Engine, threads: int, args: argparse.Namespace, batches: list[int]) -> dict[str, float]:
@@ -101,6 +116,8 @@ def speeds(engine: Engine, threads: int, args: argparse.Namespace, batches: list
     rng = np.random.default_rng(0)
     found = {"prefill": prefill_tok_s(engine, args.context, rng)}
     found.update({f"decode {b}": decode_tok_s(engine, b, args.context, args.decode_steps, rng) for b in batches})
+    for b in shared_batches(batches):
+        found[f"shared {b}"] = decode_tok_s(engine, b, args.context, args.decode_steps, rng, shared=True)
     return found
 
 
@@ -120,6 +137,7 @@ def measure(
     for cells, (name, _) in zip(best, runs):
         info = engines[name].describe()
         row = {"prefill": f"{cells['prefill']:.0f}"} | {f"decode {b}": f"{cells[f'decode {b}']:.1f}" for b in batches}
+        row.update({f"shared {b}": f"{cells[f'shared {b}']:.1f}" for b in shared_batches(batches)})
         row["ratio"] = f"{cells[f'decode {max(batches)}'] / cells[f'decode {min(batches)}']:.1f}x"
         kv_dtype = info["resolved_kv_cache_dtype"]
         row["dtype"] = f"{info['resolved_dtype']}/{kv_dtype}, {info['resolved_attention_backend']}"
@@ -127,6 +145,10 @@ def measure(
         row["kv"] = f"{info['kv_tokens_per_gib']:,}"
         table.append(row)
     return table
+
+
+def shared_batches(batches: list[int]) -> list[int]:
+    return [b for b in batches if b > 1]  # one request shares with nobody
 
 
 def cpu_model() -> str:
@@ -160,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     results = dict(zip(names, measure(runs, args, batches, args.rounds)))
     labels = {"prefill": f"prefill tok/s, {args.context}-token prompt"}
     labels.update({f"decode {b}": f"decode tok/s, batch {b} @ {args.context} ctx" for b in batches})
+    shared_len = args.context - SHARED_TAIL_LEN
+    labels.update({f"shared {b}": f"  batch {b}, first {shared_len} shared" for b in shared_batches(batches)})
     labels.update(ratio=f"decode batch {max(batches)} / batch {min(batches)}", dtype="dtype / KV dtype, attention")
     labels.update(weights="weights", kv="KV tokens per GiB")
     print(f"{'':<36}" + "".join(f"{name:>26}" for name in names))

@@ -1,7 +1,9 @@
 """Attention over the KV pool: QKV projection, rotary, K/V write, then attention per step.
 
 Two backends. "paged" (CPU): a C++ kernel reads each request's K/V from the pool
-in place (paged_kernel.py), for decode and short extends. "reference": gather
+in place (paged_kernel.py), for decode and short extends; requests whose contexts
+start with the same slots (a radix hit) read that shared prefix once per step
+(cascade attention, shared_prefix.py). "reference": gather
 each context into a scratch buffer, then SDPA; the path tests compare against,
 the path for long extends and the device-agnostic one. The masks and gather
 indices depend only on the batch, so ``AttentionPlan`` builds them once per
@@ -79,8 +81,11 @@ class AttentionPlan:
     paged_rows: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, batch: ForwardBatch, workspace: GatherWorkspace, backend: str = "reference") -> AttentionPlan:
-        """``backend``: "paged" (in place, where a request suits it) or "reference" (gather + SDPA)."""
+    def build(
+        cls, batch: ForwardBatch, workspace: GatherWorkspace, backend: str = "reference", cascade: bool = True
+    ) -> AttentionPlan:
+        """``backend``: "paged" (in place, where a request suits it) or "reference" (gather + SDPA).
+        ``cascade``: the paged kernel reads a prefix that several requests share once for all of them."""
         groups: dict[str, list[int]] = {"paged": [], "decode": [], "spans": []}
         for i, extend_len in enumerate(batch.extend_lens):
             if backend == "paged" and extend_len <= PAGED_MAX_EXTEND_LEN:
@@ -92,7 +97,8 @@ class AttentionPlan:
         starts = [0, *accumulate(batch.extend_lens)]
         rows = {name: _rows(members, starts, batch) for name, members in groups.items()}
         contexts = [batch.context_slots[i] for i in groups["paged"]]
-        paged = PagedIndex.build(contexts, [batch.extend_lens[i] for i in groups["paged"]]) if contexts else None
+        paged_lens = [batch.extend_lens[i] for i in groups["paged"]]
+        paged = PagedIndex.build(contexts, paged_lens, cascade) if contexts else None
         decode = _decode_group([batch.context_slots[i] for i in groups["decode"]]) if groups["decode"] else None
         spans, start = [], 0
         for i in groups["spans"]:

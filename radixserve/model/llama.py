@@ -83,6 +83,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         device = torch.device(device)
         self.attention_backend = resolve_backend(attention_backend, device)
+        self.cascade_attention = True  # paged backend: read a prefix shared by several requests once (bench: off)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         self.rotary = RotaryEmbedding(config, device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, device, dtype) for i in range(config.num_layers))
@@ -101,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if batch.input_ids.shape[0] != sum(batch.extend_lens) or len(batch.context_slots) != batch.batch_size:
             raise ValueError("ForwardBatch: input_ids, extend_lens and context_slots disagree")
-        plan = AttentionPlan.build(batch, self.workspace, self.attention_backend)
+        plan = AttentionPlan.build(batch, self.workspace, self.attention_backend, self.cascade_attention)
         seq_lens = [slots.shape[0] for slots in batch.context_slots]
         angles = self.rotary(batch.positions, seq_lens, batch.extend_lens)
         cos, sin = rotary_cos_sin(angles, self.dtype)

@@ -21,12 +21,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from radixserve.model.shared_prefix import SharedPrefixes, find_shared_prefixes
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "paged_attention.h", CSRC / "int8_linear.cpp")
+HEADERS = (CSRC / "attention_common.h", CSRC / "shared_prefix.h")  # included, not compiled: in the fingerprint
 
 
 def _cpu_fingerprint() -> str:
@@ -34,7 +38,7 @@ def _cpu_fingerprint() -> str:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = "unknown"
-    sources = "".join(p.read_text() for p in SOURCES)
+    sources = "".join(p.read_text() for p in (*SOURCES, *HEADERS))
     digest = hashlib.sha256((flags + sources + torch.__version__).encode()).hexdigest()
     return digest[:12]
 
@@ -80,22 +84,29 @@ class PagedIndex:
     """Where each request's query rows and context slots lie, built once per step (CPU int64).
 
     Request b: rows q_starts[b] .. q_starts[b+1] of q, context slots[ctx_starts[b] .. ctx_starts[b+1]].
+    ``shared``: groups of requests whose contexts start with the same slots (shared_prefix.py),
+    read once per step for the whole group; empty when ``build`` was told ``cascade=False``.
     """
 
     slots: torch.Tensor
     q_starts: torch.Tensor
     ctx_starts: torch.Tensor
     num_splits: int  # a decode request's context is cut in up to this many pieces, one per work item
+    shared: SharedPrefixes = SharedPrefixes.none()
 
     @classmethod
-    def build(cls, context_slots: list[torch.Tensor], extend_lens: list[int]) -> PagedIndex:
+    def build(cls, context_slots: list[torch.Tensor], extend_lens: list[int], cascade: bool = True) -> PagedIndex:
         ctx_lens = [int(slots.shape[0]) for slots in context_slots]
         starts = torch.tensor([0, *itertools.accumulate(extend_lens)], dtype=torch.int64)
         ctx_starts = torch.tensor([0, *itertools.accumulate(ctx_lens)], dtype=torch.int64)
         slots = torch.cat(context_slots).to("cpu", torch.int64) if context_slots else torch.zeros(0, dtype=torch.int64)
+        shared = SharedPrefixes.none()
+        if cascade and len(extend_lens) >= 2:
+            shared = find_shared_prefixes(slots.numpy(), ctx_starts.numpy(), np.asarray(extend_lens, dtype=np.int64))
         # Enough work items for every thread: split contexts when requests x heads are few.
         threads = torch.get_num_threads()
-        return cls(slots, starts, ctx_starts, 1 if threads == 1 else max(1, 2 * threads // max(1, len(extend_lens))))
+        num_splits = 1 if threads == 1 else max(1, 2 * threads // max(1, len(extend_lens)))
+        return cls(slots, starts, ctx_starts, num_splits, shared)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, index: PagedIndex) -> torch.Tensor:
@@ -107,6 +118,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         index.slots,
         index.q_starts,
         index.ctx_starts,
+        *(torch.from_numpy(part) for part in index.shared),
         index.num_splits,
         q.shape[-1] ** -0.5,
     )

@@ -4,23 +4,49 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "paged_attention.h"
 
 namespace {
 
+// Shared-prefix groups (CSR): members[starts[g] .. starts[g+1]] are request indices, lens[g] the
+// prefix length. Checked here so bad indices fail clearly instead of reading out of bounds; that
+// the members' first lens[g] slots agree is the caller's promise (PagedIndex.build compares them).
+radixserve::SharedGroups checked_groups(const at::Tensor& members, const at::Tensor& starts, const at::Tensor& lens,
+                                        const int64_t* qs, const int64_t* cs, int64_t batch) {
+  const int64_t count = lens.numel();
+  TORCH_CHECK(starts.numel() == count + 1 || (count == 0 && starts.numel() <= 1), "group_starts: one more than groups");
+  const int64_t *m = members.data_ptr<int64_t>(), *st = starts.data_ptr<int64_t>(), *ln = lens.data_ptr<int64_t>();
+  TORCH_CHECK(count == 0 || (st[0] == 0 && st[count] == members.numel()), "group_starts do not cover group_members");
+  std::vector<bool> grouped(batch, false);  // a request's suffix starts after one prefix only
+  for (int64_t g = 0; g < count; ++g) {
+    TORCH_CHECK(st[g] <= st[g + 1] && ln[g] >= 0, "group ", g, ": bad starts or length");
+    for (int64_t i = st[g]; i < st[g + 1]; ++i) {
+      TORCH_CHECK(m[i] >= 0 && m[i] < batch && !grouped[m[i]], "group member ", m[i], ": not a request or twice");
+      grouped[m[i]] = true;
+      const int64_t extend_len = qs[m[i] + 1] - qs[m[i]], ctx_len = cs[m[i] + 1] - cs[m[i]];
+      TORCH_CHECK(ln[g] <= ctx_len - extend_len + 1, "shared prefix of group ", g, " exceeds a member's cached part");
+    }
+  }
+  return {m, st, ln, count};
+}
+
 at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                              const at::Tensor& q_starts, const at::Tensor& ctx_starts, int64_t num_splits,
+                              const at::Tensor& q_starts, const at::Tensor& ctx_starts, const at::Tensor& group_members,
+                              const at::Tensor& group_starts, const at::Tensor& group_lens, int64_t num_splits,
                               double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "q [T,H,D], k/v [Hkv,N,D]");
   TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(0) == 0, "head dims / groups disagree");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == v.scalar_type(), "k, v: one layout");
-  for (const at::Tensor* t : {&slots, &q_starts, &ctx_starts})
+  for (const at::Tensor* t : {&slots, &q_starts, &ctx_starts, &group_members, &group_starts, &group_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(), "int64 cpu indices");
   const int64_t batch = q_starts.numel() - 1;
   TORCH_CHECK(batch >= 0 && ctx_starts.numel() == batch + 1, "q_starts and ctx_starts disagree");
   const int64_t* qs = q_starts.data_ptr<int64_t>();
   const int64_t* cs = ctx_starts.data_ptr<int64_t>();
   TORCH_CHECK(qs[batch] == q.size(0) && cs[batch] == slots.numel(), "q_starts / ctx_starts do not cover q / slots");
+  const radixserve::SharedGroups groups = checked_groups(group_members, group_starts, group_lens, qs, cs, batch);
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   const radixserve::Shape s{q.size(1), k.size(0), q.size(2), k.size(1), q.size(1) / k.size(0), float(scale)};
@@ -28,14 +54,14 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at
   const int64_t* sl = slots.data_ptr<int64_t>();
   if (k.scalar_type() == at::kFloat) {
     radixserve::paged_attention<float>(qf.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), sl, qs, cs,
-                                       batch, num_splits, s, out.data_ptr<float>(), parallel);
+                                       batch, num_splits, groups, s, out.data_ptr<float>(), parallel);
   } else if (k.scalar_type() == at::kBFloat16) {
     radixserve::paged_attention<c10::BFloat16>(qf.data_ptr<float>(), k.data_ptr<c10::BFloat16>(),
-                                               v.data_ptr<c10::BFloat16>(), sl, qs, cs, batch, num_splits, s,
+                                               v.data_ptr<c10::BFloat16>(), sl, qs, cs, batch, num_splits, groups, s,
                                                out.data_ptr<float>(), parallel);
   } else if (k.scalar_type() == at::kHalf) {
     radixserve::paged_attention<c10::Half>(qf.data_ptr<float>(), k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(),
-                                           sl, qs, cs, batch, num_splits, s, out.data_ptr<float>(), parallel);
+                                           sl, qs, cs, batch, num_splits, groups, s, out.data_ptr<float>(), parallel);
   } else {
     TORCH_CHECK(false, "paged_attention: pool dtype must be float32, bfloat16 or float16");
   }
@@ -47,7 +73,7 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at
 TORCH_LIBRARY(radixserve, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor q_starts, Tensor ctx_starts, "
-      "int num_splits, float scale) -> Tensor");
+      "Tensor group_members, Tensor group_starts, Tensor group_lens, int num_splits, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("paged_attention", &paged_attention_op); }

@@ -14,16 +14,21 @@
 // heads sharing a K/V head are rows of one tile, so each K/V row is read once per tile; a long
 // context is split when there are fewer requests than threads (flash-decoding), and the splits'
 // softmax partials are merged at the end. Two passes per item, each a flat vectorisable loop:
-// scores = q K^T over the item's keys, then p = softmax and acc = p V.
+// scores = q K^T over the item's keys, then p = softmax and acc = p V. Requests that share a
+// leading run of slots (SharedGroups) read it once, in shared_prefix.h's items, and only their
+// own suffix here; every partial then meets in one log-sum-exp merge.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "attention_common.h"
+#include "shared_prefix.h"
 
 namespace radixserve {
 
@@ -32,45 +37,6 @@ constexpr int64_t kTokensPerTile = 8;
 struct WorkItem {
   int64_t b, hkv, t0, t1, key0, key1, split;
 };
-
-struct Shape {
-  int64_t num_heads, num_kv_heads, dim, num_slots, group;
-  float scale;
-};
-
-// exp for x <= 0 (softmax after subtracting the max), vectorisable: 2^(x log2 e) split into
-// 2^n (exponent bits) times a degree-6 polynomial of the fraction; relative error ~2e-7.
-inline float fast_exp(float x) {
-  const float t = std::max(x, -87.f) * 1.44269504f;
-  const float n = std::floor(t), f = t - n;
-  float p = 1.5403530e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-// Slots are scattered over the pool: ask for the rows a few keys ahead so their cache misses
-// overlap (a row of head_dim 64 in float32 spans four cache lines).
-constexpr int64_t kPrefetchAhead = 8;
-
-template <typename kv_t>
-inline void prefetch_row(const kv_t* base, const int64_t* slots, int64_t j, int64_t num_keys, int64_t dim) {
-  if (j + kPrefetchAhead >= num_keys) return;
-  const char* row = reinterpret_cast<const char*>(base + slots[j + kPrefetchAhead] * dim);
-  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(kv_t)); off += 64) __builtin_prefetch(row + off);
-}
-
-template <typename kv_t>
-inline float load(const kv_t* p, int64_t i) {
-  return static_cast<float>(p[i]);
-}
 
 // scores[r][j] = q_r . k_j for the tile's rows against keys [key0, key1); DIM > 0 fixes the
 // head dim at compile time so the loops unroll and q rows stay in registers.
@@ -164,64 +130,154 @@ void run_item(const WorkItem& w, const Shape& s, const float* q, const kv_t* k, 
     run_item_dim<0>(w, s, q, k, v, slots, prefix_len, acc, row_max, row_sum);
 }
 
-// Splits only for single-token rows (decode), and only into pieces of >= 256 keys.
+// Per-request items over keys [key_starts[b], ctx_len): a member of a shared-prefix group reads only
+// its suffix here. Splits only for single-token rows (decode), and only into pieces of >= 256 keys;
+// an empty suffix still gets one (empty) item, so every request has its place in the merge.
 inline std::vector<WorkItem> plan_items(const int64_t* q_starts, const int64_t* ctx_starts, int64_t batch,
-                                        int64_t num_kv_heads, int64_t num_splits) {
+                                        int64_t num_kv_heads, int64_t num_splits, const int64_t* key_starts) {
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t extend_len = q_starts[b + 1] - q_starts[b], ctx_len = ctx_starts[b + 1] - ctx_starts[b];
-    const int64_t splits = extend_len == 1 ? std::max<int64_t>(1, std::min(num_splits, ctx_len / 256)) : 1;
-    const int64_t per_split = (ctx_len + splits - 1) / splits;
+    const int64_t k0 = key_starts[b], span = ctx_len - k0;
+    const int64_t splits = extend_len == 1 ? std::max<int64_t>(1, std::min(num_splits, span / 256)) : 1;
+    const int64_t per_split = (span + splits - 1) / splits;
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t t0 = 0; t0 < extend_len; t0 += kTokensPerTile)
         for (int64_t sp = 0; sp < splits; ++sp)
-          items.push_back({b, h, t0, std::min(extend_len, t0 + kTokensPerTile), sp * per_split,
-                           std::min(ctx_len, (sp + 1) * per_split), sp});
+          items.push_back({b, h, t0, std::min(extend_len, t0 + kTokensPerTile), k0 + sp * per_split,
+                           std::min(ctx_len, k0 + (sp + 1) * per_split), sp});
   }
   return items;
 }
 
+// Groups of requests whose contexts begin with the same slots: group g's members are requests
+// members[starts[g] .. starts[g+1]], its prefix the first lens[g] slots of each member's context.
+// The caller guarantees lens[g] <= ctx_len - extend_len + 1 for every member (every new token
+// sees the whole prefix) and that the slots agree; count 0 turns the shared pass off.
+struct SharedGroups {
+  const int64_t* members;
+  const int64_t* starts;
+  const int64_t* lens;
+  int64_t count;
+};
+
+// Shared items: (group, K/V head, block of member tokens, span of the prefix). ``tokens`` gets
+// each group's member tokens (query rows of q), group g's from token_starts[g].
+inline std::vector<SharedItem> plan_shared(const SharedGroups& g, const int64_t* q_starts, const Shape& s,
+                                           std::vector<int64_t>& tokens, std::vector<int64_t>& token_starts) {
+  std::vector<SharedItem> items;
+  const int64_t per_block = std::max<int64_t>(1, kSharedMaxRows / s.group);
+  for (int64_t gi = 0; gi < g.count; ++gi) {
+    token_starts.push_back(static_cast<int64_t>(tokens.size()));
+    for (int64_t m = g.starts[gi]; m < g.starts[gi + 1]; ++m)
+      for (int64_t t = q_starts[g.members[m]]; t < q_starts[g.members[m] + 1]; ++t) tokens.push_back(t);
+    const int64_t num_tokens = static_cast<int64_t>(tokens.size()) - token_starts.back(), len = g.lens[gi];
+    const int64_t splits = std::max<int64_t>(1, (len + kSharedKeysPerItem - 1) / kSharedKeysPerItem);
+    const int64_t per_split = (len + splits - 1) / splits;
+    for (int64_t h = 0; h < s.num_kv_heads; ++h)
+      for (int64_t t0 = 0; t0 < num_tokens; t0 += per_block)
+        for (int64_t sp = 0; sp < splits; ++sp)
+          items.push_back({gi, h, t0, std::min(num_tokens, t0 + per_block), sp * per_split,
+                           std::min(len, (sp + 1) * per_split)});
+  }
+  return items;
+}
+
+// Log-sum-exp merge of softmax partials into out [T, H, D]: fold each partial row (max m, sum l,
+// unnormalised acc) into its output row, then divide by the total sum once.
+class PartialMerge {
+ public:
+  PartialMerge(float* out, int64_t rows, int64_t dim)
+      : out_(out), dim_(dim), max_(rows, -std::numeric_limits<float>::infinity()), sum_(rows, 0.f) {
+    std::fill(out, out + rows * dim, 0.f);
+  }
+  void fold(int64_t row, const float* acc, float m, float l) {
+    if (l == 0.f) return;  // no key of this partial is visible to the row
+    float* dst = out_ + row * dim_;
+    const float m_new = std::max(max_[row], m), a = std::exp(max_[row] - m_new), c = std::exp(m - m_new);
+    for (int64_t d = 0; d < dim_; ++d) dst[d] = dst[d] * a + acc[d] * c;
+    sum_[row] = sum_[row] * a + l * c;
+    max_[row] = m_new;
+  }
+  void finish() {
+    for (size_t row = 0; row < sum_.size(); ++row)
+      if (sum_[row] > 0.f)
+        for (int64_t d = 0; d < dim_; ++d) out_[row * dim_ + d] /= sum_[row];
+  }
+
+ private:
+  float* out_;
+  int64_t dim_;
+  std::vector<float> max_, sum_;
+};
+
+// Every work item of a batch: shared-prefix items first (the big ones start first), then the
+// per-request ones; offsets[i] is item i's first partial row.
+struct Plan {
+  std::vector<SharedItem> shared;
+  std::vector<WorkItem> items;
+  std::vector<int64_t> tokens, token_starts, offsets;
+
+  int64_t size() const { return static_cast<int64_t>(shared.size() + items.size()); }
+  bool is_shared(int64_t i) const { return i < static_cast<int64_t>(shared.size()); }
+  const WorkItem& item(int64_t i) const { return items[i - shared.size()]; }
+  // Partial row r of item i belongs to query row (token, head) = the returned index into [T * H].
+  int64_t target(int64_t i, int64_t r, const int64_t* q_starts, const Shape& s) const {
+    const int64_t hkv = is_shared(i) ? shared[i].hkv : item(i).hkv;
+    const int64_t t = is_shared(i) ? tokens[token_starts[shared[i].group] + shared[i].tok0 + r / s.group]
+                                   : q_starts[item(i).b] + item(i).t0 + r / s.group;
+    return t * s.num_heads + hkv * s.group + r % s.group;
+  }
+};
+
+inline Plan make_plan(const int64_t* q_starts, const int64_t* ctx_starts, int64_t batch, int64_t num_splits,
+                      const SharedGroups& groups, const Shape& s) {
+  Plan plan;
+  const bool cascade = s.dim % 4 == 0;  // the blocked shared pass steps the head dim by 4
+  std::vector<int64_t> key_starts(batch, 0);
+  for (int64_t g = 0; cascade && g < groups.count; ++g)
+    for (int64_t m = groups.starts[g]; m < groups.starts[g + 1]; ++m) key_starts[groups.members[m]] = groups.lens[g];
+  if (cascade) plan.shared = plan_shared(groups, q_starts, s, plan.tokens, plan.token_starts);
+  plan.items = plan_items(q_starts, ctx_starts, batch, s.num_kv_heads, num_splits, key_starts.data());
+  plan.offsets.assign(plan.size() + 1, 0);
+  for (int64_t i = 0; i < plan.size(); ++i)
+    plan.offsets[i + 1] = plan.offsets[i] + s.group * (plan.is_shared(i) ? plan.shared[i].tok1 - plan.shared[i].tok0
+                                                                         : plan.item(i).t1 - plan.item(i).t0);
+  return plan;
+}
+
 // The whole batch; parallel_for(n, fn) runs fn(begin, end) over [0, n) on the caller's threads.
+// Items are taken from a shared counter rather than the ranges handed out: a shared-prefix item
+// costs many suffix items, and a static split would leave a thread idle.
 template <typename kv_t, typename ParallelFor>
 void paged_attention(const float* q, const kv_t* k, const kv_t* v, const int64_t* slots, const int64_t* q_starts,
-                     const int64_t* ctx_starts, int64_t batch, int64_t num_splits, const Shape& s, float* out,
-                     ParallelFor parallel_for) {
-  const std::vector<WorkItem> items = plan_items(q_starts, ctx_starts, batch, s.num_kv_heads, num_splits);
-  const int64_t max_rows = kTokensPerTile * s.group, n_items = static_cast<int64_t>(items.size());
-  std::vector<float> acc(n_items * max_rows * s.dim), row_max(n_items * max_rows), row_sum(n_items * max_rows);
-  parallel_for(n_items, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const WorkItem& w = items[i];
-      const int64_t ctx_len = ctx_starts[w.b + 1] - ctx_starts[w.b];
-      const int64_t prefix_len = ctx_len - (q_starts[w.b + 1] - q_starts[w.b]);
-      const int64_t o = i * max_rows;
+                     const int64_t* ctx_starts, int64_t batch, int64_t num_splits, const SharedGroups& groups,
+                     const Shape& s, float* out, ParallelFor parallel_for) {
+  const Plan plan = make_plan(q_starts, ctx_starts, batch, num_splits, groups, s);
+  const int64_t n = plan.size(), num_rows = plan.offsets[n];
+  std::vector<float> acc(num_rows * s.dim), row_max(num_rows), row_sum(num_rows);
+  std::atomic<int64_t> next{0};
+  parallel_for(n, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      const int64_t o = plan.offsets[i];
+      if (plan.is_shared(i)) {
+        const SharedItem& w = plan.shared[i];
+        const int64_t lead = groups.members[groups.starts[w.group]];
+        run_shared_item(w, s, q, plan.tokens.data() + plan.token_starts[w.group], k, v, slots + ctx_starts[lead],
+                        acc.data() + o * s.dim, row_max.data() + o, row_sum.data() + o);
+        continue;
+      }
+      const WorkItem& w = plan.item(i);
+      const int64_t prefix_len = ctx_starts[w.b + 1] - ctx_starts[w.b] - (q_starts[w.b + 1] - q_starts[w.b]);
       run_item(w, s, q + q_starts[w.b] * s.num_heads * s.dim, k, v, slots + ctx_starts[w.b], prefix_len,
                acc.data() + o * s.dim, row_max.data() + o, row_sum.data() + o);
     }
   });
-  // Merge: the items of one (request, head, tile) are consecutive splits 0, 1, ...
-  for (int64_t i = 0; i < n_items;) {
-    int64_t n = 1;
-    while (i + n < n_items && items[i + n].split > 0) ++n;
-    const WorkItem& w = items[i];
-    for (int64_t r = 0; r < (w.t1 - w.t0) * s.group; ++r) {
-      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
-      for (int64_t j = 0; j < n; ++j)
-        if (row_sum[(i + j) * max_rows + r] > 0.f) m = std::max(m, row_max[(i + j) * max_rows + r]);
-      const int64_t t = q_starts[w.b] + w.t0 + r / s.group, h = w.hkv * s.group + r % s.group;
-      float* dst = out + (t * s.num_heads + h) * s.dim;
-      std::fill(dst, dst + s.dim, 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t o = (i + j) * max_rows + r;
-        if (row_sum[o] == 0.f) continue;
-        const float c = std::exp(row_max[o] - m);
-        l += row_sum[o] * c;
-        for (int64_t d = 0; d < s.dim; ++d) dst[d] += c * acc[o * s.dim + d];
-      }
-      for (int64_t d = 0; d < s.dim; ++d) dst[d] /= l;
-    }
-    i += n;
-  }
+  PartialMerge merge(out, q_starts[batch] * s.num_heads, s.dim);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t o = plan.offsets[i]; o < plan.offsets[i + 1]; ++o)
+      merge.fold(plan.target(i, o - plan.offsets[i], q_starts, s), acc.data() + o * s.dim, row_max[o], row_sum[o]);
+  merge.finish();
 }
 
 }  // namespace radixserve

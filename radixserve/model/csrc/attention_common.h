@@ -1,0 +1,51 @@
+// What both attention passes share: the problem's shape, a vectorisable exp, typed loads and
+// the prefetch of scattered pool rows. Plain C++, no torch headers.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace radixserve {
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, dim, num_slots, group;
+  float scale;
+};
+
+// exp for x <= 0 (softmax after subtracting the max), vectorisable: 2^(x log2 e) split into
+// 2^n (exponent bits) times a degree-6 polynomial of the fraction; relative error ~2e-7.
+inline float fast_exp(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504f;
+  const float n = std::floor(t), f = t - n;
+  float p = 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Slots are scattered over the pool: ask for the rows a few keys ahead so their cache misses
+// overlap (a row of head_dim 64 in float32 spans four cache lines).
+constexpr int64_t kPrefetchAhead = 8;
+
+template <typename kv_t>
+inline void prefetch_row(const kv_t* base, const int64_t* slots, int64_t j, int64_t num_keys, int64_t dim) {
+  if (j + kPrefetchAhead >= num_keys) return;
+  const char* row = reinterpret_cast<const char*>(base + slots[j + kPrefetchAhead] * dim);
+  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(kv_t)); off += 64) __builtin_prefetch(row + off);
+}
+
+template <typename kv_t>
+inline float load(const kv_t* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+}  // namespace radixserve
