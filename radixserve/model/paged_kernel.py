@@ -26,7 +26,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "paged_attention.h", CSRC / "int8_linear.cpp")
+SOURCES = (
+    CSRC / "paged_attention.cpp",
+    CSRC / "paged_attention.h",
+    CSRC / "int8_linear.cpp",
+    CSRC / "block_linear.cpp",
+)
 
 
 def _cpu_fingerprint() -> str:

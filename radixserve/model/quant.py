@@ -27,7 +27,7 @@ from torch import nn
 
 from radixserve.model import paged_kernel
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "q4_1")  # q4_1: GGUF-style blocks, quant_blocks.py
 OWN_KERNEL_MAX_ROWS = 16  # decode-sized batches: our weight-reading kernel; more rows: dequantize + GEMM
 
 
