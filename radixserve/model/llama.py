@@ -27,7 +27,7 @@ from radixserve.model.gather import GatherWorkspace
 from radixserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rotary_cos_sin
 from radixserve.model.paged_kernel import resolve_backend
 from radixserve.model.quant import QUANTIZATIONS, Int8Linear, quantize_linears
-from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks, blocks_for
+from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks, kept_blocks
 
 # Each fused linear of a decoder layer and the HF weights it holds, rows in this order.
 FUSED_PARTS = {
@@ -150,7 +150,8 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = method
 
     def _quantize_blocks(self, kept: Mapping[str, QuantBlocks]) -> None:
-        """Linears as Q4_1, the lm_head as Q8_0; a weight the file stores as Q4_1 or Q8_0 keeps those blocks.
+        """Linears as Q4_1, the lm_head as Q8_0; a weight the file stores as Q4_1 or Q8_0 keeps those blocks
+        (a fused linear only when all its parts do, in one format).
 
         The embedding lookup keeps its float values, unless the file's embedding blocks were kept:
         then it reads them (exactly its values), and a tied lm_head shares them."""
@@ -159,20 +160,21 @@ class LlamaForCausalLM(nn.Module):
             for (owner_name, attr), parts in FUSED_PARTS.items():
                 owner = getattr(layer, owner_name)
                 linear = getattr(owner, attr)
-                found = [kept.get(f"model.layers.{i}.{part}.weight") for part in parts]
-                used += sum(p is not None for p in found)
-                setattr(owner, attr, BlockLinear(blocks_for(linear.weight, found, "q4_1"), linear.bias, self.dtype))
-        embed = kept.get("model.embed_tokens.weight")
-        head = kept.get("lm_head.weight") if self.lm_head is not None else embed
+                blocks = kept_blocks(linear.weight, [kept.get(f"model.layers.{i}.{part}.weight") for part in parts])
+                used += 0 if blocks is None else len(parts)
+                blocks = blocks or QuantBlocks.quantize(linear.weight, "q4_1")
+                setattr(owner, attr, BlockLinear(blocks, linear.bias, self.dtype))
         head_weight = self._embedding_weight() if self.lm_head is None else self.lm_head.weight
         assert isinstance(head_weight, torch.Tensor)
-        self.lm_head = BlockLinear(blocks_for(head_weight, [head], "q8_0"), None, self.dtype)
+        embed = kept_blocks(self._embedding_weight(), [kept.get("model.embed_tokens.weight")])
+        head = embed if self.lm_head is None else kept_blocks(head_weight, [kept.get("lm_head.weight")])
+        self.lm_head = BlockLinear(head or QuantBlocks.quantize(head_weight, "q8_0"), None, self.dtype)
         if embed is not None:
-            self.embed_tokens = BlockEmbedding(blocks_for(self._embedding_weight(), [embed], embed.fmt), self.dtype)
+            self.embed_tokens = BlockEmbedding(embed, self.dtype)
         total = len(self.layers) * sum(len(parts) for parts in FUSED_PARTS.values())
         self.quantization_detail = (
             f"q4_1: {used} of {total} linear weights kept as the file's blocks, the rest quantized; "
-            f"lm_head {'kept' if head is not None else 'quantized to q8_0'}; "
+            f"lm_head {'kept as ' + head.fmt if head is not None else 'quantized to q8_0'}; "
             f"embedding {'kept as ' + embed.fmt if embed is not None else 'float'}"
         )
 

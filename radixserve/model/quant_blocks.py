@@ -105,16 +105,16 @@ class QuantBlocks:
         return self.dequantize()
 
 
-def blocks_for(weight: torch.Tensor, kept: Sequence[QuantBlocks | None], fmt: str) -> QuantBlocks:
-    """The file's blocks for ``weight`` (the row-wise parts of a fused linear) when every part kept
-    blocks of one format; otherwise ``weight`` quantized to ``fmt``."""
-    formats = {p.fmt for p in kept if p is not None}
-    if kept and all(p is not None for p in kept) and len(formats) == 1:
-        blocks = QuantBlocks.cat([p for p in kept if p is not None]).to(weight.device)
-        if blocks.shape != tuple(weight.shape):
-            raise ValueError(f"kept blocks of shape {blocks.shape} for a weight of shape {tuple(weight.shape)}")
-        return blocks
-    return QuantBlocks.quantize(weight, fmt).to(weight.device)
+def kept_blocks(weight: torch.Tensor, parts: Sequence[QuantBlocks | None]) -> QuantBlocks | None:
+    """The file's blocks for ``weight`` (the row-wise parts of a fused linear, in order) when every
+    part kept blocks and all in one format; else None (the caller quantizes ``weight``)."""
+    found = [p for p in parts if p is not None]
+    if not found or len(found) < len(parts) or len({p.fmt for p in found}) > 1:
+        return None
+    blocks = QuantBlocks.cat(found).to(weight.device)
+    if blocks.shape != tuple(weight.shape):
+        raise ValueError(f"kept blocks of shape {blocks.shape} for a weight of shape {tuple(weight.shape)}")
+    return blocks
 
 
 class _BlockModule(nn.Module):
