@@ -7,6 +7,8 @@ round), in one process:
 - ``reference``: float32, gather + SDPA attention (the path before in-place attention);
 - ``auto``: the defaults (``--dtype auto``, ``--attention-backend auto``);
 - ``auto+int8``: the defaults with ``--quantization int8``;
+- ``auto+q4_1``: the defaults with ``--quantization q4_1`` (a GGUF's own 4-bit blocks);
+- ``auto+q4_1+kv-bf16``: q4_1 with a bfloat16 KV pool;
 - ``auto+kv-bf16``: the defaults with ``--kv-cache-dtype bfloat16`` (half the K/V bytes per token).
 
 ``--num-threads 1,2`` measures every column at each thread count, back to back in
@@ -40,6 +42,8 @@ COLUMNS: dict[str, dict[str, str]] = {
     "reference": {"dtype": "float32", "attention_backend": "reference"},
     "auto": {},
     "auto+int8": {"quantization": "int8"},
+    "auto+q4_1": {"quantization": "q4_1"},
+    "auto+q4_1+kv-bf16": {"quantization": "q4_1", "kv_cache_dtype": "bfloat16"},
     "auto+kv-bf16": {"kv_cache_dtype": "bfloat16"},
 }
 
