@@ -5,7 +5,7 @@
 // 0.625 bytes per weight where float32 reads 4. The min is folded out of the inner loop:
 //   out[r][n] = sum_b d_b * (x_rb . q_b) + sum_b m_b * sum(x_rb)
 // so the inner loop converts q to float and multiplies; sum(x_rb) is taken once per call.
-// Each block of a weight row is decoded once into registers per tile of up to 4 rows.
+// Each block of a weight row is decoded once into registers per tile of up to 8 rows.
 // Every row goes through the same sequence of operations whatever its tile or batch: a
 // row's result is bitwise the same alone or batched (batch composition changes nothing).
 #include <ATen/ATen.h>
@@ -27,7 +27,9 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int kRowTile = 4;  // rows sharing one decode of a weight block (registers: 4 q + 2 per row)
+// Rows sharing one decode of a weight block: 4 decoded + 8 accumulators + the scale and a product fill
+// AVX2's 16 registers. Measured on SmolLM2's linears at 16 rows: tiles of 4, 6, 8 ran 0.91x, 0.76x, 0.68x float32's time.
+constexpr int kRowTile = 8;
 
 struct BlockWeights {
   const uint8_t* qs;     // Q4_1: 16 bytes per block; Q8_0: 32 int8 per block
@@ -158,7 +160,11 @@ void tile_rows(int rows, const float* x, int64_t ldx, const float* xsum, int64_t
     case 1: return dot_rows<1, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
     case 2: return dot_rows<2, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
     case 3: return dot_rows<3, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
-    default: return dot_rows<4, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
+    case 4: return dot_rows<4, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
+    case 5: return dot_rows<5, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
+    case 6: return dot_rows<6, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
+    case 7: return dot_rows<7, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
+    default: return dot_rows<8, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
   }
 }
 
