@@ -92,10 +92,11 @@ def test_int8_holds_a_quarter_of_the_float32_weight_bytes(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17])  # 17: past our kernel, dequantize + GEMM
-def test_int8_linear_equals_the_dequantized_matmul_row_by_row(rows: int) -> None:
+@pytest.mark.parametrize("in_features", [24, 64])  # 64: the block kernel; 24 (not whole blocks): int8_linear.cpp
+def test_int8_linear_equals_the_dequantized_matmul_row_by_row(rows: int, in_features: int) -> None:
     generator = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(40, 24, generator=generator), torch.randn(40, generator=generator)
-    x = torch.randn(rows, 24, generator=generator)
+    weight, bias = torch.randn(40, in_features, generator=generator), torch.randn(40, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
     layer = Int8Linear(weight, bias, torch.float32)
     expected = torch.nn.functional.linear(x, layer.weight_int8.float() * layer.scales[:, None], bias)
     got = layer(x)
