@@ -139,6 +139,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
         if method == "none":
             return
+        if self.quantization != "none":
+            raise ValueError(f"the model is already quantized ({self.quantization})")
         if method == "q4_1":
             self._quantize_blocks(kept or {})
         else:

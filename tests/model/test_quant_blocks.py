@@ -174,6 +174,9 @@ def test_a_bad_quantization_is_a_clear_error(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
         model.quantize("int4")
     assert model.quantization == "none" and isinstance(model.layers[0].mlp.down_proj, torch.nn.Linear)
+    model.quantize("q4_1")
+    with pytest.raises(ValueError, match="already quantized"):
+        model.quantize("int8")
 
 
 def test_engine_reports_the_resolved_quantization(tiny_model_dir: Path) -> None:
