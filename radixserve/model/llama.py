@@ -12,6 +12,7 @@ Weights are stored fused (q|k|v, gate|up) for fewer, larger matmuls;
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import accumulate
 
 import torch
@@ -26,6 +27,15 @@ from radixserve.model.gather import GatherWorkspace
 from radixserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rotary_cos_sin
 from radixserve.model.paged_kernel import resolve_backend
 from radixserve.model.quant import QUANTIZATIONS, Int8Linear, quantize_linears
+from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks, kept_blocks
+
+# Each fused linear of a decoder layer and the HF weights it holds, rows in this order.
+FUSED_PARTS = {
+    ("self_attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn", "o_proj"): ("self_attn.o_proj",),
+    ("mlp", "gate_up_proj"): ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp", "down_proj"): ("mlp.down_proj",),
+}
 
 
 class DecoderLayer(nn.Module):
@@ -84,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         self.attention_backend = resolve_backend(attention_backend, device)
         self.cascade_attention = True  # paged backend: read a prefix shared by several requests once (bench: off)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         self.rotary = RotaryEmbedding(config, device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, device, dtype) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
@@ -93,6 +103,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
         self.workspace = GatherWorkspace()
         self.quantization = "none"
+        self.quantization_detail = "none"  # what quantize() did, for /server_info
         self.requires_grad_(False)  # inference only: no autograd graph even outside inference_mode
 
     def forward(self, batch: ForwardBatch, kv_pool: KVPool, return_all_logits: bool = False) -> torch.Tensor:
@@ -114,25 +125,68 @@ class LlamaForCausalLM(nn.Module):
             h = h[last_rows]  # the final norm is per row: select first, skip the rest of lm_head
         h = self.norm(h)
         if self.lm_head is None:
-            return F.linear(h, self.embed_tokens.weight).float()
+            return F.linear(h, self._embedding_weight()).float()
         logits: torch.Tensor = self.lm_head(h)
         return logits.float()
 
-    def quantize(self, method: str) -> None:
+    def quantize(self, method: str, kept: Mapping[str, QuantBlocks] | None = None) -> None:
         """Weight-only quantization of every linear and the lm_head, in place, after ``load_weights``.
 
-        A tied lm_head gets its own quantized copy of the embedding (the lookup keeps the
-        float one). A quantized model loads no more weights.
+        int8: a tied lm_head gets its own quantized copy of the embedding (the lookup keeps the
+        float one). q4_1: ``kept`` (HF name -> a GGUF file's own blocks) are used as they are,
+        other weights quantized (see ``_quantize_blocks``). A quantized model loads no more weights.
         """
         if method not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
         if method == "none":
             return
-        quantize_linears(self.layers, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), self.dtype)
-        head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        assert isinstance(head_weight, torch.Tensor)
-        self.lm_head = Int8Linear(head_weight.detach(), None, self.dtype)
+        if self.quantization != "none":
+            raise ValueError(f"the model is already quantized ({self.quantization})")
+        if method == "q4_1":
+            self._quantize_blocks(kept or {})
+        else:
+            quantize_linears(self.layers, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), self.dtype)
+            head = self._embedding_weight() if self.lm_head is None else self.lm_head.weight
+            assert isinstance(head, torch.Tensor)
+            self.lm_head = Int8Linear(head.detach(), None, self.dtype)
+            self.quantization_detail = "int8: every linear and the lm_head, per-channel scales"
         self.quantization = method
+
+    def _quantize_blocks(self, kept: Mapping[str, QuantBlocks]) -> None:
+        """Linears as Q4_1, the lm_head as Q8_0; a weight the file stores as Q4_1 or Q8_0 keeps those blocks
+        (a fused linear only when all its parts do, in one format).
+
+        The embedding lookup keeps its float values, unless the file's embedding blocks were kept:
+        then it reads them (exactly its values), and a tied lm_head shares them."""
+        used = 0
+        for i, layer in enumerate(self.layers):
+            for (owner_name, attr), parts in FUSED_PARTS.items():
+                owner = getattr(layer, owner_name)
+                linear = getattr(owner, attr)
+                blocks = kept_blocks(linear.weight, [kept.get(f"model.layers.{i}.{part}.weight") for part in parts])
+                used += 0 if blocks is None else len(parts)
+                blocks = blocks or QuantBlocks.quantize(linear.weight, "q4_1")
+                setattr(owner, attr, BlockLinear(blocks, linear.bias, self.dtype))
+        head_weight = self._embedding_weight() if self.lm_head is None else self.lm_head.weight
+        assert isinstance(head_weight, torch.Tensor)
+        embed = kept_blocks(self._embedding_weight(), [kept.get("model.embed_tokens.weight")])
+        head = embed if self.lm_head is None else kept_blocks(head_weight, [kept.get("lm_head.weight")])
+        self.lm_head = BlockLinear(head or QuantBlocks.quantize(head_weight, "q8_0"), None, self.dtype)
+        if embed is not None:
+            self.embed_tokens = BlockEmbedding(embed, self.dtype)
+        total = len(self.layers) * sum(len(parts) for parts in FUSED_PARTS.values())
+        self.quantization_detail = (
+            f"q4_1: {used} of {total} linear weights kept as the file's blocks, the rest quantized; "
+            f"lm_head {'kept as ' + head.fmt if head is not None else 'quantized to q8_0'}; "
+            f"embedding {'kept as ' + embed.fmt if embed is not None else 'float'}"
+        )
+
+    def _embedding_weight(self) -> torch.Tensor:
+        embed = self.embed_tokens
+        if isinstance(embed, BlockEmbedding):
+            return embed.blocks.dequantize_fast().to(self.dtype)
+        assert isinstance(embed, nn.Embedding)
+        return embed.weight
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into this model (cast to its dtype); all or nothing.
@@ -165,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
                 dst.copy_(state_dict[name])
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
-        targets = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm.weight}
+        targets = {"model.embed_tokens.weight": self._embedding_weight(), "model.norm.weight": self.norm.weight}
         if isinstance(self.lm_head, nn.Linear):
             targets["lm_head.weight"] = self.lm_head.weight
         for i, layer in enumerate(self.layers):

@@ -29,7 +29,12 @@ from radixserve.model.shared_prefix import SharedPrefixes, find_shared_prefixes
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "paged_attention.h", CSRC / "int8_linear.cpp")
+SOURCES = (
+    CSRC / "paged_attention.cpp",
+    CSRC / "paged_attention.h",
+    CSRC / "int8_linear.cpp",
+    CSRC / "block_linear.cpp",
+)
 HEADERS = (CSRC / "attention_common.h", CSRC / "shared_prefix.h")  # included, not compiled: in the fingerprint
 
 

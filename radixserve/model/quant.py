@@ -5,7 +5,8 @@ bytes a step reads ~4x against float32. Activations stay in the model dtype
 and each row's result depends only on that row, so batch composition and
 cache hits change nothing. Three matmuls, by what the machine offers:
 
-- CPU, up to 16 rows (decode): our kernel (csrc/int8_linear.cpp);
+- CPU, up to 16 rows (decode): our block kernel (csrc/block_linear.cpp, the int8 rows as Q8_0
+  blocks of scale 1; csrc/int8_linear.cpp where in_features is not a multiple of 32);
 - CPU, more rows (prefill): dequantize the weight once per call, then the dtype's GEMM;
 - otherwise (no compiler, CUDA): torch's ``aten._weight_int8pack_mm``. Its CPU
   kernel is vectorised for AVX512 only: on AVX2 it ran ~10x slower than a
@@ -27,7 +28,7 @@ from torch import nn
 
 from radixserve.model import paged_kernel
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "q4_1")  # q4_1: GGUF-style blocks, quant_blocks.py
 OWN_KERNEL_MAX_ROWS = 16  # decode-sized batches: our weight-reading kernel; more rows: dequantize + GEMM
 
 
@@ -51,6 +52,12 @@ class Int8Linear(nn.Module):
         self.scales: torch.Tensor
         self.register_buffer("weight_int8", q)
         self.register_buffer("scales", scales.to(dtype))
+        # The block kernel (csrc/block_linear.cpp) reads int8 rows as Q8_0 blocks whose scales are
+        # all 1, then the channel's scale applies: it decodes a block once per 8 rows, where
+        # int8_linear.cpp converts a row per x row (slower than float32 at 16 rows).
+        self.unit_scales: torch.Tensor | None
+        units = torch.ones(weight.shape[0], weight.shape[1] // 32, dtype=torch.float16, device=weight.device)
+        self.register_buffer("unit_scales", units if weight.shape[1] % 32 == 0 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x)
@@ -58,8 +65,11 @@ class Int8Linear(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and paged_kernel.load():
+            if x.shape[0] <= OWN_KERNEL_MAX_ROWS and self.unit_scales is not None:
+                out: torch.Tensor = torch.ops.radixserve.block_linear(x, self.weight_int8, self.unit_scales, None)
+                return out * self.scales
             if x.shape[0] <= OWN_KERNEL_MAX_ROWS:
-                out: torch.Tensor = torch.ops.radixserve.int8_linear(x, self.weight_int8, self.scales)
+                out = torch.ops.radixserve.int8_linear(x, self.weight_int8, self.scales)
                 return out
             # Many rows (prefill): dequantize once, then the dtype's own GEMM; the conversion is
             # amortised over the rows and each row's result still depends on that row alone.

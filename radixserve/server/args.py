@@ -159,7 +159,8 @@ def _model_flags(model: argparse._ArgumentGroup, d: EngineConfig) -> None:
         "--quantization",
         default=d.quantization,
         choices=QUANTIZATIONS,
-        help="weight-only: int8 = int8 weights with per-channel scales (~4x fewer weight bytes than float32)",
+        help="weight-only: int8 = int8 weights with per-channel scales (~4x fewer weight bytes than float32); "
+        "q4_1 = GGUF-style 4-bit blocks (a GGUF's own Q4_1/Q8_0 blocks kept as they are, lossless)",
     )
     model.add_argument(
         "--attention-backend",

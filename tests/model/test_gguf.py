@@ -55,8 +55,12 @@ def _tensor_table(tied: bool) -> list[tuple[str, str, tuple[int, ...], gguf.GGML
     return table
 
 
-def _write_tiny_llama(path: Path, tied: bool = True) -> dict[str, torch.Tensor]:
-    """Write a random tiny Llama as llama.cpp's converter would; return the HF-named originals."""
+def _write_tiny_llama(
+    path: Path, tied: bool = True, layer_types: dict[gguf.GGMLQuantizationType, gguf.GGMLQuantizationType] | None = None
+) -> dict[str, torch.Tensor]:
+    """Write a random tiny Llama as llama.cpp's converter would; return the HF-named originals.
+
+    ``layer_types``: another storage for the layer matrices of a type in the table (e.g. {Q8: Q4_1})."""
     torch.manual_seed(0)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(LAYERS)
@@ -80,6 +84,8 @@ def _write_tiny_llama(path: Path, tied: bool = True) -> dict[str, torch.Tensor]:
             data = _converter_permute(data, HEADS)
         elif hf_name.endswith("k_proj.weight"):
             data = _converter_permute(data, KV_HEADS)
+        if gguf_name.startswith("blk.") and len(shape) == 2:
+            qtype = (layer_types or {}).get(qtype, qtype)
         writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -56,12 +56,15 @@ def agreement_and_kl(reference: torch.Tensor, other: torch.Tensor) -> tuple[floa
     return top1, kl.sum(-1).mean().item()
 
 
-# Measured on 8 prompts x 48 positions: bf16 top-1 0.990, KL 5.3e-5; int8 top-1 0.979, KL 1.3e-4.
+# Measured on 8 prompts x 48 positions: bf16 top-1 0.990, KL 5.3e-5; int8 top-1 0.979, KL 1.3e-4;
+# q4_1 (these float weights quantized to 4 bits: lossy; a GGUF's own Q4_1 blocks are kept exactly,
+# see test_quant_blocks.py) top-1 0.714, KL 1.7e-2.
 @pytest.mark.parametrize(
     ("dtype", "quantization", "min_top1", "max_kl"),
     [
         (torch.bfloat16, "none", 0.95, 5e-4),
         (torch.float32, "int8", 0.93, 1e-3),
+        (torch.float32, "q4_1", 0.6, 0.04),
     ],
 )
 def test_bfloat16_and_int8_agree_with_float32(
@@ -89,10 +92,11 @@ def test_int8_holds_a_quarter_of_the_float32_weight_bytes(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17])  # 17: past our kernel, dequantize + GEMM
-def test_int8_linear_equals_the_dequantized_matmul_row_by_row(rows: int) -> None:
+@pytest.mark.parametrize("in_features", [24, 64])  # 64: the block kernel; 24 (not whole blocks): int8_linear.cpp
+def test_int8_linear_equals_the_dequantized_matmul_row_by_row(rows: int, in_features: int) -> None:
     generator = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(40, 24, generator=generator), torch.randn(40, generator=generator)
-    x = torch.randn(rows, 24, generator=generator)
+    weight, bias = torch.randn(40, in_features, generator=generator), torch.randn(40, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
     layer = Int8Linear(weight, bias, torch.float32)
     expected = torch.nn.functional.linear(x, layer.weight_int8.float() * layer.scales[:, None], bias)
     got = layer(x)
@@ -130,7 +134,13 @@ def test_paged_backend_equals_reference_through_the_model(folder: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "options", [{"dtype": "float32"}, {"quantization": "int8"}, {"dtype": "float32", "kv_cache_dtype": "bfloat16"}]
+    "options",
+    [
+        {"dtype": "float32"},
+        {"quantization": "int8"},
+        {"quantization": "q4_1"},
+        {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
+    ],
 )
 def test_a_cache_hit_never_changes_an_answer(tiny_model_dir: Path, options: dict[str, str]) -> None:
     engine = Engine.create(model_path=str(tiny_model_dir), max_total_tokens=2048, **options)

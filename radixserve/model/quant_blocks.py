@@ -1,0 +1,157 @@
+"""Weights as GGUF's blocks of 32: Q4_1 for the linears, Q8_0 for the lm_head (``--quantization q4_1``).
+
+Q4_1 stores per block a float16 scale d and min m and 32 4-bit codes (w = d * q + m;
+0.625 bytes per weight); Q8_0 a float16 scale and 32 int8 codes (w = d * q; 1.0625 bytes).
+A GGUF file's own Q4_1 / Q8_0 blocks are kept exactly as they are (their float32 values
+are what the float path runs, so keeping them loses nothing); other weights are
+quantized here with gguf's own quantizer. Activations stay float32 in the kernel and
+each row's result depends on that row only, so batch composition and cache hits
+change nothing. Three matmuls, by what the machine offers:
+
+- CPU, up to 16 rows (decode): our kernel (csrc/block_linear.cpp) reads the blocks;
+- CPU, more rows (prefill): dequantize once per call (C++), then the dtype's GEMM;
+- otherwise (no compiler, CUDA): dequantize with torch ops, then the GEMM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.model import paged_kernel
+
+BLOCK = 32
+KERNEL_MAX_ROWS = 16  # decode-sized batches: our block kernel; more rows: dequantize + GEMM
+FORMATS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # float16 d (and m for Q4_1), then the codes
+
+
+@dataclass(frozen=True)
+class QuantBlocks:
+    """One weight [N, K] as blocks of 32 along K. ``qs``: Q4_1 uint8 [N, K/2] (byte j of a block holds
+    weight j in its low nibble and weight j + 16 in its high one), Q8_0 int8 [N, K]; ``d`` and ``m``
+    (Q4_1 only) float16 [N, K/32]."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    @property
+    def fmt(self) -> str:
+        return "q8_0" if self.m is None else "q4_1"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * BLOCK
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, fmt: str) -> QuantBlocks:
+        """Split GGUF block bytes, uint8 [N, bytes per row], into codes and scales (a copy; bit for bit)."""
+        rows = raw.shape[0]
+        blocks = np.ascontiguousarray(raw).reshape(rows, -1, _BLOCK_BYTES[fmt])
+
+        def half(at: int) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(blocks[..., at : at + 2]).view(np.float16)[..., 0])
+
+        if fmt == "q8_0":
+            return cls(torch.from_numpy(blocks[..., 2:].reshape(rows, -1).view(np.int8).copy()), half(0), None)
+        return cls(torch.from_numpy(blocks[..., 4:].reshape(rows, -1).copy()), half(0), half(2))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, fmt: str) -> QuantBlocks:
+        """Quantize a float weight [N, K] (K a multiple of 32) with gguf's quantizer."""
+        if weight.dim() != 2 or weight.shape[1] % BLOCK:
+            raise ValueError(f"{fmt} needs [N, K] weights with K a multiple of {BLOCK}, got {tuple(weight.shape)}")
+        raw = gguf.quants.quantize(weight.detach().float().cpu().numpy(), FORMATS[fmt])
+        return cls.from_gguf(raw, fmt)
+
+    @classmethod
+    def cat(cls, parts: Sequence[QuantBlocks]) -> QuantBlocks:
+        """The blocks of the row-wise concatenation of ``parts`` (all of one format); one part is returned as is."""
+        if len(parts) == 1:
+            return parts[0]
+        m_parts = [p.m for p in parts if p.m is not None]
+        m = torch.cat(m_parts) if m_parts else None
+        return cls(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+
+    def to(self, device: torch.device) -> QuantBlocks:
+        return QuantBlocks(self.qs.to(device), self.d.to(device), None if self.m is None else self.m.to(device))
+
+    def select(self, rows: torch.Tensor) -> QuantBlocks:
+        """The blocks of the given rows (an embedding lookup)."""
+        return QuantBlocks(self.qs[rows], self.d[rows], None if self.m is None else self.m[rows])
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 [N, K] with torch ops: bit for bit gguf's own dequantization (d * q is exact in float32)."""
+        n, k = self.shape
+        d = self.d.float()[..., None]
+        if self.m is None:
+            return (self.qs.view(n, -1, BLOCK).float() * d).view(n, k)
+        codes = self.qs.view(n, -1, BLOCK // 2)
+        q = torch.cat((codes & 0x0F, codes >> 4), dim=-1).float()
+        return (q * d + self.m.float()[..., None]).view(n, k)
+
+    def dequantize_fast(self) -> torch.Tensor:
+        """``dequantize()`` through our C++ kernel where it runs (CPU), else torch ops; the same values."""
+        if self.qs.device.type == "cpu" and paged_kernel.load():
+            out: torch.Tensor = torch.ops.radixserve.block_dequantize(self.qs, self.d, self.m)
+            return out
+        return self.dequantize()
+
+
+def kept_blocks(weight: torch.Tensor, parts: Sequence[QuantBlocks | None]) -> QuantBlocks | None:
+    """The file's blocks for ``weight`` (the row-wise parts of a fused linear, in order) when every
+    part kept blocks and all in one format; else None (the caller quantizes ``weight``)."""
+    found = [p for p in parts if p is not None]
+    if not found or len(found) < len(parts) or len({p.fmt for p in found}) > 1:
+        return None
+    blocks = QuantBlocks.cat(found).to(weight.device)
+    if blocks.shape != tuple(weight.shape):
+        raise ValueError(f"kept blocks of shape {blocks.shape} for a weight of shape {tuple(weight.shape)}")
+    return blocks
+
+
+class _BlockModule(nn.Module):
+    def __init__(self, blocks: QuantBlocks, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.out_features, self.in_features = blocks.shape
+        self.qs: torch.Tensor
+        self.d: torch.Tensor
+        self.m: torch.Tensor | None
+        self.register_buffer("qs", blocks.qs)
+        self.register_buffer("d", blocks.d)
+        self.register_buffer("m", blocks.m)
+
+    @property
+    def blocks(self) -> QuantBlocks:
+        return QuantBlocks(self.qs, self.d, self.m)
+
+
+class BlockLinear(_BlockModule):
+    """A drop-in for ``nn.Linear`` (x [T, K] -> [T, N]) over Q4_1 or Q8_0 blocks."""
+
+    def __init__(self, blocks: QuantBlocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__(blocks, dtype)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.shape[0] <= KERNEL_MAX_ROWS and paged_kernel.load():
+            out: torch.Tensor = torch.ops.radixserve.block_linear(x, self.qs, self.d, self.m)
+            return out if self.bias is None else out + self.bias
+        # Many rows (prefill), or no kernel: dequantize once, then the dtype's own GEMM; the
+        # conversion is amortised over the rows, and each row's result depends on that row alone.
+        return F.linear(x, self.blocks.dequantize_fast().to(x.dtype), self.bias)
+
+
+class BlockEmbedding(_BlockModule):
+    """A drop-in for ``nn.Embedding`` over blocks: a lookup dequantizes only the rows it reads."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.blocks.select(ids).dequantize().to(self.dtype)

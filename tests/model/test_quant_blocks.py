@@ -1,0 +1,186 @@
+"""q4_1: GGUF-style Q4_1 / Q8_0 blocks, their C++ linear, and the file's blocks kept as they are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve import Engine
+from radixserve.model import paged_kernel
+from radixserve.model.gguf_loader import load_gguf, load_gguf_blocks
+from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.quant import weight_bytes
+from radixserve.model.quant_blocks import FORMATS, KERNEL_MAX_ROWS, BlockEmbedding, BlockLinear, QuantBlocks
+from tests.model.test_gguf import _write_tiny_llama
+from tests.model.tiny import alloc, load_ours, make_batch, make_pool
+
+needs_kernel = pytest.mark.skipif(not paged_kernel.load(), reason="no C++ compiler: the block kernel cannot build")
+
+
+def random_blocks(fmt: str, out_features: int, in_features: int, seed: int) -> QuantBlocks:
+    generator = torch.Generator().manual_seed(seed)
+    # Rows of very different ranges and an offset: Q4_1's min and scale both matter.
+    weight = torch.randn(out_features, in_features, generator=generator) * torch.logspace(-2, 1, out_features)[:, None]
+    return QuantBlocks.quantize(weight + 0.3, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_dequantize_is_gguf_own_bit_for_bit(fmt: str) -> None:
+    weight = torch.randn(37, 160)
+    raw = gguf.quants.quantize(weight.numpy(), FORMATS[fmt])
+    blocks = QuantBlocks.from_gguf(raw, fmt)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, FORMATS[fmt]))
+    assert torch.equal(blocks.dequantize(), expected)
+    assert torch.equal(blocks.dequantize_fast(), expected)  # the C++ dequantization where it builds
+    assert (expected - weight).abs().max() <= (weight.abs().max() / (7 if fmt == "q4_1" else 100))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 11, 16, 40])  # 40: past the kernel, dequantize + GEMM
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 160), (64, 32), (5, 1536)])
+def test_block_linear_equals_the_dequantized_matmul(fmt: str, rows: int, out_features: int, in_features: int) -> None:
+    blocks = random_blocks(fmt, out_features, in_features, seed=rows)
+    generator = torch.Generator().manual_seed(100 + rows)
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator) * 2
+    layer = BlockLinear(blocks, bias, torch.float32)
+    expected = F.linear(x.double(), blocks.dequantize().double(), bias.double())
+    got = layer(x)
+    scale = x.abs().sum(-1, keepdim=True).double() * blocks.dequantize().abs().max().double()
+    assert ((got.double() - expected).abs() / scale).max().item() <= 1e-6
+    if rows <= KERNEL_MAX_ROWS:  # the kernel: a row's bits never depend on the rest of its batch
+        for r in (0, rows - 1):
+            assert torch.equal(layer(x[r : r + 1]), got[r : r + 1])
+
+
+@needs_kernel
+def test_a_bfloat16_model_gets_bfloat16_out_of_the_kernel() -> None:
+    layer = BlockLinear(random_blocks("q4_1", 8, 64, seed=0), None, torch.bfloat16)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    assert layer(x).dtype == torch.bfloat16
+    expected = F.linear(x.float(), layer.blocks.dequantize())
+    assert torch.allclose(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_without_the_kernel_the_torch_path_gives_the_same_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    blocks = random_blocks("q4_1", 24, 96, seed=3)
+    x = torch.randn(3, 96)
+    layer = BlockLinear(blocks, None, torch.float32)
+    expected = F.linear(x, blocks.dequantize())
+    monkeypatch.setattr(paged_kernel, "load", lambda: False)  # no compiler (or CUDA): dequantize + matmul
+    assert torch.allclose(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_shapes_the_blocks_cannot_hold_are_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantBlocks.quantize(torch.randn(4, 40), "q4_1")
+
+
+Q4_1, Q8_0, F32 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama of test_gguf.py with its Q8_0 layer matrices stored as Q4_1: per layer q, v, o, gate
+    and down Q4_1, k and up F32; the embedding (tied lm_head) Q8_0."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny-mixed.gguf"
+    _write_tiny_llama(path, layer_types={Q8_0: Q4_1})
+    return path
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every layer matrix Q4_1, the embedding Q8_0: as the embedded SmolLM2 GGUF is stored."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4.gguf"
+    _write_tiny_llama(path, layer_types={Q8_0: Q4_1, F32: Q4_1})
+    return path
+
+
+def test_the_files_blocks_dequantize_to_exactly_the_float_tensors(mixed_gguf: Path) -> None:
+    _, tensors = load_gguf(mixed_gguf)
+    kept = load_gguf_blocks(mixed_gguf)
+    assert {blocks.fmt for blocks in kept.values()} == {"q4_1", "q8_0"}
+    assert kept["model.embed_tokens.weight"].fmt == "q8_0"
+    assert kept["model.layers.0.self_attn.q_proj.weight"].fmt == "q4_1"  # rows un-permuted as the floats are
+    assert "model.layers.0.self_attn.k_proj.weight" not in kept  # F32 in the file: nothing to keep
+    for name, blocks in kept.items():
+        assert torch.equal(blocks.dequantize(), tensors[name]), name
+
+
+def gguf_model(path: Path, quantization: str) -> LlamaForCausalLM:
+    config, tensors = load_gguf(path)
+    model = LlamaForCausalLM(config)
+    model.load_weights(tensors)
+    model.quantize(quantization, load_gguf_blocks(path) if quantization == "q4_1" else None)
+    return model
+
+
+def test_kept_blocks_run_exactly_the_float_model_at_prefill_and_closely_at_decode(q4_gguf: Path) -> None:
+    """Many rows dequantize the kept blocks and use the same GEMM as float32: the same bits. Decode
+    rows go through the kernel (another summation order): within float32 rounding."""
+    ids = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    logits = {}
+    for quantization in ("none", "q4_1"):
+        model = gguf_model(q4_gguf, quantization)
+        pool, allocator = make_pool(model.config)
+        context = alloc(allocator, 24)
+        prefill = model(make_batch("extend", [(ids[:20], context[:20])]), pool, return_all_logits=True)
+        decode = [model(make_batch("decode", [([ids[t]], context[: t + 1])]), pool) for t in range(20, 24)]
+        logits[quantization] = (prefill, torch.cat(decode))
+    q4 = logits["q4_1"][0]
+    assert isinstance(gguf_model(q4_gguf, "q4_1").embed_tokens, BlockEmbedding)
+    assert torch.equal(q4[:-1], logits["none"][0][:-1])  # the last row's lm_head alone: the kernel
+    assert (logits["q4_1"][1] - logits["none"][1]).abs().max().item() <= 1e-4
+    assert torch.equal(logits["q4_1"][1].argmax(-1), logits["none"][1].argmax(-1))
+
+
+def test_q4_1_holds_a_fraction_of_the_weight_bytes_and_says_what_it_kept(q4_gguf: Path, mixed_gguf: Path) -> None:
+    float_model, model = gguf_model(q4_gguf, "none"), gguf_model(q4_gguf, "q4_1")
+    assert weight_bytes(model) < 0.3 * weight_bytes(float_model)
+    assert sum(isinstance(m, BlockLinear) for m in model.modules()) == 4 * model.config.num_layers + 1
+    assert model.quantization_detail.startswith("q4_1: 14 of 14 linear weights kept")
+    model = gguf_model(mixed_gguf, "q4_1")
+    # Per layer the file holds q, v, o, gate, down as Q4_1, k and up as F32: o and down are kept
+    # whole, q|k|v and gate|up are fused linears with a float part, quantized from the floats.
+    assert model.quantization_detail.startswith("q4_1: 4 of 14 linear weights kept")
+    assert model.lm_head is not None and model.lm_head.qs is model.embed_tokens.qs  # tied: one copy of the blocks
+
+
+def test_batch_composition_changes_no_decode_logit(q4_gguf: Path) -> None:
+    model = gguf_model(q4_gguf, "q4_1")
+    pool, allocator = make_pool(model.config)
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (9, 14, 5)]
+    contexts = [alloc(allocator, len(p) + 1) for p in prompts]
+    for ids, context in zip(prompts, contexts):
+        model(make_batch("extend", [(ids, context[:-1])]), pool)
+    steps = [([7], context) for context in contexts]
+    together = model(make_batch("decode", steps), pool)
+    alone = torch.cat([model(make_batch("decode", [step]), pool) for step in steps])
+    assert (together - alone).abs().max().item() <= 1e-6
+    assert torch.equal(together.argmax(-1), alone.argmax(-1))
+
+
+def test_a_bad_quantization_is_a_clear_error(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        Engine.create(model_path=str(tiny_model_dir), max_total_tokens=64, quantization="q4")
+    model = load_ours(tiny_model_dir)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        model.quantize("int4")
+    assert model.quantization == "none" and isinstance(model.layers[0].mlp.down_proj, torch.nn.Linear)
+    model.quantize("q4_1")
+    with pytest.raises(ValueError, match="already quantized"):
+        model.quantize("int8")
+
+
+def test_engine_reports_the_resolved_quantization(tiny_model_dir: Path) -> None:
+    info = Engine.create(model_path=str(tiny_model_dir), max_total_tokens=64, quantization="q4_1").describe()
+    assert info["quantization"] == "q4_1"
+    assert info["quantization_detail"].startswith("q4_1: 0 of ")  # an HF float folder: everything quantized
+    assert np.isfinite(info["weight_bytes"])
