@@ -99,6 +99,11 @@ class PagedIndex:
     num_splits: int  # a decode request's context is cut in up to this many pieces, one per work item
     shared: SharedPrefixes = SharedPrefixes.none()
 
+    @functools.cached_property
+    def shared_tensors(self) -> tuple[torch.Tensor, ...]:
+        """``shared`` as the kernel's tensors: made once per step, not once per layer."""
+        return tuple(torch.from_numpy(part) for part in self.shared)
+
     @classmethod
     def build(cls, context_slots: list[torch.Tensor], extend_lens: list[int], cascade: bool = True) -> PagedIndex:
         ctx_lens = [int(slots.shape[0]) for slots in context_slots]
@@ -123,7 +128,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         index.slots,
         index.q_starts,
         index.ctx_starts,
-        *(torch.from_numpy(part) for part in index.shared),
+        *index.shared_tensors,
         index.num_splits,
         q.shape[-1] ** -0.5,
     )
