@@ -19,7 +19,8 @@ from radixserve.kv_events.wire import (
     event_record,
 )
 from radixserve.memory import TokenAllocator
-from radixserve.memory.disk_store import HEADER, DiskPageStore
+from radixserve.memory.disk_format import HEADER
+from radixserve.memory.disk_store import DiskPageStore
 from radixserve.memory.host_arena import HostArena
 from radixserve.memory.kv_pages import PoolPageMover
 from radixserve.memory.kv_pool import KVPool
