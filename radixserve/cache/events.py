@@ -6,8 +6,12 @@ token positions ``[start, end)`` of a key (the tokens that lead to it, in their
 namespaces), so a node split (which changes ids, not content) needs no event.
 Page hashes are chained exactly like the block cache's and computed only when read.
 
-A lower cache tier (L2 host, L3 disk) that drops a page knows only its hash:
-that is a ``remove`` event with ``page_hash`` set and an empty key.
+A lower cache tier (L2 host, L3 disk) announces one tier page at a time, named
+by its hash (``page_hash`` set, an empty key): a ``remove`` needs nothing else; a
+``store`` carries the page's ``PageLabel`` (its parent's hash and its own tokens),
+kept beside the page while it sits in L2, so a page that moves down a tier (L2
+spilling to L3) or up one (a prefetch into L2) is announced as fully as a page
+copied straight from the pool.
 
 Off by default: a cache built with ``events=None`` pays one ``is None`` check.
 
@@ -33,6 +37,16 @@ EventKind = Literal["store", "remove", "clear"]  # clear: everything cached is g
 
 
 @dataclass(frozen=True, eq=False)
+class PageLabel:
+    """What one tier page holds, as a ``BlockStored`` names it: enough to announce it without its path."""
+
+    parent_hash: bytes | None  # the previous page's chained hash; None for a sequence's first page
+    token_ids: TokenArray  # the page's own tokens
+    extra_key: str | None
+    shared_len: int  # the sequence's shared head, counted up to this page's end (as a key that ends here)
+
+
+@dataclass(frozen=True, eq=False)
 class KVEvent:
     """``kind`` of the pages covering token positions ``[start, end)`` of ``key``."""
 
@@ -42,7 +56,8 @@ class KVEvent:
     key: RadixKey  # tokens [0, end): the range and everything before it
     page_size: int
     medium: str | None = None  # None: the KV pool; "cpu" / "disk": a page copied down into that tier
-    page_hash: bytes | None = None  # a tier dropped this page (``page_size`` tokens); ``key`` is then empty
+    page_hash: bytes | None = None  # one tier page (``page_size`` tokens), stored or dropped; ``key`` is then empty
+    label: PageLabel | None = None  # what a stored tier page holds
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
@@ -92,6 +107,13 @@ class KVEventLog:
         self._seq += 1
         empty = RadixKey(np.empty(0, dtype=np.int64))
         self._queue.append(KVEvent(self._seq, "remove", 0, empty, page_size, medium, page_hash))
+
+    def record_page(self, page_hash: bytes, label: PageLabel, medium: str) -> None:
+        """Record that the tier ``medium`` now holds the page named ``page_hash``, holding ``label``."""
+        self._seq += 1
+        empty = RadixKey(np.empty(0, dtype=np.int64))
+        page_size = len(label.token_ids)
+        self._queue.append(KVEvent(self._seq, "store", 0, empty, page_size, medium, page_hash, label))
 
     def add_source(self, source: Callable[[], None]) -> None:
         """Call ``source()`` at the start of every drain: it records what other threads left for it."""

@@ -9,14 +9,10 @@ private, so no tier ever answers one tenant with another's page.
 Per tier and page, one state: L1 cached or not; L2 present or not; L3 absent,
 queued (bytes held by the writer) or on disk. See ``page_states``.
 
-KV events (with ``events`` set): copies down are announced as they happen
-(tier_store.py); a page L2 or L3 drops is announced as a removal with its
-medium. Drops happen on three threads (the step loop's, the disk writer's, the
-prefetcher's) and the event log is the step loop's alone, so a drop only
-enters a thread-safe inbox; the log drains it at its next ``drain`` (on the
-step loop) and announces each page *that tier still lacks then*. So the
-announced state is the tier's state at the drain: a page dropped and stored
-again in between (its store announced or not) is not reported gone.
+KV events (with ``events`` set): every page a tier gains or loses is announced
+with its medium (tier_events.py), at the log's next drain. A page stored into L2
+keeps its ``PageLabel`` (parent hash, tokens) beside it, so the page can still be
+announced in full when L2 spills it to L3.
 
 ``TierPages`` is the state the store flow (tier_store.py) and the load-back
 (tiers.py) share: the stores, the lock, the counters.
@@ -26,13 +22,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from radixserve.cache.events import KVEventLog
+from radixserve.cache.events import KVEventLog, PageLabel
 from radixserve.cache.key import RadixKey, page_hashes
+from radixserve.cache.tier_events import Medium, TierAnnouncer
 from radixserve.memory.allocator import IndexArray
 
 if TYPE_CHECKING:  # torch stays out of the cache layer's imports
@@ -42,7 +38,6 @@ if TYPE_CHECKING:  # torch stays out of the cache layer's imports
 WRITE_POLICIES = ("write_back", "write_through")
 WritePolicy = Literal["write_back", "write_through"]
 TierName = Literal["host", "disk"]
-Medium = Literal["cpu", "disk"]  # vLLM's names for the tiers on the wire
 LOAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -90,47 +85,51 @@ class TierPages:
         self.lock = threading.RLock()  # the host arena and ``_prefetched``: the prefetch thread shares them
         self._prefetched: set[bytes] = set()  # L2 pages a prefetch brought in and no admission used yet
         self._events: KVEventLog | None = None
-        self._drops: deque[tuple[bytes, Medium]] = deque()  # appends and pops are atomic: any thread adds
+        self._announcer: TierAnnouncer | None = None
+        self._labels: dict[bytes, PageLabel] = {}  # L2 pages' labels, kept (under ``lock``) only with events on
         if self.disk is not None:
             self.disk.on_drop = self._dropped_from_disk
 
     @property
     def events(self) -> KVEventLog | None:
-        """The cache's log: copies down and drops are announced with their medium (None: no events)."""
+        """The cache's log: what each tier gains and loses is announced with its medium (None: no events)."""
         return self._events
 
     @events.setter
     def events(self, log: KVEventLog | None) -> None:
         self._events = log
-        if log is not None:
-            log.add_source(self._announce_drops)
+        self._announcer = TierAnnouncer(log, self.page_tokens, self._holds) if log is not None else None
+
+    def _stored(self, page_hash: bytes, medium: Medium, label: PageLabel | None) -> None:
+        """A tier took a page (any thread): announce it at the next drain."""
+        if self._announcer is not None and label is not None:
+            self._announcer.stored(page_hash, medium, label)
 
     def _dropped(self, page_hash: bytes, medium: Medium) -> None:
         """A tier dropped a page (any thread): announce it at the next drain."""
-        if self._events is not None:
-            self._drops.append((page_hash, medium))
+        if self._announcer is not None:
+            self._announcer.dropped(page_hash, medium)
 
     def _dropped_from_disk(self, page_hash: bytes) -> None:
         self._dropped(page_hash, "disk")
 
-    def _announce_drops(self) -> None:
-        """At a drain (step loop): a removal for each dropped page its tier still lacks, once."""
-        assert self._events is not None
-        announced: set[tuple[bytes, Medium]] = set()
-        while self._drops:
-            page_hash, medium = drop = self._drops.popleft()
-            if drop in announced:
-                continue
-            in_host, on_disk = self.page_states(page_hash)
-            if in_host if medium == "cpu" else on_disk != "absent":
-                continue
-            announced.add(drop)
-            self._events.record_drop(page_hash, self.page_tokens, medium)
+    def _holds(self, page_hash: bytes, medium: Medium) -> bool:
+        in_host, on_disk = self.page_states(page_hash)
+        return in_host if medium == "cpu" else on_disk != "absent"
 
     def hashes(self, key: RadixKey, length: int) -> list[bytes]:
         """Chained hashes of the whole tier pages of ``key[:length]``."""
         shared = key.shared_len - key.shared_len % self.page_tokens  # a mixed page is private
         return list(page_hashes(key.token_ids[:length], key.extra_key, self.page_tokens, shared_len=shared))
+
+    def label(self, key: RadixKey, hashes: Sequence[bytes], index: int) -> PageLabel | None:
+        """The label of tier page ``index`` of ``key`` (``hashes``: its pages'); None with events off."""
+        if self._events is None:
+            return None
+        size = self.page_tokens
+        shared = key.shared_len - key.shared_len % size if key.extra_key is not None else 0  # as ``hashes``
+        tokens = key.token_ids[index * size : (index + 1) * size].copy()
+        return PageLabel(hashes[index - 1] if index else None, tokens, key.extra_key, min(shared, (index + 1) * size))
 
     def holds(self, page_hash: bytes) -> TierName | None:
         with self.lock:

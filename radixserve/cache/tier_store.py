@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from radixserve.cache.events import PageLabel
 from radixserve.cache.key import RadixKey
 from radixserve.cache.tier_pages import TierPages
 from radixserve.memory.allocator import IndexArray
@@ -46,7 +47,7 @@ class TierStore(TierPages):
             for page_hash in self.host.hashes():
                 page = self.host.get(page_hash)
                 if page is not None and page_hash not in self.disk:
-                    self._to_disk(page_hash, page)
+                    self._to_disk(page_hash, page, self._labels.get(page_hash))
 
     def clear_host(self) -> None:
         """Drop L2 (``/flush_cache``). A prefetch still running may add pages back: they are valid."""
@@ -56,6 +57,7 @@ class TierStore(TierPages):
                     self._dropped(page_hash, "cpu")
                 self.host.clear()
             self._prefetched.clear()
+            self._labels.clear()
 
     def _store(self, key: RadixKey, slots: IndexArray, start: int, host: bool, disk: bool) -> None:
         """Copy the whole tier pages of ``key[start:]`` into the tiers asked for that lack them."""
@@ -77,30 +79,32 @@ class TierStore(TierPages):
         rows = np.concatenate([slots[index * size : (index + 1) * size] for index, _, _ in todo])
         pages = self.mover.split_pages(self.mover.gather(rows))  # one copy per layer for all of them
         for (index, to_host, to_disk), page in zip(todo, pages):
+            label = self.label(key, hashes, index)
             if to_host:
-                self._to_host(hashes[index], page)
+                self._to_host(hashes[index], page, label)
             if to_disk:
-                to_disk = self._to_disk(hashes[index], page)  # a read-only store takes nothing: announce nothing
-            if self.events is not None:
-                shared = key.shared_len - key.shared_len % size  # as ``hashes`` counts it
-                page_key = RadixKey(key.token_ids[: (index + 1) * size], key.extra_key, shared)
-                for medium in ("cpu",) * to_host + ("disk",) * to_disk:
-                    self.events.record("store", index * size, page_key, medium)
+                self._to_disk(hashes[index], page, label)
 
-    def _to_host(self, page_hash: bytes, page: Any) -> None:
+    def _to_host(self, page_hash: bytes, page: Any, label: PageLabel | None) -> None:
+        """Copy ``page`` into L2 (under ``lock``); what L2 evicts for it spills to L3 with its label."""
         assert self.host is not None
         self.stats.bytes_stored["host"] += int(page.numel() * page.element_size())
         for old_hash, old_page in self.host.put(page_hash, page):
+            old_label = label if old_hash == page_hash else self._labels.pop(old_hash, None)
             self._prefetched.discard(old_hash)
             self._dropped(old_hash, "cpu")
             if self.disk is not None and old_hash not in self.disk:
-                self._to_disk(old_hash, old_page)
+                self._to_disk(old_hash, old_page, old_label)
+        if label is not None and page_hash in self.host:
+            self._labels[page_hash] = label
+            self._stored(page_hash, "cpu", label)
 
-    def _to_disk(self, page_hash: bytes, page: Any) -> bool:
+    def _to_disk(self, page_hash: bytes, page: Any, label: PageLabel | None) -> bool:
         """Queue ``page`` for the disk; False if the store did not take it (read-only, or there already)."""
         assert self.disk is not None
         data = self.mover.to_bytes(page)
         if not self.disk.put(page_hash, data):
-            return False
+            return False  # a read-only store takes nothing: announce nothing
         self.stats.bytes_stored["disk"] += len(data)
+        self._stored(page_hash, "disk", label)
         return True

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from radixserve.cache.events import PageLabel
 from radixserve.cache.key import RadixKey
 from radixserve.cache.prefetch import Prefetcher
 from radixserve.cache.tier_pages import LOAD_BUCKETS_S, PageMover, TierName, WritePolicy
@@ -69,8 +70,9 @@ class TierIndex(TierStore):
         first_page = start // size
         pages: list[Any] = []
         tiers: list[TierName] = []
-        for page_hash in self.hashes(key, len(key))[first_page:]:
-            page, tier = self._fetch(page_hash)
+        hashes = self.hashes(key, len(key))
+        for index in range(first_page, len(hashes)):
+            page, tier = self._fetch(hashes[index], self.label(key, hashes, index))
             if page is None or tier is None:
                 break
             pages.append(page)
@@ -87,7 +89,7 @@ class TierIndex(TierStore):
             self.stats.hit_tokens[tier] += self.page_tokens - (cont.first if i == 0 else 0)
             self.stats.bytes_loaded[tier] += int(page.numel() * page.element_size())
 
-    def _fetch(self, page_hash: bytes) -> tuple[Any, TierName | None]:
+    def _fetch(self, page_hash: bytes, label: PageLabel | None) -> tuple[Any, TierName | None]:
         with self.lock:
             page = self.host.get(page_hash) if self.host is not None else None
             if page is not None:
@@ -95,15 +97,18 @@ class TierIndex(TierStore):
                     self._prefetched.discard(page_hash)
                     self.stats.prefetch_hits += 1
                 return page, "host"
-        return self._read_disk(page_hash)
+        return self._read_disk(page_hash, label)
 
-    def _read_disk(self, page_hash: bytes) -> tuple[Any, TierName | None]:
+    def _read_disk(self, page_hash: bytes, label: PageLabel | None) -> tuple[Any, TierName | None]:
+        """The page from L3, verified. ``label``: what it holds, announced now if it never was (a restart's page)."""
         if self.disk is None or page_hash not in self.disk:
             return None, None
         data = self.disk.get(page_hash)
         try:
             if data is not None:
-                return self.mover.from_bytes(data), "disk"
+                page = self.mover.from_bytes(data)
+                self._stored(page_hash, "disk", label)
+                return page, "disk"
         except ValueError:  # a verified page of the wrong size: the fingerprint should have caught it
             pass
         with self.lock:  # two threads read the disk
@@ -130,18 +135,21 @@ class TierIndex(TierStore):
         """
         assert self.host is not None
         budget, brought = self.host.capacity_bytes // 2, 0
-        for page_hash in self.hashes(key, len(key))[start // self.page_tokens :]:
+        hashes = self.hashes(key, len(key))
+        for index in range(start // self.page_tokens, len(hashes)):
+            page_hash = hashes[index]
             with self.lock:
                 if page_hash in self.host:
                     continue
-            page, tier = self._read_disk(page_hash)
+            label = self.label(key, hashes, index)
+            page, tier = self._read_disk(page_hash, label)
             if page is None or tier is None:
                 break
             budget -= int(page.numel() * page.element_size())
             if budget < 0:
                 break
             with self.lock:
-                self._to_host(page_hash, page)
+                self._to_host(page_hash, page, label)
                 if page_hash in self.host:
                     self._prefetched.add(page_hash)
                     self.stats.pages_prefetched += 1

@@ -12,13 +12,18 @@ events are tagged maps (``"type"`` is the class name):
     {"type": "AllBlocksCleared"}
 
 ``namespace`` and ``shared_len`` are ours: a peer decoder skips keys it does
-not know. ``medium`` is vLLM's: None for the KV pool, ``"cpu"`` / ``"disk"`` when a
-block is copied down into the host or disk cache tier (``--hicache-size``,
-``--cache-dir``), and when that tier drops it (``BlockRemoved`` with that medium:
-a tier knows only the page hash then, so a drop is announced only when ``B`` is
-the tier page, 16 tokens for cache pages up to 16; a page that L2 spills to L3
-is not announced as stored on disk, for the same reason). ``BlockMirror`` tracks
-the pool only: a tier's events never touch it. Blocks are whole runs of ``B`` tokens
+not know. ``medium`` is vLLM's: None for the KV pool, ``"cpu"`` / ``"disk"`` for the host
+and disk cache tiers (``--hicache-size``, ``--cache-dir``). A tier announces
+every page it gains (copied from the pool, spilled from L2 to L3, prefetched from
+L3 into L2) as a ``BlockStored`` with its parent hash and tokens, as vLLM's
+self-describing offloading events do, and every page it drops as a ``BlockRemoved``;
+both at each publish and only if the tier's state then differs from what was
+announced, so a consumer that keeps one set per medium holds exactly what each
+tier holds (pages already on disk at a restart are never announced: their files
+hold no tokens). Tier events go out only when ``B`` is the tier page (16 tokens
+for cache pages up to 16: the default), as a tier page's hash is a block hash at
+that size only. ``AllBlocksCleared`` clears the pool; a tier announces its own
+removals. ``BlockMirror`` tracks the pool only: a tier's events never touch it. Blocks are whole runs of ``B`` tokens
 (16 by default, whatever the cache's page size), announced once all their tokens
 are cached and removed as soon as one is evicted. A hash is the first 8 bytes, as a signed big-endian
 int64, of the chained 16-byte page hash of ``radixserve.cache.key.page_hashes``:
@@ -38,7 +43,7 @@ import time
 
 import msgspec
 
-from radixserve.cache.events import KVEvent
+from radixserve.cache.events import KVEvent, PageLabel
 from radixserve.cache.key import RadixKey
 
 END_SEQ = -1  # the seq frame of the message that ends a replay (empty topic and payload)
@@ -93,10 +98,12 @@ def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
     """One cache event as a wire event at ``block_size`` (None if it covers no whole block)."""
     if event.kind == "clear":
         return AllBlocksCleared()
-    if event.page_hash is not None:  # a tier dropped a page: its hash is a wire hash only at its own size
-        return (
-            BlockRemoved([wire_hash(event.page_hash)], medium=event.medium) if event.page_size == block_size else None
-        )
+    if event.page_hash is not None:  # one tier page: its hash is a wire hash only at its own size
+        if event.page_size != block_size:
+            return None
+        if event.label is None:
+            return BlockRemoved([wire_hash(event.page_hash)], medium=event.medium)
+        return page_record(event.page_hash, event.label, event.medium)
     first = event.start // block_size
     # The chain up to the event's end: its tail is the event's blocks, the one before is their parent.
     chain = list(itertools.islice(event.key.page_hashes(block_size), max(first - 1, 0), None))
@@ -113,6 +120,19 @@ def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
         namespace=event.key.extra_key,
         shared_len=event.key.shared_len,
         medium=event.medium,
+    )
+
+
+def page_record(page_hash: bytes, label: PageLabel, medium: str | None) -> BlockStored:
+    """One tier page stored, as complete as a pool block's record (parent, tokens, namespace)."""
+    return BlockStored(
+        block_hashes=[wire_hash(page_hash)],
+        parent_block_hash=wire_hash(label.parent_hash) if label.parent_hash is not None else None,
+        token_ids=label.token_ids.tolist(),
+        block_size=len(label.token_ids),
+        namespace=label.extra_key,
+        shared_len=label.shared_len,
+        medium=medium,
     )
 
 

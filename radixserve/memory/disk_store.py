@@ -1,28 +1,20 @@
 """DiskPageStore: the L3 tier, one checksummed file per tier page under a cache directory.
 
-    <dir>/fingerprint.json      what wrote these pages: weights, dtype, page size, tokenizer, KV layout
-    <dir>/lock                  flock'ed by the one server that may write (others read only)
-    <dir>/pages/ab/abcd...kv    64-byte header (magic, page hash, fingerprint digest, payload
-                                checksum, payload length) + the page's raw K/V bytes
+The directory (lock, fingerprint, warm-restart scan) is opened by ``disk_dir``; each page
+file's format and checks are ``disk_format``'s. This module keeps the index of pages (LRU
+order, bounded in bytes) and the writer thread.
 
-Safety before speed: a directory whose fingerprint differs from ours is not used
-at all (one log line); a page is returned only if its header names this page and
-this fingerprint and its checksum matches, else it is dropped and counted. Files
-appear by rename, so a crash mid-write leaves a stray temp file, never a torn page.
-Writes run on a writer thread (the step loop only enqueues); disk full or an
-unwritable directory turns writing off with one warning and fails no request.
+Safety before speed: a page is returned only if its file passes ``decode_page``, else it
+is dropped and counted. Writes run on a writer thread (the step loop only enqueues); disk
+full or an unwritable directory turns writing off with one warning and fails no request.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
-import hashlib
-import json
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -31,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from radixserve.memory.disk_dir import check_fingerprint, scan_pages, take_lock
+from radixserve.memory.disk_format import decode_page, encode_page, fingerprint_digest, page_path, write_atomic
 
-MAGIC = b"RSKVPG01"
-HEADER = struct.Struct("<8s16s16s16sQ")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,10 +39,6 @@ class DiskStats:
     missing: int = 0  # indexed but gone when read (deleted under us)
     write_errors: int = 0
     evicted: int = 0  # deleted to stay within the capacity
-
-
-def fingerprint_digest(fingerprint: dict[str, Any]) -> bytes:
-    return hashlib.blake2b(json.dumps(fingerprint, sort_keys=True).encode(), digest_size=16).digest()
 
 
 class DiskPageStore:
@@ -78,70 +66,18 @@ class DiskPageStore:
             logger.warning("cache dir %s unusable (%s): running without the disk tier", self.directory, exc)
             self.enabled = self.writable = False
 
-    # ---- opening ----------------------------------------------------------------------------
-
     def _open(self) -> None:
-        (self.directory / "pages").mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self.writable = True
-        except BlockingIOError:
-            logger.warning("cache dir %s is locked by another server: using it read-only", self.directory)
-        if not self._check_fingerprint():
+        self._lock_fd, self.writable = take_lock(self.directory)
+        if not check_fingerprint(self.directory, self.fingerprint, self.writable, self._write_file):
             self.writable = False
             return
         self.enabled = True
-        self._rebuild_index()
+        for page_hash, size in scan_pages(self.directory, self.writable):
+            self._index[page_hash] = size
+            self.used_bytes += size
         if self.writable:
             self._writer = threading.Thread(target=self._write_loop, name="cache-dir-writer", daemon=True)
             self._writer.start()
-
-    def _check_fingerprint(self) -> bool:
-        path = self.directory / "fingerprint.json"
-        if not path.exists():
-            if not self.writable:
-                return False
-            self._write_file(path, json.dumps(self.fingerprint, sort_keys=True, indent=1).encode())
-            return True
-        try:
-            theirs = json.loads(path.read_text())
-        except (OSError, ValueError):
-            theirs = None
-        if theirs != self.fingerprint:
-            differs = sorted(
-                k for k in {**self.fingerprint, **(theirs or {})} if (theirs or {}).get(k) != self.fingerprint.get(k)
-            )
-            logger.warning(
-                "cache dir %s was written for another model or layout (differs in %s): not using it",
-                self.directory,
-                differs,
-            )
-            return False
-        return True
-
-    def _rebuild_index(self) -> None:
-        """Index the page files already there (a warm restart), oldest first."""
-        start, found = time.monotonic(), []
-        for path in (self.directory / "pages").glob("*/*"):
-            if path.suffix == ".kv" and len(path.stem) == 32:
-                stat = path.stat()
-                found.append((stat.st_mtime, bytes.fromhex(path.stem), stat.st_size))
-            elif self.writable and path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)  # a write a crash interrupted
-            if len(found) % 10000 == 0 and found:
-                logger.info("cache dir %s: indexing, %d pages so far", self.directory, len(found))
-        for _, page_hash, size in sorted(found):
-            self._index[page_hash] = size
-            self.used_bytes += size
-        logger.info(
-            "cache dir %s: %d pages (%.1f MiB) indexed in %.2f s%s",
-            self.directory,
-            len(found),
-            self.used_bytes / 2**20,
-            time.monotonic() - start,
-            "" if self.writable else " (read-only)",
-        )
 
     # ---- the tier interface -----------------------------------------------------------------
 
@@ -179,7 +115,7 @@ class DiskPageStore:
             self._count(missing=1)
             self._forget(page_hash, unlink=False)
             return None
-        payload = self._verify(page_hash, data)
+        payload = decode_page(page_hash, self.digest, data)
         if payload is None:
             self._count(corrupt=1)
             logger.warning("cache dir page %s failed its check: dropped, will be recomputed", page_hash.hex())
@@ -187,12 +123,6 @@ class DiskPageStore:
             return None
         self._count(pages_read=1, bytes_read=len(payload))
         return payload
-
-    def _count(self, **deltas: int) -> None:
-        """Add to the counters under the mutex: the step loop, the writer and the prefetcher all count."""
-        with self._mutex:
-            for name, delta in deltas.items():
-                setattr(self.stats, name, getattr(self.stats, name) + delta)
 
     def state(self, page_hash: bytes) -> str:
         """This page's L3 state: ``queued`` (bytes held for the writer), ``on_disk`` or ``absent``."""
@@ -223,18 +153,18 @@ class DiskPageStore:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _path(self, page_hash: bytes) -> Path:
-        name = page_hash.hex()
-        return self.directory / "pages" / name[:2] / f"{name}.kv"
+    def _count(self, **deltas: int) -> None:
+        """Add to the counters under the mutex: the step loop, the writer and the prefetcher all count."""
+        with self._mutex:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
 
-    def _verify(self, page_hash: bytes, data: bytes) -> bytes | None:
-        if len(data) < HEADER.size:
-            return None
-        magic, stored_hash, digest, checksum, length = HEADER.unpack_from(data)
-        payload = data[HEADER.size :]
-        if (magic, stored_hash, digest, length) != (MAGIC, page_hash, self.digest, len(payload)):
-            return None
-        return payload if hashlib.blake2b(payload, digest_size=16).digest() == checksum else None
+    def _path(self, page_hash: bytes) -> Path:
+        return page_path(self.directory, page_hash)
+
+    def _write_file(self, path: Path, data: bytes) -> None:
+        """Every file this store writes goes through here (tests inject disk faults at this point)."""
+        write_atomic(path, data)
 
     def _forget(self, page_hash: bytes, unlink: bool) -> None:
         with self._mutex:
@@ -257,8 +187,7 @@ class DiskPageStore:
                 self._queue.task_done()
 
     def _write_page(self, page_hash: bytes, payload: bytes) -> None:
-        checksum = hashlib.blake2b(payload, digest_size=16).digest()
-        data = HEADER.pack(MAGIC, page_hash, self.digest, checksum, len(payload)) + payload
+        data = encode_page(page_hash, self.digest, payload)
         written = False
         try:
             if self.writable:
@@ -285,18 +214,6 @@ class DiskPageStore:
                 old = next(iter(self._index))
             self._forget(old, unlink=True)
             self._count(evicted=1)
-
-    def _write_file(self, path: Path, data: bytes) -> None:
-        """Atomically create ``path`` holding ``data`` (a temp file, then a rename)."""
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as file:
-                file.write(data)
-            os.replace(tmp, path)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
 
     def _disable_writes(self, exc: OSError) -> None:
         self._count(write_errors=1)

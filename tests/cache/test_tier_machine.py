@@ -8,8 +8,8 @@ whole tier page the tree ever held is in L1 or below, so a request gets the
 longest run of such pages. With a tiny L2 spilling to a bounded disk it checks
 that nothing is invented, every page is in one state per tier, host bytes and
 KV slots are conserved, and locked prefixes survive the evictions a load causes.
-KV events follow: every page announced in a tier (stores minus drops, with
-their medium) is in that tier after each drain.
+KV events follow: after each drain, the pages announced in a tier (stores
+minus drops, with their medium) are exactly the pages that tier holds.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from radixserve.cache import CacheReq, RadixCache, RadixKey
 from radixserve.cache.radix_check import check_slot_conservation
 from radixserve.cache.tiers import TierIndex
-from radixserve.kv_events.wire import BlockRemoved, BlockStored, event_record, wire_hash
+from radixserve.kv_events.wire import AllBlocksCleared, BlockRemoved, event_record, wire_hash
 from radixserve.memory import TokenAllocator
 from radixserve.memory.disk_store import DiskPageStore
 from radixserve.memory.host_arena import HostArena
@@ -205,7 +205,11 @@ class TierMachine(RuleBasedStateMachine):
         self.check_events()
 
     def check_events(self) -> None:
-        """The tiers' KV events, drained now, name only pages the tiers hold (a tier page is one block)."""
+        """A subscriber keeping one set per tier from the KV events, drained now, holds exactly each tier's pages.
+
+        Exactly: every tier page is one block here, and a page is never announced stored twice or removed
+        when it was not announced (what a reference-counting consumer needs).
+        """
         tiers, events = self.cache.tiers, self.cache.events
         assert tiers is not None and tiers.host is not None and events is not None
         with tiers.lock:  # no prefetch changes L2 or queues disk writes meanwhile
@@ -213,13 +217,15 @@ class TierMachine(RuleBasedStateMachine):
                 assert tiers.disk.flush(30)  # the writer is idle: no disk drop races the drain
             for event in events.drain():
                 record = event_record(event, self.tier_page)
-                if isinstance(record, BlockStored) and record.medium is not None:
-                    self.announced[record.medium].update(record.block_hashes)
-                elif isinstance(record, BlockRemoved) and record.medium is not None:
-                    self.announced[record.medium].difference_update(record.block_hashes)
-            assert self.announced["cpu"] <= {wire_hash(h) for h in tiers.host.hashes()}
+                if record is None or isinstance(record, AllBlocksCleared) or record.medium is None:
+                    continue
+                (block,) = record.block_hashes
+                mirror = self.announced[record.medium]
+                assert (block in mirror) == isinstance(record, BlockRemoved), record
+                mirror.symmetric_difference_update({block})
+            assert self.announced["cpu"] == {wire_hash(h) for h in tiers.host.hashes()}
             on_disk = {wire_hash(h) for h in tiers.disk._index} if tiers.disk is not None else set()
-            assert self.announced["disk"] <= on_disk
+            assert self.announced["disk"] == on_disk
 
     def teardown(self) -> None:
         for req in self.live:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from radixserve.cache import RadixCache, RadixKey
+from radixserve.cache import KVEvent, RadixCache, RadixKey
 from radixserve.cache.tiers import TierIndex
 from radixserve.kv_events.wire import (
     AllBlocksCleared,
@@ -17,9 +17,11 @@ from radixserve.kv_events.wire import (
     decode_batch,
     encode_batch,
     event_record,
+    wire_hash,
 )
 from radixserve.memory import TokenAllocator
-from radixserve.memory.disk_store import HEADER, DiskPageStore
+from radixserve.memory.disk_format import HEADER
+from radixserve.memory.disk_store import DiskPageStore
 from radixserve.memory.host_arena import HostArena
 from radixserve.memory.kv_pages import PoolPageMover
 from radixserve.memory.kv_pool import KVPool
@@ -67,25 +69,71 @@ def _tier_removals(wire: list[BlockStored | BlockRemoved | AllBlocksCleared]) ->
     return [(e.medium, e.block_hashes) for e in wire if isinstance(e, BlockRemoved) and e.medium is not None]
 
 
+class MediumMirror:
+    """A subscriber's view of every medium, from wire events: exact, or it raises (a page stored twice, a removal
+    of a page it never saw). ``AllBlocksCleared`` clears the pool only: the tiers announce their own removals."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str | None, set[int]] = {None: set(), "cpu": set(), "disk": set()}
+        self.stored: dict[int, BlockStored] = {}  # a tier page's last BlockStored
+
+    def apply(self, wire: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> None:
+        for event in wire:
+            if isinstance(event, AllBlocksCleared):
+                self.blocks[None].clear()
+                continue
+            blocks = self.blocks[event.medium]
+            for block in event.block_hashes:
+                if event.medium is not None:  # the pool announces a shared block once per path: no count there
+                    assert (block in blocks) == isinstance(event, BlockRemoved), (event, blocks)
+                if isinstance(event, BlockStored):
+                    blocks.add(block)
+                    self.stored[block] = event
+                else:
+                    blocks.discard(block)
+
+
+def _tier_blocks(tiers: TierIndex) -> dict[str, set[int]]:
+    """What the tiers hold now, as wire hashes per medium."""
+    host = {wire_hash(h) for h in tiers.host.hashes()} if tiers.host is not None else set()
+    disk = {wire_hash(h) for h in tiers.disk._index} if tiers.disk is not None else set()
+    return {"cpu": host, "disk": disk}
+
+
+def _page_record(tokens: np.ndarray, index: int, medium: str) -> BlockStored:
+    """The BlockStored of page ``index`` as the tier would announce it straight from the pool (the key's own event)."""
+    event = KVEvent(0, "store", index * 16, RadixKey(tokens[: (index + 1) * 16]), 16, medium)
+    record = event_record(event, 16)
+    assert isinstance(record, BlockStored)
+    return record
+
+
 def test_a_page_the_host_tier_drops_is_announced_once_with_medium_cpu() -> None:
     cache = RadixCache(TokenAllocator(32), 1, enable_kv_events=True)
     cache.tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, HostArena(PAGE_BYTES), None)
     cache.tiers.events = cache.events
-    tokens = np.arange(3, 35, dtype=np.int64)
-    _cached_and_evicted(cache, tokens)  # both pages go to L2, which holds one: the first is dropped
+    a, b = np.arange(3, 19, dtype=np.int64), np.arange(50, 66, dtype=np.int64)  # one page each
+    (first,), (second,) = block_hashes(RadixKey(a), 16), block_hashes(RadixKey(b), 16)
+    mirror = MediumMirror()
+    _cached_and_evicted(cache, a)  # L2 holds one page: a's
+    mirror.apply(_wire(cache))
+    assert mirror.blocks["cpu"] == {first} == _tier_blocks(cache.tiers)["cpu"]
+    _cached_and_evicted(cache, b)  # b's page pushes a's out of L2
     wire = _wire(cache)
-    first, second = [e.block_hashes for e in wire if isinstance(e, BlockStored) and e.medium == "cpu"]
-    assert _tier_removals(wire) == [("cpu", first)]
-    assert cache.tiers.page_states(cache.tiers.hashes(RadixKey(tokens), 32)[0]) == (False, "absent")
-    # Twice more before a drain: each page is dropped and stored again in turn, and L2 ends with the first.
-    _cached_and_evicted(cache, tokens)
-    _cached_and_evicted(cache, tokens)
+    assert _tier_removals(wire) == [("cpu", [first])]
+    mirror.apply(wire)
+    assert mirror.blocks["cpu"] == {second} == _tier_blocks(cache.tiers)["cpu"]
+    # Three more before a drain: each page is dropped and stored again in turn; L2 ends with a's, and the
+    # drain announces only that difference (no churn, nothing stored twice).
+    for tokens in (a, b, a):
+        _cached_and_evicted(cache, tokens)
     assert cache.events is not None
-    drops = [e for e in cache.events.drain() if e.page_hash is not None]
-    assert [event_record(e, 32) for e in drops] == [None]  # a 16-token page has no hash at another block size
-    removals = decode_batch(encode_batch([event_record(e, 16) for e in drops])).events
-    assert _tier_removals(removals) == [("cpu", second)]  # the first was dropped too, but is back: not gone
-    assert [cache.tiers.page_states(h)[0] for h in cache.tiers.hashes(RadixKey(tokens), 32)] == [True, False]
+    tier_events = [e for e in cache.events.drain() if e.page_hash is not None]
+    assert [event_record(e, 32) for e in tier_events] == [None, None]  # a 16-token page has no hash at 32
+    wire = decode_batch(encode_batch([event_record(e, 16) for e in tier_events])).events
+    assert [(type(e).__name__, e.block_hashes) for e in wire] == [("BlockRemoved", [second]), ("BlockStored", [first])]
+    mirror.apply(wire)
+    assert mirror.blocks["cpu"] == {first} == _tier_blocks(cache.tiers)["cpu"]
 
 
 def test_a_page_the_disk_writer_evicts_is_announced_at_the_next_drain_with_medium_disk(tmp_path: Path) -> None:
@@ -93,16 +141,81 @@ def test_a_page_the_disk_writer_evicts_is_announced_at_the_next_drain_with_mediu
     disk = DiskPageStore(tmp_path, HEADER.size + PAGE_BYTES, {"model": "test"})  # room for one page file
     cache.tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, None, disk)
     cache.tiers.events = cache.events
+    a, b = np.arange(3, 19, dtype=np.int64), np.arange(50, 66, dtype=np.int64)  # one page each
+    (first,), (second,) = block_hashes(RadixKey(a), 16), block_hashes(RadixKey(b), 16)
+    mirror = MediumMirror()
     try:
-        _cached_and_evicted(cache, np.arange(3, 35, dtype=np.int64))
-        assert disk.flush(60)  # the writer thread wrote the first page, then evicted it for the second
+        _cached_and_evicted(cache, a)
+        mirror.apply(_wire(cache))  # queued for the writer counts as held
+        assert mirror.blocks["disk"] == {first}
+        assert disk.flush(60)
+        _cached_and_evicted(cache, b)
+        assert disk.flush(60)  # the writer thread wrote b's page and evicted a's for it
         assert disk.stats.evicted == 1 and len(disk) == 1
         wire = _wire(cache)
+        assert _tier_removals(wire) == [("disk", [first])]
+        mirror.apply(wire)
+        assert mirror.blocks["disk"] == {second} == _tier_blocks(cache.tiers)["disk"]
     finally:
         cache.tiers.close(5)
-    first, _ = [e.block_hashes for e in wire if isinstance(e, BlockStored) and e.medium == "disk"]
-    assert _tier_removals(wire) == [("disk", first)]
     assert _wire(cache) == []  # announced once
+
+
+def test_a_page_the_host_tier_spills_to_disk_is_announced_as_stored_on_disk(tmp_path: Path) -> None:
+    cache = RadixCache(TokenAllocator(48), 1, enable_kv_events=True)
+    disk = DiskPageStore(tmp_path, 1 << 20, {"model": "test"})
+    cache.tiers = TierIndex(PoolPageMover(KVPool(1, 49, 1, 2), 16), 16, HostArena(2 * PAGE_BYTES), disk)
+    cache.tiers.events = cache.events
+    tokens = np.arange(3, 51, dtype=np.int64)  # three pages
+    hashes = block_hashes(RadixKey(tokens), 16)
+    mirror = MediumMirror()
+    try:
+        _cached_and_evicted(cache, tokens)  # all three into L2, in order: the third spills the first to disk
+        assert disk.flush(60)
+        mirror.apply(_wire(cache))
+        assert {m: b for m, b in mirror.blocks.items() if m} == _tier_blocks(cache.tiers)
+        assert mirror.blocks["disk"] == {hashes[0]} and mirror.blocks["cpu"] == set(hashes[1:])
+        # The spilled page is announced exactly as a copy straight from the pool would be: parent, tokens, size.
+        assert mirror.stored[hashes[0]] == _page_record(tokens, 0, "disk")
+        assert mirror.stored[hashes[2]] == _page_record(tokens, 2, "cpu")
+        assert mirror.stored[hashes[2]].parent_block_hash == hashes[1]
+        # A queued request prefetches the first page back into L2, which spills the second to disk.
+        assert cache.tiers.prefetch(RadixKey(tokens), 0) == 1
+        assert disk.flush(60)
+        mirror.apply(_wire(cache))
+        assert mirror.blocks["cpu"] == {hashes[0], hashes[2]} and mirror.blocks["disk"] == set(hashes[:2])
+        assert {m: b for m, b in mirror.blocks.items() if m} == _tier_blocks(cache.tiers)
+        assert mirror.stored[hashes[0]] == _page_record(tokens, 0, "cpu")
+        assert mirror.stored[hashes[1]] == _page_record(tokens, 1, "disk")
+    finally:
+        cache.tiers.close(5)
+
+
+def test_pages_on_disk_at_a_restart_are_announced_when_first_read(tmp_path: Path) -> None:
+    tokens = np.arange(3, 35, dtype=np.int64)
+    before = RadixCache(TokenAllocator(32), 1)
+    before.tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, None, DiskPageStore(tmp_path, 1 << 20, {}))
+    _cached_and_evicted(before, tokens)
+    before.tiers.close(30)
+    cache = RadixCache(TokenAllocator(32), 1, enable_kv_events=True)
+    cache.tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, None, DiskPageStore(tmp_path, 1 << 20, {}))
+    cache.tiers.events = cache.events
+    try:
+        assert _wire(cache) == []  # a page file holds no tokens: nothing to announce yet
+        req = cache.open_request(RadixKey(tokens))  # loads both pages back from disk
+        assert len(req.key) == 32
+        cache.cache_finished_req(req)
+        wire = _wire(cache)
+        assert [(e.medium, e.block_hashes) for e in wire if isinstance(e, BlockStored) and e.medium] == [
+            ("disk", block_hashes(RadixKey(tokens), 16)[:1]),
+            ("disk", block_hashes(RadixKey(tokens), 16)[1:]),
+        ]
+        assert [e for e in wire if isinstance(e, BlockStored) and e.medium] == [
+            _page_record(tokens, 0, "disk"),
+            _page_record(tokens, 1, "disk"),
+        ]
+    finally:
+        cache.tiers.close(5)
 
 
 def test_the_pool_mirror_keeps_a_block_the_pool_holds_when_a_tier_drops_its_copy() -> None:
@@ -114,8 +227,9 @@ def test_the_pool_mirror_keeps_a_block_the_pool_holds_when_a_tier_drops_its_copy
     req = cache.open_request(RadixKey(tokens))
     assert cache.extend_request(req, tokens)
     cache.cache_finished_req(req)  # in the pool and, written through, in L2
-    cache.tiers.clear_host()
     wire = _wire(cache)
+    cache.tiers.clear_host()
+    wire += _wire(cache)
     pool = block_hashes(RadixKey(tokens), 16)
     assert sorted(h for _, hashes in _tier_removals(wire) for h in hashes) == sorted(pool)
     mirror = BlockMirror()
@@ -136,3 +250,53 @@ def test_a_read_only_disk_tier_announces_no_copies_it_did_not_take(tmp_path: Pat
     finally:
         cache.tiers.close(5)
         owner.close(0)
+
+
+def test_a_subscriber_sees_each_tier_exactly_after_a_run_that_spills_and_drops(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from radixserve import Engine
+    from radixserve.kv_events.publisher import KVEventPublisher
+    from radixserve.kv_events.subscriber import KVEventSubscriber
+    from tests.server.test_kv_events import drain, expected_blocks, workload
+
+    probe = Engine.create(model_path=str(tiny_model_dir), max_total_tokens=128, hicache_size=0.001)
+    assert probe.cache.tiers is not None
+    page_bytes = probe.cache.tiers.mover.layout.page_bytes  # type: ignore[attr-defined]
+    gib = float(1 << 30)
+    engine = Engine.create(  # L2 of 4 pages, L3 of 8: both spill and drop all the time
+        model_path=str(tiny_model_dir),
+        max_total_tokens=128,
+        enable_kv_events=True,
+        hicache_size=4 * page_bytes / gib,
+        cache_dir=str(tmp_path / "kv"),
+        cache_dir_size=8 * (page_bytes + HEADER.size) / gib,
+    )
+    tiers, events = engine.cache.tiers, engine.cache.events
+    assert tiers is not None and tiers.disk is not None and events is not None
+    publisher = KVEventPublisher(f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/events.replay", block_size=16)
+    subscriber = KVEventSubscriber(f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/events.replay")
+    mirror = MediumMirror()
+    try:
+        for prompt, ns in workload(3, 60):
+            engine.scheduler.add(engine.make_request(prompt, {"max_new_tokens": 4, "ignore_eos": True}, ns))
+            while engine.scheduler.has_work():
+                engine.step()
+                tiers.disk.flush(60)  # the writer's drops land before this drain, not in the next one
+                batch = events.drain()
+                publisher.publish(batch)
+                mirror.apply([r for r in (event_record(e, 16) for e in batch) if r is not None])
+        assert tiers.prefetcher is None or tiers.prefetcher.wait_idle(60)  # a prefetch may still be filling L2
+        assert tiers.disk.flush(60)
+        batch = events.drain()
+        publisher.publish(batch)
+        mirror.apply([r for r in (event_record(e, 16) for e in batch) if r is not None])
+        assert tiers.disk.stats.evicted > 0 and tiers.stats.bytes_stored["disk"] > 0  # L2 spilled, L3 dropped
+        assert {m: b for m, b in mirror.blocks.items() if m} == _tier_blocks(tiers)
+        drain(subscriber, publisher)
+        assert subscriber.blocks == expected_blocks(engine.cache)  # type: ignore[arg-type]  # the pool, as before
+        assert mirror.blocks[None] == subscriber.blocks
+    finally:
+        subscriber.close()
+        publisher.close()
+        engine.close(30)

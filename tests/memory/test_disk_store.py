@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.memory.disk_store import HEADER, DiskPageStore
+from radixserve.memory.disk_format import HEADER
+from radixserve.memory.disk_store import DiskPageStore
 
 FINGERPRINT = {"weights": "abc", "dtype": "float32", "page_tokens": 16}
 

@@ -1,0 +1,66 @@
+"""KV events for the lower cache tiers: what L2 (host, medium ``cpu``) and L3 (disk, ``disk``) gain and lose.
+
+A tier page changes on three threads (the step loop copies pages down, the disk
+writer evicts and fails, the prefetcher brings disk pages into L2), and the event
+log is the step loop's alone. So a change only enters a thread-safe inbox
+(``stored`` / ``dropped``: deque appends are atomic), and at every drain of the
+log, on the step loop, ``announce`` reconciles: for each page touched since the
+last drain, a store if its tier holds it now and it was not announced, a removal
+if its tier lacks it now and it was announced. What a consumer rebuilds per
+medium is then exactly each tier's contents at the drain, however the changes
+raced in between (a page dropped and stored again announces nothing), and it
+never sees a page stored twice or removed twice.
+
+The cost, with events on only: one set of announced page hashes per tier (16
+bytes a page, next to pages of tens of KiB) and a ``PageLabel`` per stored page
+in flight to the drain.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Literal
+
+from radixserve.cache.events import KVEventLog, PageLabel
+
+Medium = Literal["cpu", "disk"]  # vLLM's names for the tiers on the wire
+
+
+class TierAnnouncer:
+    def __init__(self, log: KVEventLog, page_tokens: int, holds: Callable[[bytes, Medium], bool]) -> None:
+        """``holds(page_hash, medium)``: whether that tier holds the page now (thread-safe)."""
+        self.log = log
+        self.page_tokens = page_tokens
+        self._holds = holds
+        self._inbox: deque[tuple[bytes, Medium, PageLabel | None]] = deque()
+        self._announced: dict[Medium, set[bytes]] = {"cpu": set(), "disk": set()}
+        log.add_source(self.announce)
+
+    def stored(self, page_hash: bytes, medium: Medium, label: PageLabel) -> None:
+        """The tier ``medium`` took the page (any thread): announce it at the next drain if it still holds it."""
+        self._inbox.append((page_hash, medium, label))
+
+    def dropped(self, page_hash: bytes, medium: Medium) -> None:
+        """The tier ``medium`` let the page go (any thread): announce it at the next drain if it still lacks it."""
+        self._inbox.append((page_hash, medium, None))
+
+    def announced(self, medium: Medium) -> set[bytes]:
+        """The pages announced as held by ``medium`` (a copy): what an exact subscriber holds."""
+        return set(self._announced[medium])
+
+    def announce(self) -> None:
+        """At a drain (step loop): record the difference between each touched page's tier and what was announced."""
+        touched: dict[tuple[bytes, Medium], PageLabel | None] = {}  # first touch first: parents before children
+        while self._inbox:
+            page_hash, medium, label = self._inbox.popleft()
+            if label is not None or (page_hash, medium) not in touched:
+                touched[page_hash, medium] = label
+        for (page_hash, medium), label in touched.items():
+            held, announced = self._holds(page_hash, medium), self._announced[medium]
+            if held and page_hash not in announced and label is not None:
+                announced.add(page_hash)
+                self.log.record_page(page_hash, label, medium)
+            elif not held and page_hash in announced:
+                announced.discard(page_hash)
+                self.log.record_drop(page_hash, self.page_tokens, medium)
