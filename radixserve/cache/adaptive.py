@@ -1,4 +1,4 @@
-"""The adaptive eviction candidate set: deepest first below the top level; recency or frequency learned from ghosts.
+"""The adaptive eviction candidate set: deepest first below the top level; recency or frequency learned online.
 
 A leaf's depth is the number of tokens above its first token. Below the top
 level (depth > 0, under a cached prefix) the deepest leaf goes first. A deep
@@ -22,24 +22,33 @@ Top-level leaves (nothing cached above them) are the roots of whatever comes:
 a thought tree's root, a group's system prompt, but also a one-off prompt that
 shares nothing. Depth cannot tell those apart, so the two groups' best are
 compared by recency: the top level's is evicted when its shifted access time
-plus ``top_shift`` is below the deepest leaf's. ``top_shift`` is learned like
-``shift``: a ghost hit on a top-level leaf grows it (roots come back: keep
-them longer), one below shrinks it (the deep-first order erred), up to 16
+plus ``top_shift`` is below the deepest leaf's. ``top_shift`` is learned from
+ghosts (below): a ghost hit on a top-level leaf grows it (roots come back:
+keep them longer), one below shrinks it (the deep-first order erred), up to 16
 horizons. One-off prompts beside conversations drive it to 0 (plain recency
 across the groups); thought trees drive it up.
 
-The shift is learned from ghosts, as in ARC: every evicted leaf leaves a ghost
-(its heap, hit count, eviction time and length) under its place in the tree
-(parent id, first page); ghosts hold at most ``ghost_capacity_len`` tokens (the pool's
-size), oldest forgotten first. A lookup that stops exactly where a ghost would
-have continued is a miss the other ranking might have avoided. A ghost of a
-reused class says "frequency mattered": the shift grows; a ghost of class 0
-says "recency mattered": it shrinks. Each step is ``learning_rate`` x the ghost
-horizon (how long ago the oldest remembered ghost was evicted: the time scale
-of this cache's turnover, in the tree's clock units) x the ghost's share of
-its side's ghost tokens, so a hit among few ghosts moves the shift as much as
-many hits among many (ARC's ratio): the shift settles where a remembered token
-of either side is as likely to come back. It stays within [0, 4 horizons].
+The shift is learned from duels (duels.py): when the shifted order evicts a
+leaf where plain recency (shift 0) or frequency by class (no bound) would
+have evicted another leaf of the same depth, whichever of the two places a
+request reaches first votes for the order that would have kept it. Each vote
+multiplies the shift, counted in ghost horizons (how long ago the oldest
+remembered ghost was evicted: this cache's turnover, in the tree's clock
+units), by 2**``learning_rate`` up or down, within [1/64, 16] horizons; at
+the floor it is 0 (LRU within a depth). It starts at one horizon. A duel sees
+the leaf that was kept, which ghost hits never do: stale counts (a popularity
+that moved on) are unlearned as soon as the fresh leaves evicted in their
+place come back first. (Ghost hits alone, ARC's signal, could not tell a
+shift in popularity from noise: on ``rag-shift`` at seeds 1 and 2 they
+stayed 1.5-2.2 points under LRU; BENCHMARKS §2.)
+
+Ghosts: every evicted leaf leaves a ghost (its
+heap, hit count, eviction time and length) under its place in the tree
+(parent id, first page); ghosts hold at most ``ghost_capacity_len`` tokens
+(the pool's size), oldest forgotten first. A lookup that stops exactly where a
+ghost would have continued moves ``top_shift`` by ``TOP_LEARNING_RATE`` x the
+horizon x the ghost's share of its group's ghost tokens (ARC's ratio), within
+[0, 16 horizons].
 
 Frequency outlives eviction: the node a missed ghost's request inserts at the
 ghost's place starts with the ghost's hit count instead of 0 (the "perfect
@@ -49,9 +58,11 @@ soon as it is back, instead of having to earn its reuses anew. The restored
 count is the node's ``hit_count`` (a radix split copies it to both halves).
 
 Costs: ``add``/``discard``/``refresh`` O(log n) at worst; a pop compares
-``2 * num_classes`` heads (a constant) and pops one heap: evicting k leaves stays
-O(k log n). ``note_miss`` is one dict lookup. The tree keeps each node's depth
-(O(1) per insert or split; a split leaf is re-added at its new depth).
+``2 * num_classes`` heads (a constant), pops one heap and opens at most two
+duels: evicting k leaves stays O(k log n). ``note_miss`` and a ``refresh``
+while duels are open are a dict lookup each (plus the duels they settle). The
+tree keeps each node's depth (O(1) per insert or split; a split leaf is
+re-added at its new depth).
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, Protocol, TypeVar, cast
 
 from radixserve.cache.candidates import CandidateHeap
+from radixserve.cache.duels import Duels
 
 
 class _Ranked(Protocol):
@@ -82,10 +94,11 @@ def hit_class(hit_count: int, num_classes: int) -> int:
 class AdaptiveCandidates(Generic[T]):
     """Unlocked leaves for the ``adaptive`` policy; the interface of ``CandidateHeap`` plus the two shifts."""
 
-    MAX_SHIFT = 4.0  # horizons: beyond that the order is LFU's already, and unlearning would take long
-    MAX_TOP_SHIFT = 16.0  # horizons: tree roots reused across long gaps (thought trees) need more than MAX_SHIFT
+    MIN_SHIFT, MAX_SHIFT = 1 / 64, 16.0  # horizons; at the floor the shift is 0 (LRU within a depth)
+    MAX_TOP_SHIFT = 16.0  # horizons: tree roots are reused across long gaps (thought trees)
     TOP_LEARNING_RATE = 10.0  # top-level ghosts are few and far between: each must move the top shift further
     MAX_REVIVED = 1024  # missed ghosts awaiting their node's return (about one per request in flight)
+    MAX_DUELS = 4096  # open duels (two per eviction at most); the oldest are dropped undecided
 
     def __init__(
         self,
@@ -95,7 +108,7 @@ class AdaptiveCandidates(Generic[T]):
         clock: Callable[[], float],
         ghost_capacity_len: int,
         num_classes: int = 3,
-        learning_rate: float = 3.0,
+        learning_rate: float = 0.25,
     ) -> None:
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
@@ -107,10 +120,11 @@ class AdaptiveCandidates(Generic[T]):
         self._ghosts: OrderedDict[Hashable, tuple[int, float, int, int]] = OrderedDict()
         self._revived: OrderedDict[Hashable, int] = OrderedDict()  # a missed ghost's hit count, until re-inserted
         self._ghost_len, self.ghost_capacity_len = 0, ghost_capacity_len
-        self._side_len = [0, 0]  # ghost tokens of class 0, of every other class
         self._group_len = [0, 0]  # ghost tokens of the top level, of below it
         self.num_classes, self.learning_rate = num_classes, learning_rate
-        self.shift = 0.0  # clock units a leaf outlives one a class below it
+        self._duels = Duels(self.MAX_DUELS)
+        self.shift_horizons = 1.0  # the shift in ghost horizons, learned from duels
+        self.shift = 0.0  # clock units a leaf outlives one a class below it (shift_horizons x the horizon)
         self.top_shift = 0.0  # clock units a top-level leaf outlives the deepest leaf below
 
     def __len__(self) -> int:
@@ -144,18 +158,22 @@ class AdaptiveCandidates(Generic[T]):
             self._heaps[slot].discard(member)
 
     def refresh(self, member: T) -> None:
-        """A hit may move ``member`` up a class; an access alone is handled lazily by its heap."""
+        """An access settles the duels ``member``'s place was in; a hit may move it up a class."""
+        if self._duels:
+            self._learn(self._duels.settle(self._ghost_key(member)), self._clock())
         if member in self._slot and self._slot[member] != self.slot_of(member):
             self.add(member)
 
     def pop(self) -> T | None:
         """Evict the deepest leaf below the top level unless the oldest top-level one is older; remember it."""
+        heads: list[tuple[int, float, float, int]] = []  # per non-empty heap: slot, -depth, last access, tie
         best: list[tuple[float, float, int, int] | None] = [None, None]  # per group: -depth, recency, tie, slot
         for slot, heap in enumerate(self._heaps):
             if heap.peek() is None:
                 continue
             group, cls = divmod(slot, self.num_classes)
             neg_depth, last_access, tie = cast(tuple[float, float, int], heap.peek_key())
+            heads.append((slot, neg_depth, last_access, tie))
             key = (neg_depth, last_access + cls * self.shift, tie, slot)
             if (old := best[group]) is None or key < old:
                 best[group] = key
@@ -167,34 +185,58 @@ class AdaptiveCandidates(Generic[T]):
         member = self._heaps[top[3]].pop()
         assert member is not None
         del self._slot[member]
+        self._open_duels(member, top[3], top[0], heads)
         self._remember(member, top[3])
         return member
 
+    def _open_duels(self, victim: T, slot: int, neg_depth: float, heads: list[tuple[int, float, float, int]]) -> None:
+        """Where recency alone, or frequency by class alone, would have evicted another leaf of this depth."""
+        group = slot // self.num_classes
+        rivals = [h for h in heads if h[0] // self.num_classes == group and h[1] == neg_depth]
+        if len(rivals) < 2:
+            return
+        recency = min(rivals, key=lambda h: (h[2], h[3]))  # shift 0: the oldest goes, whatever its class
+        frequency = min(rivals, key=lambda h: (h[0], h[2], h[3]))  # no bound: the lowest class goes
+        for rival, direction in ((recency, -1), (frequency, +1)):
+            if rival[0] != slot:
+                kept = self._heaps[rival[0]].peek()
+                assert kept is not None
+                self._duels.open(self._ghost_key(victim), self._ghost_key(kept), direction)
+
     def note_miss(self, ghost_key: Hashable, now: float) -> None:
-        """A lookup stopped where an evicted leaf would have continued: learn which ranking erred."""
+        """A lookup stopped where an evicted leaf would have continued: settle its duels, learn the top shift."""
+        if self._duels:
+            self._learn(self._duels.settle(ghost_key), now)
         ghost = self._ghosts.pop(ghost_key, None)
         if ghost is None:
             return
         slot, evicted_at, length, hits = ghost
-        group, cls = divmod(slot, self.num_classes)
         if hits:
             self._revived[ghost_key] = hits
             if len(self._revived) > self.MAX_REVIVED:
                 self._revived.popitem(last=False)
-        side_len, group_len = self._side_len[cls > 0], self._group_len[group]  # this ghost's sides, itself included
+        group = slot // self.num_classes
+        group_len = self._group_len[group]  # this ghost's group, itself included
         self._forget(slot, length)
-        oldest = next(iter(self._ghosts.values()))[1] if self._ghosts else evicted_at
-        horizon = max(now - oldest, 0.0)
-        step = self.learning_rate * horizon * length / max(side_len, 1)
-        if cls:
-            self.shift = min(self.shift + step, self.MAX_SHIFT * horizon)
-        else:
-            self.shift = max(self.shift - step, 0.0)
-        step = self.TOP_LEARNING_RATE * horizon * length / max(group_len, 1)
+        step = self.TOP_LEARNING_RATE * self._horizon(now, evicted_at) * length / max(group_len, 1)
         if group:  # a leaf below the top level came back: the deep-first order erred
             self.top_shift = max(self.top_shift - step, 0.0)
         else:
-            self.top_shift = min(self.top_shift + step, self.MAX_TOP_SHIFT * horizon)
+            self.top_shift = min(self.top_shift + step, self.MAX_TOP_SHIFT * self._horizon(now, evicted_at))
+
+    def _horizon(self, now: float, fallback: float) -> float:
+        """How long ago the oldest remembered ghost was evicted (``fallback`` when none is left)."""
+        oldest = next(iter(self._ghosts.values()))[1] if self._ghosts else fallback
+        return max(now - oldest, 0.0)
+
+    def _learn(self, vote: int, now: float) -> None:
+        """Each duel's vote scales the shift, in horizons, by 2**learning_rate (see the module doc)."""
+        if not vote:
+            return
+        scaled = self.shift_horizons * 2.0 ** (vote * self.learning_rate)
+        self.shift_horizons = min(max(scaled, self.MIN_SHIFT), self.MAX_SHIFT)
+        at_floor = self.shift_horizons <= self.MIN_SHIFT
+        self.shift = 0.0 if at_floor else self.shift_horizons * self._horizon(now, now)
 
     def check(self) -> None:
         for slot, heap in enumerate(self._heaps):
@@ -203,11 +245,12 @@ class AdaptiveCandidates(Generic[T]):
         assert all(s == self.slot_of(m) for m, s in self._slot.items()), "a member sits in a stale heap"
         ghosts = self._ghosts.values()
         assert self._ghost_len == sum(g[2] for g in ghosts), "ghost token count drifted"
-        assert self._side_len[0] == sum(g[2] for g in ghosts if not g[0] % self.num_classes), "cold ghosts drifted"
         assert self._group_len[0] == sum(g[2] for g in ghosts if g[0] < self.num_classes), "top ghosts drifted"
         assert self._ghost_len <= self.ghost_capacity_len or len(self._ghosts) == 1, "ghosts over capacity"
         assert self.shift >= 0.0 and self.top_shift >= 0.0
         assert len(self._revived) <= self.MAX_REVIVED and all(self._revived.values()), "revived counts"
+        assert self.MIN_SHIFT <= self.shift_horizons <= self.MAX_SHIFT
+        self._duels.check()
 
     def _remember(self, member: T, slot: int) -> None:
         key = self._ghost_key(member)
@@ -217,7 +260,6 @@ class AdaptiveCandidates(Generic[T]):
         length, now = self._size(member), self._clock()
         self._ghosts[key] = (slot, now, length, member.hit_count)
         self._ghost_len += length
-        self._side_len[slot % self.num_classes > 0] += length
         self._group_len[slot // self.num_classes] += length
         while self._ghost_len > self.ghost_capacity_len and len(self._ghosts) > 1:
             _, (old_slot, _, forgotten, _) = self._ghosts.popitem(last=False)
@@ -225,7 +267,6 @@ class AdaptiveCandidates(Generic[T]):
 
     def _forget(self, slot: int, length: int) -> None:
         self._ghost_len -= length
-        self._side_len[slot % self.num_classes > 0] -= length
         self._group_len[slot // self.num_classes] -= length
 
 
