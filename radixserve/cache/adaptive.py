@@ -147,6 +147,8 @@ class AdaptiveCandidates(Generic[T]):
             member.hit_count = self._revived.pop(self._ghost_key(member), 0)
         slot = self.slot_of(member)
         old = self._slot.get(member)
+        if old is not None and self._duels.pending:  # re-added after a hit or a split: an access
+            self._settle(member, self._clock())
         if old is not None and old != slot:
             self._heaps[old].discard(member)
         self._slot[member] = slot
@@ -158,55 +160,58 @@ class AdaptiveCandidates(Generic[T]):
             self._heaps[slot].discard(member)
 
     def refresh(self, member: T) -> None:
-        """An access settles the duels ``member``'s place was in; a hit may move it up a class."""
-        if self._duels:
-            self._learn(self._duels.settle(self._ghost_key(member)), self._clock())
+        """An access settles the duels ``member`` was kept in; a hit may move it up a class."""
+        if self._duels.pending:
+            self._settle(member, self._clock())
         if member in self._slot and self._slot[member] != self.slot_of(member):
             self.add(member)
 
     def pop(self) -> T | None:
         """Evict the deepest leaf below the top level unless the oldest top-level one is older; remember it."""
-        heads: list[tuple[int, float, float, int]] = []  # per non-empty heap: slot, -depth, last access, tie
-        best: list[tuple[float, float, int, int] | None] = [None, None]  # per group: -depth, recency, tie, slot
+        best: list[tuple[float, float, int, int] | None] = [None, None]  # per group: -depth, shifted, tie, slot
+        recency: list[tuple[float, float, int, int] | None] = [None, None]  # per group, at shift 0
+        frequency: list[tuple[float, int] | None] = [None, None]  # per group, at shift oo: -depth, slot
         for slot, heap in enumerate(self._heaps):
             if heap.peek() is None:
                 continue
             group, cls = divmod(slot, self.num_classes)
             neg_depth, last_access, tie = cast(tuple[float, float, int], heap.peek_key())
-            heads.append((slot, neg_depth, last_access, tie))
             key = (neg_depth, last_access + cls * self.shift, tie, slot)
             if (old := best[group]) is None or key < old:
                 best[group] = key
-        top, below = best
-        if below is not None and (top is None or below[1] < top[1] + self.top_shift):
-            top = below
-        if top is None:
+            key = (neg_depth, last_access, tie, slot)
+            if (old := recency[group]) is None or key < old:
+                recency[group] = key
+            if (low := frequency[group]) is None or neg_depth < low[0]:  # slots ascend: the lowest class first
+                frequency[group] = (neg_depth, slot)
+        group = 1 if best[1] is not None and (best[0] is None or best[1][1] < best[0][1] + self.top_shift) else 0
+        chosen = best[group]
+        if chosen is None:
             return None
-        member = self._heaps[top[3]].pop()
+        # Where recency alone, or frequency by class alone, would have evicted another leaf (of this
+        # depth: the group's deepest), that leaf is kept in a duel against the victim (duels.py).
+        slot, by_recency, by_frequency = chosen[3], recency[group], frequency[group]
+        kept_by_recency = self._heaps[by_recency[3]].peek() if by_recency and by_recency[3] != slot else None
+        kept_by_frequency = self._heaps[by_frequency[1]].peek() if by_frequency and by_frequency[1] != slot else None
+        member = self._heaps[slot].pop()
         assert member is not None
         del self._slot[member]
-        self._open_duels(member, top[3], top[0], heads)
-        self._remember(member, top[3])
+        ghost_key = self._ghost_key(member)
+        # The victim is known by its ghost key (it comes back as a miss there); a kept leaf by itself while
+        # cached (an access refreshes it, a match inside it splits and re-adds it: no key to compute on the
+        # hot path), and by its ghost key once it is evicted in turn.
+        self._duels.rekey(member, ghost_key)
+        if kept_by_recency is not None:  # the victim was the less-reused: less shift would have kept it
+            self._duels.open(ghost_key, kept_by_recency, -1)
+        if kept_by_frequency is not None:  # the victim was the more-reused: more shift would have kept it
+            self._duels.open(ghost_key, kept_by_frequency, +1)
+        self._remember(member, ghost_key, slot)
         return member
-
-    def _open_duels(self, victim: T, slot: int, neg_depth: float, heads: list[tuple[int, float, float, int]]) -> None:
-        """Where recency alone, or frequency by class alone, would have evicted another leaf of this depth."""
-        group = slot // self.num_classes
-        rivals = [h for h in heads if h[0] // self.num_classes == group and h[1] == neg_depth]
-        if len(rivals) < 2:
-            return
-        recency = min(rivals, key=lambda h: (h[2], h[3]))  # shift 0: the oldest goes, whatever its class
-        frequency = min(rivals, key=lambda h: (h[0], h[2], h[3]))  # no bound: the lowest class goes
-        for rival, direction in ((recency, -1), (frequency, +1)):
-            if rival[0] != slot:
-                kept = self._heaps[rival[0]].peek()
-                assert kept is not None
-                self._duels.open(self._ghost_key(victim), self._ghost_key(kept), direction)
 
     def note_miss(self, ghost_key: Hashable, now: float) -> None:
         """A lookup stopped where an evicted leaf would have continued: settle its duels, learn the top shift."""
-        if self._duels:
-            self._learn(self._duels.settle(ghost_key), now)
+        if self._duels.pending:
+            self._settle(ghost_key, now)
         ghost = self._ghosts.pop(ghost_key, None)
         if ghost is None:
             return
@@ -229,8 +234,9 @@ class AdaptiveCandidates(Generic[T]):
         oldest = next(iter(self._ghosts.values()))[1] if self._ghosts else fallback
         return max(now - oldest, 0.0)
 
-    def _learn(self, vote: int, now: float) -> None:
-        """Each duel's vote scales the shift, in horizons, by 2**learning_rate (see the module doc)."""
+    def _settle(self, key: Hashable, now: float) -> None:
+        """Each vote of the duels ``key`` settles scales the shift, in horizons, by 2**learning_rate."""
+        vote = self._duels.settle(key)
         if not vote:
             return
         scaled = self.shift_horizons * 2.0 ** (vote * self.learning_rate)
@@ -252,8 +258,7 @@ class AdaptiveCandidates(Generic[T]):
         assert self.MIN_SHIFT <= self.shift_horizons <= self.MAX_SHIFT
         self._duels.check()
 
-    def _remember(self, member: T, slot: int) -> None:
-        key = self._ghost_key(member)
+    def _remember(self, member: T, key: Hashable, slot: int) -> None:
         old = self._ghosts.pop(key, None)
         if old is not None:
             self._forget(old[0], old[2])
