@@ -147,8 +147,8 @@ class AdaptiveCandidates(Generic[T]):
             member.hit_count = self._revived.pop(self._ghost_key(member), 0)
         slot = self.slot_of(member)
         old = self._slot.get(member)
-        if old is not None and self._duels.pending:  # re-added after a hit or a split: an access
-            self._settle(member, self._clock())
+        if old is not None and self._duels.pending and (vote := self._duels.settle(member)):
+            self._learn(vote, self._clock())  # re-added after a hit or a split: an access
         if old is not None and old != slot:
             self._heaps[old].discard(member)
         self._slot[member] = slot
@@ -161,8 +161,8 @@ class AdaptiveCandidates(Generic[T]):
 
     def refresh(self, member: T) -> None:
         """An access settles the duels ``member`` was kept in; a hit may move it up a class."""
-        if self._duels.pending:
-            self._settle(member, self._clock())
+        if self._duels.pending and (vote := self._duels.settle(member)):
+            self._learn(vote, self._clock())
         if member in self._slot and self._slot[member] != self.slot_of(member):
             self.add(member)
 
@@ -179,9 +179,10 @@ class AdaptiveCandidates(Generic[T]):
             key = (neg_depth, last_access + cls * self.shift, tie, slot)
             if (old := best[group]) is None or key < old:
                 best[group] = key
-            key = (neg_depth, last_access, tie, slot)
-            if (old := recency[group]) is None or key < old:
-                recency[group] = key
+            if self.shift:  # at shift 0 the recency order is the shifted one: no duel to open
+                key = (neg_depth, last_access, tie, slot)
+                if (old := recency[group]) is None or key < old:
+                    recency[group] = key
             if (low := frequency[group]) is None or neg_depth < low[0]:  # slots ascend: the lowest class first
                 frequency[group] = (neg_depth, slot)
         group = 1 if best[1] is not None and (best[0] is None or best[1][1] < best[0][1] + self.top_shift) else 0
@@ -210,8 +211,8 @@ class AdaptiveCandidates(Generic[T]):
 
     def note_miss(self, ghost_key: Hashable, now: float) -> None:
         """A lookup stopped where an evicted leaf would have continued: settle its duels, learn the top shift."""
-        if self._duels.pending:
-            self._settle(ghost_key, now)
+        if self._duels.pending and (vote := self._duels.settle(ghost_key)):
+            self._learn(vote, now)
         ghost = self._ghosts.pop(ghost_key, None)
         if ghost is None:
             return
@@ -234,11 +235,8 @@ class AdaptiveCandidates(Generic[T]):
         oldest = next(iter(self._ghosts.values()))[1] if self._ghosts else fallback
         return max(now - oldest, 0.0)
 
-    def _settle(self, key: Hashable, now: float) -> None:
-        """Each vote of the duels ``key`` settles scales the shift, in horizons, by 2**learning_rate."""
-        vote = self._duels.settle(key)
-        if not vote:
-            return
+    def _learn(self, vote: int, now: float) -> None:
+        """The net vote of the duels an access settled scales the shift, in horizons, by 2**learning_rate each."""
         scaled = self.shift_horizons * 2.0 ** (vote * self.learning_rate)
         self.shift_horizons = min(max(scaled, self.MIN_SHIFT), self.MAX_SHIFT)
         at_floor = self.shift_horizons <= self.MIN_SHIFT

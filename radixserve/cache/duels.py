@@ -50,10 +50,12 @@ class Duels:
     def settle(self, key: Hashable) -> int:
         """A request reached ``key``: close the duels it decides; their net vote (+1: more shift)."""
         vote = 0
-        for duel in list(self._by_victim.get(key, ())):
-            vote += self._close(duel)
-        for duel in list(self._by_kept.get(key, ())):
-            vote -= self._close(duel)
+        if (ids := self._by_victim.get(key)) is not None:
+            for duel in list(ids):
+                vote += self._close(duel)
+        if (ids := self._by_kept.get(key)) is not None:
+            for duel in list(ids):
+                vote -= self._close(duel)
         return vote
 
     def rekey(self, kept: Hashable, key: Hashable) -> None:
