@@ -42,13 +42,13 @@ place come back first. (Ghost hits alone, ARC's signal, could not tell a
 shift in popularity from noise: on ``rag-shift`` at seeds 1 and 2 they
 stayed 1.5-2.2 points under LRU; BENCHMARKS §2.)
 
-Ghosts: every evicted leaf leaves a ghost (its
-heap, hit count, eviction time and length) under its place in the tree
-(parent id, first page); ghosts hold at most ``ghost_capacity_len`` tokens
-(the pool's size), oldest forgotten first. A lookup that stops exactly where a
-ghost would have continued moves ``top_shift`` by ``TOP_LEARNING_RATE`` x the
-horizon x the ghost's share of its group's ghost tokens (ARC's ratio), within
-[0, 16 horizons].
+Ghosts: every evicted leaf leaves a ghost (its heap, hit count, eviction
+time and length) under its place in the tree (parent id, first page); ghosts
+hold at most ``ghost_capacity_len`` tokens (the pool's size), oldest
+forgotten first. A lookup that stops exactly where a ghost would have
+continued moves ``top_shift`` by ``TOP_LEARNING_RATE`` x the horizon x the
+ghost's share of its group's ghost tokens (ARC's ratio), within [0, 16
+horizons].
 
 Frequency outlives eviction: the node a missed ghost's request inserts at the
 ghost's place starts with the ghost's hit count instead of 0 (the "perfect
