@@ -113,14 +113,15 @@ class AdaptiveStrategy(EvictionStrategy):
     """Deepest first below the top level; recency or frequency, whichever the workload rewards (adaptive.py).
 
     Rank in a group: (-depth, last_access_time + class * shift), classes 0, 1,
-    2+ reuses, ``shift`` learned online from ghosts of evicted leaves (0: LRU
-    within a depth; large: LFU over the classes). The top level's best leaf
-    goes instead of the deepest one below when its shifted access time plus a
-    learned ``top_shift`` is older.
+    2+ reuses, ``shift`` learned online from duels between this order and
+    plain recency or frequency (0: LRU within a depth; large: LFU over the
+    classes). The top level's best leaf goes instead of the deepest one below
+    when its shifted access time plus a ``top_shift`` learned from ghosts of
+    evicted leaves is older.
     """
 
     NUM_CLASSES = 3  # hits 0, 1, 2+ (a fourth class, 4+, protected stale counts too long in the replays)
-    LEARNING_RATE = 3.0  # see AdaptiveCandidates.note_miss
+    LEARNING_RATE = 0.25  # each duel's vote scales the shift by 2**0.25 (AdaptiveCandidates._learn)
 
     def rank(self, node: NodeStats) -> Rank:
         return (-node.depth, node.last_access_time)  # within a class; across classes the candidate set adds the shift

@@ -81,24 +81,24 @@ def eviction_order(cache: RadixCache) -> list[int]:
     return order
 
 
-def recency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -> None:
+def recency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator, length: int = 600) -> None:
     """Topics in a sliding window: each is asked about a few times, then never again (counts go stale).
 
     Every prompt is a shared system prefix + one of the 3 newest topics + a question asked once,
     so topics sit at one depth and compete by recency or frequency alone. Last, a new topic once.
     """
     system = [1, 2, 3, 4]
-    for t in range(601):
+    for t in range(length + 1):
         clock.now = float(t)
-        topic = t // 10 + int(rng.integers(3)) if t < 600 else 1000
+        topic = t // 10 + int(rng.integers(3)) if t < length else 1_000_000
         serve(cache, system + [10_000 + 100 * topic + i for i in range(12)] + list(rng.integers(100_000, 900_000, 4)))
 
 
-def frequency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -> None:
+def frequency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator, length: int = 600) -> None:
     """RAG: a system prefix, Zipf-popular documents, each followed by a question never asked again."""
     docs = [[1, 2, 3, 4] + list(range(1000 * d + 1, 1000 * d + 41)) for d in range(1, 41)]
     popularity = 1.0 / np.arange(1, len(docs) + 1) ** 1.2
-    for t in range(600):
+    for t in range(length):
         clock.now = float(t)
         doc = docs[int(rng.choice(len(docs), p=popularity / popularity.sum()))]
         serve(cache, doc + list(rng.integers(100_000, 900_000, 10)))
@@ -106,7 +106,7 @@ def frequency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator) -
 
 def test_orders_like_lru_after_a_recency_friendly_trace() -> None:
     cache, clock = make_cache(72)
-    recency_trace(cache, clock, np.random.default_rng(0))
+    recency_trace(cache, clock, np.random.default_rng(0), length=1200)  # ~24 votes take the shift to its floor
     assert candidates(cache).shift == 0.0
     expected = brute_force_order(cache, lru)
     assert expected != brute_force_order(cache, lfu_by_class), "the trace cannot tell LRU from LFU"
@@ -189,21 +189,48 @@ def test_a_leaf_split_below_its_start_is_reranked_at_its_new_depth() -> None:
     assert eviction_order(cache)[0] == tail.id
 
 
-def test_a_reused_ghost_grows_the_shift_and_a_cold_one_shrinks_it() -> None:
+def duel_setup() -> tuple[RadixCache, Clock]:
+    """[1..4] reused once (class 1, older), [5..8] once (class 0); the shifted order evicts [5..8], LRU [1..4]."""
     cache, clock = make_cache(8)
-    for t, prompt in enumerate(([1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12])):
+    for t, prompt in enumerate(([1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8])):
         clock.now = float(t)
-        serve(cache, prompt)  # [1..4] is reused once (class 1), then evicted by [9..12]
-    clock.now = 5.0
-    assert len(cache.match_prefix(RadixKey([1, 2, 3, 4])).indices) == 0  # a miss on a class-1 ghost
-    grown = candidates(cache).shift
-    assert grown > 0.0
-    clock.now = 10.0
-    serve(cache, [1, 2, 3, 4])  # evicts [5..8], class 0: its ghost is next
-    serve(cache, [13, 14, 15, 16])
-    clock.now = 20.0
+        serve(cache, prompt)
+    candidates(cache).shift = 100.0  # class 1 outlives class 0 by 100 clock units
+    clock.now = 3.0
+    serve(cache, [9, 10, 11, 12])  # evicts [5..8]: a duel against [1..4], which plain recency would have evicted
+    assert cache.cached_len(RadixKey([1, 2, 3, 4])) == 4 and cache.cached_len(RadixKey([5, 6, 7, 8])) == 0
+    assert candidates(cache).shift_horizons == 1.0
+    return cache, clock
+
+
+def test_the_evicted_leaf_asked_for_first_shrinks_the_shift() -> None:
+    """[5..8] comes back before [1..4] is read: recency would have been right, the shift halves its way down."""
+    cache, clock = duel_setup()
+    clock.now = 4.0
     assert len(cache.match_prefix(RadixKey([5, 6, 7, 8])).indices) == 0
-    assert candidates(cache).shift < grown
+    assert candidates(cache).shift_horizons == pytest.approx(2**-0.25)
+
+
+def test_the_kept_leaf_asked_for_first_grows_the_shift() -> None:
+    """[1..4] is read before [5..8] comes back: keeping the reused leaf was right, the shift grows."""
+    cache, clock = duel_setup()
+    clock.now = 4.0
+    assert len(cache.match_prefix(RadixKey([1, 2, 3, 4])).indices) == 4
+    assert candidates(cache).shift_horizons == pytest.approx(2**0.25)
+    clock.now = 5.0
+    cache.match_prefix(RadixKey([5, 6, 7, 8]))  # the duel is settled: the victim's return votes no more
+    assert candidates(cache).shift_horizons == pytest.approx(2**0.25)
+
+
+def test_an_eviction_every_order_agrees_on_opens_no_duel() -> None:
+    """Both leaves class 0: recency and frequency evict the same one, so its return teaches nothing."""
+    cache, clock = make_cache(8)
+    for t, prompt in enumerate(([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12])):
+        clock.now = float(t)
+        serve(cache, prompt)
+    clock.now = 3.0
+    cache.match_prefix(RadixKey([1, 2, 3, 4]))
+    assert candidates(cache).shift_horizons == 1.0 and candidates(cache).shift == 0.0
 
 
 def test_a_ghost_hit_restores_the_count_the_node_had_when_evicted() -> None:
