@@ -24,7 +24,7 @@ from radixserve.model.attention import Attention, AttentionPlan
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace
-from radixserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rotary_cos_sin
+from radixserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rotary_cos_sin, uninitialised
 from radixserve.model.paged_kernel import resolve_backend
 from radixserve.model.quant import QUANTIZATIONS, Int8Linear, quantize_linears
 from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks, kept_blocks
@@ -108,13 +108,17 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         self.attention_backend = resolve_backend(attention_backend, device)
         self.cascade_attention = True  # paged backend: read a prefix shared by several requests once (bench: off)
-        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens: nn.Module = uninitialised(
+            nn.Embedding, config.vocab_size, config.hidden_size, device=device, dtype=dtype
+        )
         self.rotary = RotaryEmbedding(config, device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, device, dtype) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.lm_head: nn.Module | None = None  # None: tied to the embedding
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+            self.lm_head = uninitialised(
+                nn.Linear, config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
+            )
         self.workspace = GatherWorkspace()
         self.quantization = "none"
         self.quantization_detail = "none"  # what quantize() did, for /server_info
