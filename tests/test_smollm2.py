@@ -20,7 +20,8 @@ QUESTION = [{"role": "user", "content": "Name three colors of the rainbow."}]
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.create(max_total_tokens=4096, dtype="float32")  # equal to transformers: float32 only
+    # Equal to transformers: float32 weights only (the default, auto, keeps the GGUF's 4-bit blocks).
+    return Engine.create(max_total_tokens=4096, dtype="float32", quantization="none")
 
 
 def transformers_greedy(prompt_ids: list[int], num_tokens: int) -> list[int]:
@@ -76,12 +77,15 @@ CHATS = [
 ]
 
 
-def test_q4_1_keeps_the_files_blocks_and_answers_as_float32(engine: Engine) -> None:
-    """The GGUF's linears are Q4_1 and its embedding Q8_0: q4_1 keeps those blocks, so only the
-    summation order differs from float32 (measured: all 5 greedy answers identical)."""
-    q4 = Engine.create(max_total_tokens=4096, quantization="q4_1")
-    assert q4.describe()["quantization_detail"].startswith("q4_1: 210 of 210 linear weights kept")
-    assert q4.describe()["weight_bytes"] < 0.2 * engine.describe()["weight_bytes"]
+def test_the_default_keeps_the_files_blocks_and_answers_as_float32(engine: Engine) -> None:
+    """The GGUF's linears are Q4_1 and its embedding Q8_0: the default (auto) keeps those blocks, so only
+    the summation order differs from float32 (measured: all 5 greedy answers identical)."""
+    q4 = Engine.create(max_total_tokens=4096)
+    info = q4.describe()
+    assert (info["quantization"], info["resolved_quantization"]) == ("auto", "q4_1")
+    assert info["quantization_reason"].startswith("auto: q4_1, the GGUF stores its matrices as 210 Q4_1, 1 Q8_0")
+    assert info["quantization_detail"].startswith("q4_1: 210 of 210 linear weights kept")
+    assert info["weight_bytes"] < 0.2 * engine.describe()["weight_bytes"]
     greedy = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
     same = 0
     for question in CHATS:
@@ -89,5 +93,5 @@ def test_q4_1_keeps_the_files_blocks_and_answers_as_float32(engine: Engine) -> N
         same += q4.generate(input_ids=prompt, sampling_params=greedy).output_ids == (
             engine.generate(input_ids=prompt, sampling_params=greedy).output_ids
         )
-    print(f"q4_1 vs float32: {same} of {len(CHATS)} greedy answers identical")
+    print(f"default (q4_1) vs float32: {same} of {len(CHATS)} greedy answers identical")
     assert same >= 4

@@ -5,7 +5,8 @@ all built first, then measured in turn over ``--rounds`` rounds (each cell the b
 round), in one process:
 
 - ``reference``: float32, gather + SDPA attention (the path before in-place attention);
-- ``auto``: the defaults (``--dtype auto``, ``--attention-backend auto``);
+- ``auto``: ``--dtype auto``, ``--attention-backend auto``, float weights: every column without a
+  ``--quantization`` of its own runs ``none`` (the default, auto, is q4_1 on a Q4_1 GGUF: ``auto+q4_1``);
 - ``auto+int8``: the defaults with ``--quantization int8``;
 - ``auto+q4_1``: the defaults with ``--quantization q4_1`` (a GGUF's own 4-bit blocks);
 - ``auto+q4_1+kv-bf16``: q4_1 with a bfloat16 KV pool;
@@ -107,7 +108,7 @@ def decode_tok_s(
 
 def build(options: dict[str, str], args: argparse.Namespace, batches: list[int]) -> Engine:
     pool_tokens = max(batches) * (args.context + args.decode_steps + 1) + args.context + 64
-    options = dict(options)
+    options = {"quantization": "none", **options}  # columns name their weights; not auto's choice per file
     cascade = options.pop("cascade_attention", "on") == "on"  # a model attribute, not an engine option
     engine = Engine.create(model_path=args.model_path, max_total_tokens=pool_tokens, **options)
     engine.loaded.model.cascade_attention = cascade
@@ -145,7 +146,7 @@ def measure(
         row["ratio"] = f"{cells[f'decode {max(batches)}'] / cells[f'decode {min(batches)}']:.1f}x"
         kv_dtype = info["resolved_kv_cache_dtype"]
         row["dtype"] = f"{info['resolved_dtype']}/{kv_dtype}, {info['resolved_attention_backend']}"
-        row["weights"] = f"{weight_bytes(engines[name].loaded.model) / 2**20:.0f} MiB"
+        row["weights"] = f"{weight_bytes(engines[name].loaded.model) / 2**20:.0f} MiB, {info['resolved_quantization']}"
         row["kv"] = f"{info['kv_tokens_per_gib']:,}"
         table.append(row)
     return table

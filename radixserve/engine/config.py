@@ -34,7 +34,9 @@ class EngineConfig:
     enable_mixed_chunk: bool = False  # one forward per step: the prefill chunk and every running decode
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32
     kv_cache_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16: the KV pool's own dtype
-    quantization: str = "none"  # none | int8 (weight-only, per-channel scales) | q4_1 (GGUF-style blocks)
+    # auto: a GGUF's own Q4_1/Q8_0 blocks (q4_1) where it stores only those and the CPU block kernel
+    # runs, else none | none | int8 (weight-only, per-channel scales) | q4_1 (GGUF-style blocks)
+    quantization: str = "auto"
     attention_backend: str = "auto"  # auto | paged (in place, CPU kernel) | reference (gather + SDPA)
     device: str = "auto"  # auto: cuda when present, else cpu
     num_threads: int = 1  # torch CPU threads: 1 is the safe default on a small shared box
@@ -59,7 +61,10 @@ class EngineConfig:
             (self.max_running_requests >= 1 and self.chunked_prefill_size >= 1, "limits must be >= 1"),
             (self.dtype == "auto" or self.dtype in DTYPES, f"dtype must be auto or one of {sorted(DTYPES)}"),
             (self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}"),
-            (self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}"),
+            (
+                self.quantization == "auto" or self.quantization in QUANTIZATIONS,
+                f"quantization must be one of {('auto', *QUANTIZATIONS)}",
+            ),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device: auto|cpu|cuda[:N]"),
             (self.num_threads >= 1, "num_threads must be >= 1"),

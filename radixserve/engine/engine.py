@@ -61,6 +61,7 @@ class Engine:
         self.loaded: LoadedModel = load_model(
             config.model_path, self.device, dtype, config.attention_backend, config.quantization
         )
+        logger.info("quantization %s: %s", self.loaded.model.quantization, self.loaded.quantization_reason)
         self.tokenizer = self.loaded.tokenizer
         model = self.loaded.config
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
@@ -306,6 +307,8 @@ class Engine:
             "resolved_kv_cache_dtype": str(self.kv_pool.dtype).removeprefix("torch."),
             "dtype_reason": self.dtype_reason,
             "resolved_attention_backend": self.loaded.model.attention_backend,
+            "resolved_quantization": self.loaded.model.quantization,
+            "quantization_reason": self.loaded.quantization_reason,
             "quantization_detail": self.loaded.model.quantization_detail,
             "weight_bytes": weight_bytes(self.loaded.model),
             "kv_pool_tokens": self.allocator.size,

@@ -54,7 +54,7 @@ def fingerprint(config: EngineConfig, loaded: LoadedModel, mover: PoolPageMover)
         "weights": weights,
         "tokenizer": hashlib.blake2b(repr(list(probe)).encode(), digest_size=16).hexdigest(),
         "page_size": config.page_size,
-        "quantization": config.quantization,
+        "quantization": loaded.model.quantization,  # resolved: auto on another file or machine may differ
         "kv_layout": mover.layout.describe(),
     }
 

@@ -33,7 +33,7 @@ from radixserve.memory.kv_pool import KVPool
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace, grouped_matmul_attention
-from radixserve.model.layers import apply_rotary, linear_add
+from radixserve.model.layers import apply_rotary, linear_add, uninitialised
 from radixserve.model.paged_kernel import PagedIndex, paged_attention
 
 
@@ -151,8 +151,10 @@ class Attention(nn.Module):
         # Qwen2 has a bias on q, k, v only; Llama's attention_bias also covers o_proj.
         o_bias = config.attention_bias and config.architecture != "qwen2"
         hidden = config.hidden_size
-        self.qkv_proj = nn.Linear(hidden, q_size + 2 * kv_size, bias=config.attention_bias, device=device, dtype=dtype)
-        self.o_proj = nn.Linear(q_size, hidden, bias=o_bias, device=device, dtype=dtype)
+        self.qkv_proj = uninitialised(
+            nn.Linear, hidden, q_size + 2 * kv_size, bias=config.attention_bias, device=device, dtype=dtype
+        )
+        self.o_proj = uninitialised(nn.Linear, q_size, hidden, bias=o_bias, device=device, dtype=dtype)
 
     def forward(
         self,

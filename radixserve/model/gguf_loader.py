@@ -2,8 +2,9 @@
 
 Three things differ from an HF checkpoint and are undone here:
 - names: ``blk.N.attn_q.weight`` is ``model.layers.N.self_attn.q_proj.weight`` (see ``_LAYER_NAMES``);
-- storage: tensors may be quantised (Q8_0, Q4_1, ...); every one is dequantised to float32
-  (``load_gguf_blocks`` also hands over the Q4_1 / Q8_0 blocks as they are, for ``--quantization q4_1``);
+- storage: tensors may be quantised (Q8_0, Q4_1, ...); ``load_gguf`` dequantises every one to float32,
+  ``GGUFFile`` also hands over the Q4_1 / Q8_0 blocks as they are (``--quantization q4_1``) and then
+  dequantises only the rest (norms, and matrices the blocks cannot stand for);
 - rotary layout: llama.cpp's converter permutes the rows of q_proj / k_proj so each head's
   rotary pairs sit side by side (GPT-J style). We undo it so the weights use HF's
   rotate-half layout and match ``LlamaForCausalLM`` exactly.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -89,46 +91,86 @@ def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+class GGUFReader(gguf.GGUFReader):
+    """gguf's reader over a plain ndarray view of its memory map (the same bytes, still mapped).
+
+    Opening a file slices the map once per metadata part (~300k for SmolLM2's 49k-token vocabulary
+    and merges), and every ``numpy.memmap`` slice runs memmap's finalizer: opening SmolLM2 took
+    3-5x longer that way (measured 7.8 s vs 1.6 s under load)."""
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = value.view(np.ndarray)
+
+
 def read_gguf_config(path: str | os.PathLike[str]) -> ModelConfig:
     """The ModelConfig of a GGUF file, from its metadata alone (tensors are not read)."""
-    return _config_from_reader(gguf.GGUFReader(path))
+    return _config_from_reader(GGUFReader(path))
 
 
-def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """ModelConfig and every tensor, dequantised to float32, HF-named, q/k un-permuted.
+class GGUFFile:
+    """An open GGUF (memory-mapped): its config and tensor names are read and checked at once,
+    tensor data only when asked for, so the blocks a model keeps are never dequantized.
 
     Raises ValueError on an unsupported architecture, an unknown tensor, or a layer
     tensor missing from the file.
     """
-    reader = gguf.GGUFReader(path)
-    config = _config_from_reader(reader)
-    tensors: dict[str, torch.Tensor] = {}
-    for info in reader.tensors:
-        name = hf_tensor_name(info.name)
-        tensors[name] = torch.from_numpy(_hf_rows(name, _dequantize(info), config))
-    missing = sorted(_expected_names(config) - tensors.keys())
-    extra = sorted(tensors.keys() - _expected_names(config) - {"lm_head.weight"})
-    if missing or extra:
-        raise ValueError(f"GGUF tensors do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
-    return config, tensors
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.reader = GGUFReader(path)
+        self.config = _config_from_reader(self.reader)
+        self.infos = {hf_tensor_name(info.name): info for info in self.reader.tensors}
+        missing = sorted(_expected_names(self.config) - self.infos.keys())
+        extra = sorted(self.infos.keys() - _expected_names(self.config) - {"lm_head.weight"})
+        if missing or extra:
+            raise ValueError(f"GGUF tensors do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+
+    def matrix_types(self) -> dict[str, str]:
+        """HF name -> storage type (``Q4_1``, ``F16``, ...) of each matrix a forward multiplies by: the
+        layer linears and the lm_head (the embedding when tied; an untied embedding is only looked up)."""
+        tied = "lm_head.weight" not in self.infos
+        return {
+            name: info.tensor_type.name
+            for name, info in self.infos.items()
+            if len(info.shape) == 2 and (tied or name != "model.embed_tokens.weight")
+        }
+
+    def blocks(self) -> dict[str, QuantBlocks]:
+        """HF name -> the file's own blocks of every Q4_1 or Q8_0 matrix, bit for bit, q/k rows un-permuted.
+
+        Each row of a matrix is whole blocks, so the rotary un-permutation moves rows of blocks
+        exactly as ``tensors`` moves rows of floats: the blocks dequantize to its tensors.
+        """
+        formats = {qtype: fmt for fmt, qtype in FORMATS.items()}
+        kept = {}
+        for name, info in self.infos.items():
+            fmt = formats.get(info.tensor_type)
+            if fmt is not None and len(info.shape) == 2:
+                kept[name] = QuantBlocks.from_gguf(_hf_rows(name, np.asarray(info.data), self.config), fmt)
+        return kept
+
+    def tensors(self, skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
+        """HF name -> float32 tensor, dequantised, q/k un-permuted; names in ``skip`` are not read."""
+        return {
+            name: torch.from_numpy(_hf_rows(name, _dequantize(info), self.config))
+            for name, info in self.infos.items()
+            if name not in skip
+        }
+
+
+def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """ModelConfig and every tensor, dequantised to float32, HF-named, q/k un-permuted (see ``GGUFFile``)."""
+    file = GGUFFile(path)
+    return file.config, file.tensors()
 
 
 def load_gguf_blocks(path: str | os.PathLike[str]) -> dict[str, QuantBlocks]:
-    """HF name -> the file's own blocks of every Q4_1 or Q8_0 matrix, bit for bit, q/k rows un-permuted.
-
-    Each row of a matrix is whole blocks, so the rotary un-permutation moves rows of blocks
-    exactly as ``load_gguf`` moves rows of floats: the blocks dequantize to its tensors.
-    """
-    reader = gguf.GGUFReader(path)
-    config = _config_from_reader(reader)
-    formats = {qtype: fmt for fmt, qtype in FORMATS.items()}
-    kept = {}
-    for info in reader.tensors:
-        fmt = formats.get(info.tensor_type)
-        if fmt is not None and len(info.shape) == 2:
-            name = hf_tensor_name(info.name)
-            kept[name] = QuantBlocks.from_gguf(_hf_rows(name, np.asarray(info.data), config), fmt)
-    return kept
+    """HF name -> the file's own blocks of every Q4_1 or Q8_0 matrix (see ``GGUFFile.blocks``)."""
+    return GGUFFile(path).blocks()
 
 
 def _hf_rows(name: str, rows: np.ndarray, config: ModelConfig) -> np.ndarray:

@@ -24,7 +24,7 @@ from radixserve.model.attention import Attention, AttentionPlan
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace
-from radixserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rotary_cos_sin
+from radixserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rotary_cos_sin, uninitialised
 from radixserve.model.paged_kernel import resolve_backend
 from radixserve.model.quant import QUANTIZATIONS, Int8Linear, quantize_linears
 from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks, kept_blocks
@@ -36,6 +36,20 @@ FUSED_PARTS = {
     ("mlp", "gate_up_proj"): ("mlp.gate_proj", "mlp.up_proj"),
     ("mlp", "down_proj"): ("mlp.down_proj",),
 }
+
+
+def usable_blocks(blocks: Mapping[str, QuantBlocks], num_layers: int) -> dict[str, QuantBlocks]:
+    """The part of ``blocks`` (HF name -> a file's blocks) that ``quantize("q4_1", blocks)`` keeps as it is:
+    a fused linear's parts only when every part is there, in one format; the embedding and lm_head alone."""
+    usable = {name: blocks[name] for name in ("model.embed_tokens.weight", "lm_head.weight") if name in blocks}
+    for i in range(num_layers):
+        for parts in FUSED_PARTS.values():
+            found = [blocks.get(f"model.layers.{i}.{part}.weight") for part in parts]
+            if all(b is not None for b in found) and len({b.fmt for b in found if b is not None}) == 1:
+                usable.update(
+                    {f"model.layers.{i}.{part}.weight": blocks[f"model.layers.{i}.{part}.weight"] for part in parts}
+                )
+    return usable
 
 
 class DecoderLayer(nn.Module):
@@ -94,13 +108,17 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         self.attention_backend = resolve_backend(attention_backend, device)
         self.cascade_attention = True  # paged backend: read a prefix shared by several requests once (bench: off)
-        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens: nn.Module = uninitialised(
+            nn.Embedding, config.vocab_size, config.hidden_size, device=device, dtype=dtype
+        )
         self.rotary = RotaryEmbedding(config, device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, device, dtype) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.lm_head: nn.Module | None = None  # None: tied to the embedding
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+            self.lm_head = uninitialised(
+                nn.Linear, config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
+            )
         self.workspace = GatherWorkspace()
         self.quantization = "none"
         self.quantization_detail = "none"  # what quantize() did, for /server_info
@@ -188,18 +206,33 @@ class LlamaForCausalLM(nn.Module):
         assert isinstance(embed, nn.Embedding)
         return embed.weight
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_blocks(self, state_dict: dict[str, torch.Tensor], blocks: Mapping[str, QuantBlocks]) -> None:
+        """``load_weights`` then ``quantize("q4_1", blocks)``, with no float copy of what ``blocks`` replace:
+        ``state_dict`` holds every other tensor, ``blocks`` only what ``usable_blocks`` keeps.
+
+        Loading a GGUF this way never dequantizes the matrices that stay blocks (nor casts them)."""
+        unusable = sorted(blocks.keys() - usable_blocks(blocks, len(self.layers)).keys())
+        if unusable:
+            raise ValueError(f"blocks quantize() would not keep as they are: {unusable[:5]}")
+        self.load_weights(state_dict, replaced=blocks)
+        self.quantize("q4_1", blocks)
+
+    def load_weights(
+        self, state_dict: dict[str, torch.Tensor], replaced: Mapping[str, QuantBlocks] | None = None
+    ) -> None:
         """Copy HF-named tensors into this model (cast to its dtype); all or nothing.
 
         Raises ValueError naming every missing or unknown tensor and every shape
         mismatch. Rotary ``inv_freq`` buffers are ignored (we compute our own);
         a tied model accepts an ``lm_head.weight`` only if it equals the embedding.
+        ``replaced``: blocks that replace their weights next (``load_blocks`` only): not loaded, shapes checked.
         """
+        replaced = replaced or {}
         if self.quantization != "none":
             raise ValueError("load_weights on a quantized model: load first, then quantize")
         targets = self._weight_targets()
-        names = {n for n in state_dict if not n.endswith("rotary_emb.inv_freq")}
-        if self.lm_head is None and "lm_head.weight" in names:
+        names = {n for n in state_dict if not n.endswith("rotary_emb.inv_freq")} | set(replaced)
+        if self.lm_head is None and "lm_head.weight" in state_dict:
             embed = state_dict.get("model.embed_tokens.weight")
             if embed is None or not torch.equal(state_dict["lm_head.weight"], embed):
                 raise ValueError("tie_word_embeddings is set but lm_head.weight differs from the embedding")
@@ -210,13 +243,19 @@ class LlamaForCausalLM(nn.Module):
         problems += [
             f"{name}: checkpoint shape {tuple(state_dict[name].shape)}, model expects {tuple(dst.shape)}"
             for name, dst in targets.items()
-            if name in names and state_dict[name].shape != dst.shape
+            if name in state_dict and state_dict[name].shape != dst.shape
+        ]
+        problems += [
+            f"{name}: {blocks.fmt} blocks of shape {blocks.shape}, model expects {tuple(dst.shape)}"
+            for name, dst in targets.items()
+            if (blocks := replaced.get(name)) is not None and blocks.shape != tuple(dst.shape)
         ]
         if problems:
             raise ValueError("cannot load weights: " + "; ".join(problems))
         with torch.no_grad():
             for name, dst in targets.items():
-                dst.copy_(state_dict[name])
+                if name not in replaced:
+                    dst.copy_(state_dict[name])
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         targets = {"model.embed_tokens.weight": self._embedding_weight(), "model.norm.weight": self.norm.weight}

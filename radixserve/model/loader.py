@@ -11,9 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.model.config import ModelConfig
-from radixserve.model.gguf_loader import default_model_path, load_gguf, load_gguf_blocks
+from radixserve.model.gguf_loader import GGUFFile, default_model_path
 from radixserve.model.hf_loader import load_hf_folder
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.llama import LlamaForCausalLM, usable_blocks
+from radixserve.model.precision import resolve_quantization
+from radixserve.model.quant_blocks import QuantBlocks
 from radixserve.model.tokenizer import Tokenizer
 
 
@@ -23,16 +25,39 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaForCausalLM
     tokenizer: Tokenizer
+    quantization_reason: str  # why the model has its quantization (what auto chose, and why)
 
 
-def read_checkpoint(model_path: str | None) -> tuple[str, ModelConfig, dict[str, torch.Tensor]]:
-    """The resolved path, config and HF-named float32 weights of an HF folder or a .gguf file."""
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a load reads from the files: float weights, and the blocks that replace the others (q4_1)."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    blocks: dict[str, QuantBlocks]
+    quantization: str  # resolved: none | int8 | q4_1
+    reason: str
+
+
+def checkpoint_path(model_path: str | None) -> str:
+    """``model_path`` (None: the embedded default) checked to be an HF folder or a .gguf file."""
     path = model_path or default_model_path()
-    if os.path.isdir(path):
-        return (path, *load_hf_folder(path))
-    if path.endswith(".gguf") and os.path.isfile(path):
-        return (path, *load_gguf(path))
+    if os.path.isdir(path) or (path.endswith(".gguf") and os.path.isfile(path)):
+        return path
     raise FileNotFoundError(f"model_path {path!r} is neither an HF folder nor a .gguf file")
+
+
+def read_checkpoint(path: str, device: torch.device, quantization: str = "none") -> Checkpoint:
+    """Resolve ``quantization`` (auto: ``resolve_quantization``) and read what it needs: under q4_1 a
+    GGUF's own Q4_1 / Q8_0 blocks as they are, and only the other tensors (norms, matrices the blocks
+    cannot stand for) dequantized."""
+    if os.path.isdir(path):
+        method, reason = resolve_quantization(quantization, device, None)
+        return Checkpoint(*load_hf_folder(path), {}, method, reason)
+    file = GGUFFile(path)
+    method, reason = resolve_quantization(quantization, device, file.matrix_types())
+    blocks = usable_blocks(file.blocks(), file.config.num_layers) if method == "q4_1" else {}
+    return Checkpoint(file.config, file.tensors(skip=blocks.keys()), blocks, method, reason)
 
 
 def load_model(
@@ -40,15 +65,19 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     attention_backend: str = "auto",
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Load weights, build the decoder on ``device`` in ``dtype`` (then quantize), and load the tokenizer."""
-    path, config, weights = read_checkpoint(model_path)
+    path = checkpoint_path(model_path)
+    # The GGUF reader (its map and ~300k metadata views of SmolLM2's vocabulary) is gone by now.
+    checkpoint = read_checkpoint(path, device, quantization)
+    config, method, reason = checkpoint.config, checkpoint.quantization, checkpoint.reason
     model = LlamaForCausalLM(config, device=device, dtype=dtype, attention_backend=attention_backend)
-    model.load_weights(weights)
-    del weights  # the float32 checkpoint: free it before quantizing makes more copies
-    # q4_1 on a GGUF: the file's own Q4_1 / Q8_0 blocks are kept as they are (lossless).
-    kept = load_gguf_blocks(path) if quantization == "q4_1" and path.endswith(".gguf") else None
-    model.quantize(quantization, kept)
+    if checkpoint.blocks:
+        model.load_blocks(checkpoint.weights, checkpoint.blocks)
+    else:
+        model.load_weights(checkpoint.weights)
+        del checkpoint  # the float32 checkpoint: free it before quantizing makes more copies
+        model.quantize(method)
     model.eval()
-    return LoadedModel(path, config, model, Tokenizer.from_model_path(path))
+    return LoadedModel(path, config, model, Tokenizer.from_model_path(path), reason)

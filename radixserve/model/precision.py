@@ -1,4 +1,4 @@
-"""Which dtype ``--dtype auto`` becomes, and why (logged and shown in /server_info).
+"""Which dtype ``--dtype auto`` and ``--quantization auto`` become, and why (logged and shown in /server_info).
 
 bfloat16 halves the bytes every step reads (weights and K/V), but it only pays
 where the CPU multiplies bf16 natively: AMX tiles or AVX512-BF16. Elsewhere
@@ -8,10 +8,14 @@ with conversions and they run slower than float32 itself.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from radixserve.model import paged_kernel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The KV pool's own dtype (SGLang's --kv-cache-dtype): auto = the model's. bfloat16 under float32
@@ -62,3 +66,38 @@ def resolve_dtype(requested: str, device: torch.device, cpu: CpuFeatures | None 
         f"auto: float32, the CPU has neither AMX nor AVX512-BF16 (torch capability {cpu.capability}): "
         "bfloat16 matmuls would be emulated"
     )
+
+
+# The storage types whose blocks the q4_1 path keeps as they are (quant_blocks.FORMATS).
+KEPT_BLOCK_TYPES = ("Q4_1", "Q8_0")
+
+
+def resolve_quantization(
+    requested: str, device: torch.device, matrix_types: Mapping[str, str] | None, block_kernel: bool | None = None
+) -> tuple[str, str]:
+    """(method, reason) for ``requested`` ("auto" or a QUANTIZATIONS name).
+
+    auto keeps what the checkpoint stores, and only where that loses nothing and runs fast:
+    ``matrix_types`` (HF name -> storage type of each matrix a forward multiplies by; None for an
+    HF float checkpoint) all Q4_1 / Q8_0 -> q4_1 (those blocks, bit for bit), on a CPU where the
+    block kernel builds (``block_kernel``; None: ask ``paged_kernel.load``). Else none.
+    """
+    if requested != "auto":
+        return requested, f"{requested} as asked"
+    if matrix_types is None:
+        return "none", "auto: none, a float checkpoint (its weights as stored)"
+    stored = Counter(matrix_types.values())
+    listing = ", ".join(f"{count} {kind}" for kind, count in sorted(stored.items()))
+    other = sorted(kind for kind in stored if kind not in KEPT_BLOCK_TYPES)
+    if other:
+        return "none", (
+            f"auto: none, the GGUF stores its matrices as {listing}; {', '.join(other)} cannot stay blocks "
+            "(q4_1 would re-quantize them: lossy), so every tensor is dequantized"
+        )
+    if device.type != "cpu":
+        return "none", f"auto: none on {device.type}, the block kernel is CPU-only (GGUF matrices: {listing})"
+    if block_kernel is None:
+        block_kernel = paged_kernel.load()
+    if not block_kernel:
+        return "none", f"auto: none, the block kernel did not build (see the log; GGUF matrices: {listing})"
+    return "q4_1", f"auto: q4_1, the GGUF stores its matrices as {listing}: kept as these blocks, lossless"

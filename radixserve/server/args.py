@@ -158,8 +158,9 @@ def _model_flags(model: argparse._ArgumentGroup, d: EngineConfig) -> None:
     model.add_argument(
         "--quantization",
         default=d.quantization,
-        choices=QUANTIZATIONS,
-        help="weight-only: int8 = int8 weights with per-channel scales (~4x fewer weight bytes than float32); "
+        choices=["auto", *QUANTIZATIONS],
+        help="weight-only; auto = q4_1 on a GGUF stored as Q4_1/Q8_0 blocks (CPU), else none; "
+        "int8 = int8 weights with per-channel scales (~4x fewer weight bytes than float32); "
         "q4_1 = GGUF-style 4-bit blocks (a GGUF's own Q4_1/Q8_0 blocks kept as they are, lossless)",
     )
     model.add_argument(

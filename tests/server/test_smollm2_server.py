@@ -7,6 +7,8 @@ and a second chat sharing the template's system prompt must read it from the cac
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Iterator
 
 import openai
@@ -41,3 +43,11 @@ def test_openai_chat_on_the_default_model(smollm2: ServerProcess) -> None:
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens >= 20  # the template's default system prompt
     assert "resolved server args" in smollm2.log()
+
+
+def test_the_default_model_runs_its_own_4_bit_blocks(smollm2: ServerProcess) -> None:
+    with urllib.request.urlopen(smollm2.url + "/server_info", timeout=60) as reply:
+        engine = json.load(reply)["engine"]
+    assert (engine["quantization"], engine["resolved_quantization"]) == ("auto", "q4_1")
+    assert engine["quantization_reason"].startswith("auto: q4_1")
+    assert "quantization q4_1: auto: q4_1" in smollm2.log()
