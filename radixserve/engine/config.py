@@ -34,7 +34,7 @@ class EngineConfig:
     enable_mixed_chunk: bool = False  # one forward per step: the prefill chunk and every running decode
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32
     kv_cache_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16: the KV pool's own dtype
-    quantization: str = "none"  # none | int8 (weight-only, per-channel scales) | q4_1 (GGUF-style blocks)
+    quantization: str = "none"  # none | int8 (weight-only, per-channel scales) | q4_1 (GGUF-style blocks) | q4_1-exact
     attention_backend: str = "auto"  # auto | paged (in place, CPU kernel) | reference (gather + SDPA)
     device: str = "auto"  # auto: cuda when present, else cpu
     num_threads: int = 1  # torch CPU threads: 1 is the safe default on a small shared box

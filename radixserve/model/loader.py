@@ -14,6 +14,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_loader import default_model_path, load_gguf, load_gguf_blocks
 from radixserve.model.hf_loader import load_hf_folder
 from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.quant import BLOCK_QUANTIZATIONS
 from radixserve.model.tokenizer import Tokenizer
 
 
@@ -48,7 +49,7 @@ def load_model(
     model.load_weights(weights)
     del weights  # the float32 checkpoint: free it before quantizing makes more copies
     # q4_1 on a GGUF: the file's own Q4_1 / Q8_0 blocks are kept as they are (lossless).
-    kept = load_gguf_blocks(path) if quantization == "q4_1" and path.endswith(".gguf") else None
+    kept = load_gguf_blocks(path) if quantization in BLOCK_QUANTIZATIONS and path.endswith(".gguf") else None
     model.quantize(quantization, kept)
     model.eval()
     return LoadedModel(path, config, model, Tokenizer.from_model_path(path))

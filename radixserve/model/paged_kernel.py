@@ -36,7 +36,8 @@ SOURCES = (
     CSRC / "block_linear.cpp",
     CSRC / "block_q8_linear.cpp",
 )
-HEADERS = (CSRC / "attention_common.h", CSRC / "shared_prefix.h", CSRC / "block_common.h")  # included, not compiled: in the fingerprint
+# included, not compiled: in the fingerprint
+HEADERS = (CSRC / "attention_common.h", CSRC / "shared_prefix.h", CSRC / "block_common.h")
 
 
 def _cpu_fingerprint() -> str:

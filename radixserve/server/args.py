@@ -160,7 +160,8 @@ def _model_flags(model: argparse._ArgumentGroup, d: EngineConfig) -> None:
         default=d.quantization,
         choices=QUANTIZATIONS,
         help="weight-only: int8 = int8 weights with per-channel scales (~4x fewer weight bytes than float32); "
-        "q4_1 = GGUF-style 4-bit blocks (a GGUF's own Q4_1/Q8_0 blocks kept as they are, lossless)",
+        "q4_1 = GGUF-style 4-bit blocks (a GGUF's own Q4_1/Q8_0 blocks kept as they are) with int8 activations, "
+        "as llama.cpp; q4_1-exact = the same blocks with float activations (equals float32 on the GGUF)",
     )
     model.add_argument(
         "--attention-backend",
