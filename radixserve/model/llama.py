@@ -182,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
             f"{method}: {used} of {total} linear weights kept as the file's blocks, the rest quantized; "
             f"lm_head {'kept as ' + head.fmt if head is not None else 'quantized to q8_0'}; "
             f"embedding {'kept as ' + embed.fmt if embed is not None else 'float'}; "
-            f"activations {'int8 blocks of 32' if int8_activations else 'float'}"
+            f"activations {'int8 blocks of 32 (CPU)' if int8_activations else 'float'}"
         )
 
     def _embedding_weight(self) -> torch.Tensor:

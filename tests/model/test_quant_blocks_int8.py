@@ -86,8 +86,8 @@ def test_kernel_equals_the_integer_reference_and_a_row_alone(
 @pytest.mark.parametrize("kernel", [True, False])
 def test_every_path_runs_the_same_int8_math(fmt: str, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode rows (kernel), prefill rows (dequantize + GEMM of the codes' values) and the torch
-    fallback (no compiler, CUDA) agree within float rounding: a row's answer does not depend on how
-    many rows share its call, so a cache hit does not change it."""
+    fallback (no compiler) agree within float rounding: a row's answer does not depend on how many
+    rows share its call, so a cache hit does not change it."""
     if kernel and not paged_kernel.load():
         pytest.skip("no C++ compiler: the block kernel cannot build")
     if not kernel:
