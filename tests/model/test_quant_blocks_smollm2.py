@@ -37,8 +37,9 @@ def teacher_forced(engine: Engine, ids: list[int], chunk: int) -> torch.Tensor:
 
 
 def test_q4_1_stays_close_to_float32(engines: dict[str, Engine]) -> None:
-    """Measured (5 chats, prompt + float32's 32-token answer, 16-row chunks): top-1 TODO, mean KL TODO;
-    greedy answers identical TODO of 5 (over 20 chats: TODO)."""
+    """Measured (5 chats, prompt + float32's 32-token answer, 16-row chunks): top-1 0.974, mean KL
+    5.1e-3, 1 of 5 greedy answers identical (over 20 chats: 7; top-1 0.968-0.981, KL 3.9-4.3e-3;
+    bfloat16 weights for scale: 0.983, 1.4e-3). Greedy answers part at near-ties, early or late."""
     reference, fast = engines["none"], engines["q4_1"]
     assert "activations int8" in fast.describe()["quantization_detail"]
     same, rows = 0, []
@@ -49,4 +50,4 @@ def test_q4_1_stays_close_to_float32(engines: dict[str, Engine]) -> None:
         rows.append((teacher_forced(reference, prompt + answer, 4096), teacher_forced(fast, prompt + answer, 16)))
     top1, kl = agreement_and_kl(torch.cat([r for r, _ in rows]), torch.cat([f for _, f in rows]))
     print(f"q4_1 vs float32 on SmolLM2: top-1 {top1:.3f}, KL {kl:.2e}, {same} of {len(CHATS)} greedy answers identical")
-    assert top1 >= 0.0 and kl <= 1.0 and same >= 0
+    assert top1 >= 0.95 and kl <= 1e-2 and same >= 1
