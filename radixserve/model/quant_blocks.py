@@ -152,8 +152,11 @@ def int8_activation_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     """The int8-activation kernel's math with the dtype's GEMM (prefill, CUDA): x's codes times their
     scales (exact in float32) against the dequantized ``weight``. Equal to the kernel within float
     rounding, so a row's answer does not depend on how many rows share its call."""
-    codes, scales = quantize_activations(x)
-    x_hat = (codes.view(x.shape[0], -1, BLOCK).float() * scales[..., None]).view(x.shape)
+    if x.device.type == "cpu" and paged_kernel.load():
+        x_hat: torch.Tensor = torch.ops.radixserve.dequantized_rows_q8(x)  # one pass over x
+    else:
+        codes, scales = quantize_activations(x)
+        x_hat = (codes.view(x.shape[0], -1, BLOCK).float() * scales[..., None]).view(x.shape)
     return F.linear(x_hat.to(weight.dtype), weight)
 
 

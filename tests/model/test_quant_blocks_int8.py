@@ -69,6 +69,8 @@ def test_kernel_equals_the_integer_reference_and_a_row_alone(
     codes, scales = torch.ops.radixserve.quantize_rows_q8(x)
     expected_codes, expected_scales = quantize_activations(x)
     assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)  # the same rounding
+    values = expected_codes.view(rows, -1, 32).float() * expected_scales[..., None]
+    assert torch.equal(torch.ops.radixserve.dequantized_rows_q8(x), values.view(x.shape))  # the GEMM path's rows
     got = torch.ops.radixserve.block_linear_q8(x, blocks.qs, blocks.d, blocks.m)
     expected = integer_reference(x, blocks)
     # Relative to the largest a row's result could be (a row of zeros: 0 out, any error shows).
