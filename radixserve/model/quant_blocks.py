@@ -149,7 +149,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_activation_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The int8-activation kernel's math with the dtype's GEMM (prefill, CUDA): x's codes times their
+    """The int8-activation kernel's math with the dtype's GEMM (prefill rows; no compiler): x's codes times their
     scales (exact in float32) against the dequantized ``weight``. Equal to the kernel within float
     rounding, so a row's answer does not depend on how many rows share its call."""
     if x.device.type == "cpu" and paged_kernel.load():
