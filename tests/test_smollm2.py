@@ -78,13 +78,13 @@ CHATS = [
 
 
 def test_the_default_keeps_the_files_blocks_and_answers_as_float32(engine: Engine) -> None:
-    """The GGUF's linears are Q4_1 and its embedding Q8_0: the default (auto) keeps those blocks, so only
-    the summation order differs from float32 (measured: all 5 greedy answers identical)."""
+    """The GGUF's linears are Q4_1 and its embedding Q8_0: the default (auto = q4_1-exact) keeps those blocks with float
+    activations, so only the summation order differs from float32 (measured: all 5 greedy answers identical)."""
     q4 = Engine.create(max_total_tokens=4096)
     info = q4.describe()
-    assert (info["quantization"], info["resolved_quantization"]) == ("auto", "q4_1")
-    assert info["quantization_reason"].startswith("auto: q4_1, the GGUF stores its matrices as 210 Q4_1, 1 Q8_0")
-    assert info["quantization_detail"].startswith("q4_1: 210 of 210 linear weights kept")
+    assert (info["quantization"], info["resolved_quantization"]) == ("auto", "q4_1-exact")
+    assert info["quantization_reason"].startswith("auto: q4_1-exact, the GGUF stores its matrices as 210 Q4_1, 1 Q8_0")
+    assert info["quantization_detail"].startswith("q4_1-exact: 210 of 210 linear weights kept")
     assert info["weight_bytes"] < 0.2 * engine.describe()["weight_bytes"]
     greedy = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
     same = 0
@@ -93,5 +93,5 @@ def test_the_default_keeps_the_files_blocks_and_answers_as_float32(engine: Engin
         same += q4.generate(input_ids=prompt, sampling_params=greedy).output_ids == (
             engine.generate(input_ids=prompt, sampling_params=greedy).output_ids
         )
-    print(f"default (q4_1) vs float32: {same} of {len(CHATS)} greedy answers identical")
+    print(f"default (q4_1-exact) vs float32: {same} of {len(CHATS)} greedy answers identical")
     assert same >= 4

@@ -8,7 +8,8 @@ round), in one process:
 - ``auto``: ``--dtype auto``, ``--attention-backend auto``, float weights: every column without a
   ``--quantization`` of its own runs ``none`` (the default, auto, is q4_1 on a Q4_1 GGUF: ``auto+q4_1``);
 - ``auto+int8``: the defaults with ``--quantization int8``;
-- ``auto+q4_1``: the defaults with ``--quantization q4_1`` (a GGUF's own 4-bit blocks);
+- ``auto+q4_1``: the defaults with ``--quantization q4_1`` (a GGUF's own 4-bit blocks, int8 activations);
+- ``auto+q4_1-exact``: the same blocks with float activations (``--quantization q4_1-exact``);
 - ``auto+q4_1+kv-bf16``: q4_1 with a bfloat16 KV pool;
 - ``auto+kv-bf16``: the defaults with ``--kv-cache-dtype bfloat16`` (half the K/V bytes per token);
 - ``auto-no-cascade``: the defaults with the paged kernel's shared-prefix pass off (each request
@@ -47,6 +48,7 @@ COLUMNS: dict[str, dict[str, str]] = {
     "auto": {},
     "auto+int8": {"quantization": "int8"},
     "auto+q4_1": {"quantization": "q4_1"},
+    "auto+q4_1-exact": {"quantization": "q4_1-exact"},
     "auto+q4_1+kv-bf16": {"quantization": "q4_1", "kv_cache_dtype": "bfloat16"},
     "auto+kv-bf16": {"kv_cache_dtype": "bfloat16"},
     "auto-no-cascade": {"cascade_attention": "off"},

@@ -26,7 +26,7 @@ from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace
 from radixserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rotary_cos_sin, uninitialised
 from radixserve.model.paged_kernel import resolve_backend
-from radixserve.model.quant import QUANTIZATIONS, Int8Linear, quantize_linears
+from radixserve.model.quant import BLOCK_QUANTIZATIONS, QUANTIZATIONS, Int8Linear, quantize_linears
 from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks, kept_blocks
 
 # Each fused linear of a decoder layer and the HF weights it holds, rows in this order.
@@ -151,8 +151,9 @@ class LlamaForCausalLM(nn.Module):
         """Weight-only quantization of every linear and the lm_head, in place, after ``load_weights``.
 
         int8: a tied lm_head gets its own quantized copy of the embedding (the lookup keeps the
-        float one). q4_1: ``kept`` (HF name -> a GGUF file's own blocks) are used as they are,
-        other weights quantized (see ``_quantize_blocks``). A quantized model loads no more weights.
+        float one). q4_1 / q4_1-exact: ``kept`` (HF name -> a GGUF file's own blocks) are used as they are,
+        other weights quantized (see ``_quantize_blocks``); q4_1 quantizes activations to int8 blocks
+        (quant_blocks.py). A quantized model loads no more weights.
         """
         if method not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
@@ -160,8 +161,8 @@ class LlamaForCausalLM(nn.Module):
             return
         if self.quantization != "none":
             raise ValueError(f"the model is already quantized ({self.quantization})")
-        if method == "q4_1":
-            self._quantize_blocks(kept or {})
+        if method in BLOCK_QUANTIZATIONS:
+            self._quantize_blocks(kept or {}, method)
         else:
             quantize_linears(self.layers, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), self.dtype)
             head = self._embedding_weight() if self.lm_head is None else self.lm_head.weight
@@ -170,13 +171,13 @@ class LlamaForCausalLM(nn.Module):
             self.quantization_detail = "int8: every linear and the lm_head, per-channel scales"
         self.quantization = method
 
-    def _quantize_blocks(self, kept: Mapping[str, QuantBlocks]) -> None:
+    def _quantize_blocks(self, kept: Mapping[str, QuantBlocks], method: str = "q4_1") -> None:
         """Linears as Q4_1, the lm_head as Q8_0; a weight the file stores as Q4_1 or Q8_0 keeps those blocks
         (a fused linear only when all its parts do, in one format).
 
         The embedding lookup keeps its float values, unless the file's embedding blocks were kept:
         then it reads them (exactly its values), and a tied lm_head shares them."""
-        used = 0
+        used, int8_activations = 0, method == "q4_1"
         for i, layer in enumerate(self.layers):
             for (owner_name, attr), parts in FUSED_PARTS.items():
                 owner = getattr(layer, owner_name)
@@ -184,19 +185,22 @@ class LlamaForCausalLM(nn.Module):
                 blocks = kept_blocks(linear.weight, [kept.get(f"model.layers.{i}.{part}.weight") for part in parts])
                 used += 0 if blocks is None else len(parts)
                 blocks = blocks or QuantBlocks.quantize(linear.weight, "q4_1")
-                setattr(owner, attr, BlockLinear(blocks, linear.bias, self.dtype))
+                setattr(owner, attr, BlockLinear(blocks, linear.bias, self.dtype, int8_activations))
         head_weight = self._embedding_weight() if self.lm_head is None else self.lm_head.weight
         assert isinstance(head_weight, torch.Tensor)
         embed = kept_blocks(self._embedding_weight(), [kept.get("model.embed_tokens.weight")])
         head = embed if self.lm_head is None else kept_blocks(head_weight, [kept.get("lm_head.weight")])
-        self.lm_head = BlockLinear(head or QuantBlocks.quantize(head_weight, "q8_0"), None, self.dtype)
+        self.lm_head = BlockLinear(
+            head or QuantBlocks.quantize(head_weight, "q8_0"), None, self.dtype, int8_activations
+        )
         if embed is not None:
             self.embed_tokens = BlockEmbedding(embed, self.dtype)
         total = len(self.layers) * sum(len(parts) for parts in FUSED_PARTS.values())
         self.quantization_detail = (
-            f"q4_1: {used} of {total} linear weights kept as the file's blocks, the rest quantized; "
+            f"{method}: {used} of {total} linear weights kept as the file's blocks, the rest quantized; "
             f"lm_head {'kept as ' + head.fmt if head is not None else 'quantized to q8_0'}; "
-            f"embedding {'kept as ' + embed.fmt if embed is not None else 'float'}"
+            f"embedding {'kept as ' + embed.fmt if embed is not None else 'float'}; "
+            f"activations {'int8 blocks of 32 (CPU)' if int8_activations else 'float'}"
         )
 
     def _embedding_weight(self) -> torch.Tensor:
@@ -206,16 +210,20 @@ class LlamaForCausalLM(nn.Module):
         assert isinstance(embed, nn.Embedding)
         return embed.weight
 
-    def load_blocks(self, state_dict: dict[str, torch.Tensor], blocks: Mapping[str, QuantBlocks]) -> None:
-        """``load_weights`` then ``quantize("q4_1", blocks)``, with no float copy of what ``blocks`` replace:
+    def load_blocks(
+        self, state_dict: dict[str, torch.Tensor], blocks: Mapping[str, QuantBlocks], method: str = "q4_1-exact"
+    ) -> None:
+        """``load_weights`` then ``quantize(method, blocks)``, with no float copy of what ``blocks`` replace:
         ``state_dict`` holds every other tensor, ``blocks`` only what ``usable_blocks`` keeps.
 
         Loading a GGUF this way never dequantizes the matrices that stay blocks (nor casts them)."""
         unusable = sorted(blocks.keys() - usable_blocks(blocks, len(self.layers)).keys())
         if unusable:
             raise ValueError(f"blocks quantize() would not keep as they are: {unusable[:5]}")
+        if method not in BLOCK_QUANTIZATIONS:
+            raise ValueError(f"load_blocks needs a block quantization {BLOCK_QUANTIZATIONS}, not {method!r}")
         self.load_weights(state_dict, replaced=blocks)
-        self.quantize("q4_1", blocks)
+        self.quantize(method, blocks)
 
     def load_weights(
         self, state_dict: dict[str, torch.Tensor], replaced: Mapping[str, QuantBlocks] | None = None

@@ -15,6 +15,7 @@ from radixserve.model.gguf_loader import GGUFFile, default_model_path
 from radixserve.model.hf_loader import load_hf_folder
 from radixserve.model.llama import LlamaForCausalLM, usable_blocks
 from radixserve.model.precision import resolve_quantization
+from radixserve.model.quant import BLOCK_QUANTIZATIONS
 from radixserve.model.quant_blocks import QuantBlocks
 from radixserve.model.tokenizer import Tokenizer
 
@@ -35,7 +36,7 @@ class Checkpoint:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     blocks: dict[str, QuantBlocks]
-    quantization: str  # resolved: none | int8 | q4_1
+    quantization: str  # resolved: none | int8 | q4_1 | q4_1-exact
     reason: str
 
 
@@ -56,7 +57,7 @@ def read_checkpoint(path: str, device: torch.device, quantization: str = "none")
         return Checkpoint(*load_hf_folder(path), {}, method, reason)
     file = GGUFFile(path)
     method, reason = resolve_quantization(quantization, device, file.matrix_types())
-    blocks = usable_blocks(file.blocks(), file.config.num_layers) if method == "q4_1" else {}
+    blocks = usable_blocks(file.blocks(), file.config.num_layers) if method in BLOCK_QUANTIZATIONS else {}
     return Checkpoint(file.config, file.tensors(skip=blocks.keys()), blocks, method, reason)
 
 
@@ -74,7 +75,7 @@ def load_model(
     config, method, reason = checkpoint.config, checkpoint.quantization, checkpoint.reason
     model = LlamaForCausalLM(config, device=device, dtype=dtype, attention_backend=attention_backend)
     if checkpoint.blocks:
-        model.load_blocks(checkpoint.weights, checkpoint.blocks)
+        model.load_blocks(checkpoint.weights, checkpoint.blocks, method)
     else:
         model.load_weights(checkpoint.weights)
         del checkpoint  # the float32 checkpoint: free it before quantizing makes more copies

@@ -34,8 +34,10 @@ SOURCES = (
     CSRC / "paged_attention.h",
     CSRC / "int8_linear.cpp",
     CSRC / "block_linear.cpp",
+    CSRC / "block_q8_linear.cpp",
 )
-HEADERS = (CSRC / "attention_common.h", CSRC / "shared_prefix.h")  # included, not compiled: in the fingerprint
+# included, not compiled: in the fingerprint
+HEADERS = (CSRC / "attention_common.h", CSRC / "shared_prefix.h", CSRC / "block_common.h")
 
 
 def _cpu_fingerprint() -> str:

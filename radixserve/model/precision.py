@@ -79,7 +79,7 @@ def resolve_quantization(
 
     auto keeps what the checkpoint stores, and only where that loses nothing and runs fast:
     ``matrix_types`` (HF name -> storage type of each matrix a forward multiplies by; None for an
-    HF float checkpoint) all Q4_1 / Q8_0 -> q4_1 (those blocks, bit for bit), on a CPU where the
+    HF float checkpoint) all Q4_1 / Q8_0 -> q4_1-exact (those blocks, bit for bit, float activations), on a CPU where the
     block kernel builds (``block_kernel``; None: ask ``paged_kernel.load``). Else none.
     """
     if requested != "auto":
@@ -100,4 +100,5 @@ def resolve_quantization(
         block_kernel = paged_kernel.load()
     if not block_kernel:
         return "none", f"auto: none, the block kernel did not build (see the log; GGUF matrices: {listing})"
-    return "q4_1", f"auto: q4_1, the GGUF stores its matrices as {listing}: kept as these blocks, lossless"
+    # q4_1-exact, not q4_1: int8 activations are faster but lossy (README, Precision); auto loses nothing.
+    return "q4_1-exact", f"auto: q4_1-exact, the GGUF stores its matrices as {listing}: kept as these blocks, lossless"

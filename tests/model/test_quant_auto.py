@@ -48,7 +48,7 @@ def test_auto_keeps_a_gguf_stored_as_q4_1_and_q8_0_blocks(q4_gguf: Path) -> None
     types = GGUFFile(q4_gguf).matrix_types()
     assert types["model.embed_tokens.weight"] == "Q8_0" and "model.norm.weight" not in types  # tied: the lm_head
     method, reason = resolve_quantization("auto", CPU, types, block_kernel=True)
-    assert method == "q4_1" and "14 Q4_1, 1 Q8_0" in reason and "lossless" in reason
+    assert method == "q4_1-exact" and "14 Q4_1, 1 Q8_0" in reason and "lossless" in reason
 
 
 def test_auto_falls_back_to_none_and_says_why(mixed_gguf: Path) -> None:
@@ -69,9 +69,9 @@ def test_auto_falls_back_to_none_and_says_why(mixed_gguf: Path) -> None:
 def test_load_model_resolves_auto_and_reports_the_reason(q4_gguf: Path, mixed_gguf: Path) -> None:
     loaded = load_model(str(q4_gguf), CPU, torch.float32, quantization="auto")
     assert isinstance(loaded, LoadedModel)
-    if loaded.model.quantization == "q4_1":  # where the block kernel builds
-        assert loaded.quantization_reason.startswith("auto: q4_1")
-        assert loaded.model.quantization_detail.startswith("q4_1: 14 of 14 linear weights kept")
+    if loaded.model.quantization == "q4_1-exact":  # where the block kernel builds
+        assert loaded.quantization_reason.startswith("auto: q4_1-exact,")
+        assert loaded.model.quantization_detail.startswith("q4_1-exact: 14 of 14 linear weights kept")
     else:
         assert "did not build" in loaded.quantization_reason
     mixed = load_model(str(mixed_gguf), CPU, torch.float32, quantization="auto")

@@ -14,7 +14,7 @@ from radixserve import Engine
 from radixserve.model import paged_kernel
 from radixserve.model.gguf_loader import load_gguf, load_gguf_blocks
 from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.quant import weight_bytes
+from radixserve.model.quant import BLOCK_QUANTIZATIONS, weight_bytes
 from radixserve.model.quant_blocks import FORMATS, KERNEL_MAX_ROWS, BlockEmbedding, BlockLinear, QuantBlocks
 from tests.model.test_gguf import _write_tiny_llama
 from tests.model.tiny import alloc, load_ours, make_batch, make_pool
@@ -117,7 +117,7 @@ def gguf_model(path: Path, quantization: str) -> LlamaForCausalLM:
     config, tensors = load_gguf(path)
     model = LlamaForCausalLM(config)
     model.load_weights(tensors)
-    model.quantize(quantization, load_gguf_blocks(path) if quantization == "q4_1" else None)
+    model.quantize(quantization, load_gguf_blocks(path) if quantization in BLOCK_QUANTIZATIONS else None)
     return model
 
 
@@ -126,18 +126,18 @@ def test_kept_blocks_run_exactly_the_float_model_at_prefill_and_closely_at_decod
     rows go through the kernel (another summation order): within float32 rounding."""
     ids = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     logits = {}
-    for quantization in ("none", "q4_1"):
+    for quantization in ("none", "q4_1-exact"):  # q4_1 itself: int8 activations, test_quant_blocks_int8.py
         model = gguf_model(q4_gguf, quantization)
         pool, allocator = make_pool(model.config)
         context = alloc(allocator, 24)
         prefill = model(make_batch("extend", [(ids[:20], context[:20])]), pool, return_all_logits=True)
         decode = [model(make_batch("decode", [([ids[t]], context[: t + 1])]), pool) for t in range(20, 24)]
         logits[quantization] = (prefill, torch.cat(decode))
-    q4 = logits["q4_1"][0]
-    assert isinstance(gguf_model(q4_gguf, "q4_1").embed_tokens, BlockEmbedding)
+    q4 = logits["q4_1-exact"][0]
+    assert isinstance(gguf_model(q4_gguf, "q4_1-exact").embed_tokens, BlockEmbedding)
     assert torch.equal(q4[:-1], logits["none"][0][:-1])  # the last row's lm_head alone: the kernel
-    assert (logits["q4_1"][1] - logits["none"][1]).abs().max().item() <= 1e-4
-    assert torch.equal(logits["q4_1"][1].argmax(-1), logits["none"][1].argmax(-1))
+    assert (logits["q4_1-exact"][1] - logits["none"][1]).abs().max().item() <= 1e-4
+    assert torch.equal(logits["q4_1-exact"][1].argmax(-1), logits["none"][1].argmax(-1))
 
 
 def test_q4_1_holds_a_fraction_of_the_weight_bytes_and_says_what_it_kept(q4_gguf: Path, mixed_gguf: Path) -> None:
@@ -152,8 +152,9 @@ def test_q4_1_holds_a_fraction_of_the_weight_bytes_and_says_what_it_kept(q4_gguf
     assert model.lm_head is not None and model.lm_head.qs is model.embed_tokens.qs  # tied: one copy of the blocks
 
 
-def test_batch_composition_changes_no_decode_logit(q4_gguf: Path) -> None:
-    model = gguf_model(q4_gguf, "q4_1")
+@pytest.mark.parametrize("quantization", ["q4_1", "q4_1-exact"])
+def test_batch_composition_changes_no_decode_logit(q4_gguf: Path, quantization: str) -> None:
+    model = gguf_model(q4_gguf, quantization)
     pool, allocator = make_pool(model.config)
     generator = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (9, 14, 5)]

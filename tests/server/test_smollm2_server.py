@@ -48,6 +48,6 @@ def test_openai_chat_on_the_default_model(smollm2: ServerProcess) -> None:
 def test_the_default_model_runs_its_own_4_bit_blocks(smollm2: ServerProcess) -> None:
     with urllib.request.urlopen(smollm2.url + "/server_info", timeout=60) as reply:
         engine = json.load(reply)["engine"]
-    assert (engine["quantization"], engine["resolved_quantization"]) == ("auto", "q4_1")
-    assert engine["quantization_reason"].startswith("auto: q4_1")
-    assert "quantization q4_1: auto: q4_1" in smollm2.log()
+    assert (engine["quantization"], engine["resolved_quantization"]) == ("auto", "q4_1-exact")
+    assert engine["quantization_reason"].startswith("auto: q4_1-exact,")
+    assert "quantization q4_1-exact: auto: q4_1-exact" in smollm2.log()

@@ -8,9 +8,7 @@
 // Each block of a weight row is decoded once into registers per tile of up to 8 rows.
 // Every row goes through the same sequence of operations whatever its tile or batch: a
 // row's result is bitwise the same alone or batched (batch composition changes nothing).
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -19,42 +17,22 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define RADIXSERVE_BLOCK_AVX2 1
-#endif
+#include "block_common.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;
+using radixserve::BlockWeights;
+using radixserve::check_blocks;
+using radixserve::kBlock;
+using radixserve::padded;
+using radixserve::row_scales;
+#ifdef RADIXSERVE_BLOCK_AVX2
+using radixserve::hsum;
+#endif
+
 // Rows sharing one decode of a weight block: 4 decoded + 8 accumulators + the scale and a product fill
 // AVX2's 16 registers. Measured on SmolLM2's linears at 16 rows: tiles of 4, 6, 8 ran 0.91x, 0.76x, 0.68x float32's time.
 constexpr int kRowTile = 8;
-
-struct BlockWeights {
-  const uint8_t* qs;     // Q4_1: 16 bytes per block; Q8_0: 32 int8 per block
-  const at::Half* d;     // [N, blocks]
-  const at::Half* m;     // [N, blocks]; nullptr for Q8_0
-  int64_t blocks;        // per output row: K / 32
-  int64_t qs_row_bytes;  // bytes of qs per output row
-};
-
-// Scales of one output row, and x's block sums, are padded with zeros to a multiple of 8 blocks:
-// the min term is then a plain 8-wide dot product.
-inline int64_t padded(int64_t blocks) { return (blocks + 7) / 8 * 8; }
-
-// d (or m) of one output row as float32 into out[padded(count)], zeros past count.
-void row_scales(const at::Half* h, int64_t count, float* out) {
-  int64_t i = 0;
-#ifdef RADIXSERVE_BLOCK_AVX2
-  for (; i + 8 <= count; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-  for (; i < count; ++i) out[i] = _cvtsh_ss(h[i].x);
-#else
-  for (; i < count; ++i) out[i] = static_cast<float>(h[i]);
-#endif
-  for (; i < padded(count); ++i) out[i] = 0.f;
-}
 
 #ifdef RADIXSERVE_BLOCK_AVX2
 // One 32-bit word of codes, broadcast to 8 lanes, shifted by 4 bits more in each lane: lanes hold
@@ -89,12 +67,6 @@ inline void decode_q8(const uint8_t* q, __m256* w) {
     w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // R rows of x against one weight row: sum_b d_b * (x_rb . q_b) [+ sum_b m_b * xsum_rb].
 template <int R, bool Q4>
@@ -193,23 +165,6 @@ void linear_channels(const float* x, int64_t rows, int64_t in_features, const fl
       }
     }
   }
-}
-
-// Checks shapes and dtypes; true for Q4_1 (qs uint8 [N, K/2]), false for Q8_0 (qs int8 [N, K]).
-bool check_blocks(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m) {
-  const bool q4 = qs.scalar_type() == at::kByte;
-  TORCH_CHECK(q4 || qs.scalar_type() == at::kChar, "qs: uint8 (Q4_1) or int8 (Q8_0)");
-  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.device().is_cpu(), "qs: contiguous [N, bytes] on CPU");
-  const int64_t in_features = q4 ? 2 * qs.size(1) : qs.size(1);
-  TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of 32");
-  const auto scales_ok = [&](const at::Tensor& t) {
-    return t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 2 && t.size(0) == qs.size(0) &&
-           t.size(1) == in_features / kBlock;
-  };
-  TORCH_CHECK(scales_ok(d), "d: contiguous float16 [N, K / 32]");
-  TORCH_CHECK(q4 == m.has_value(), "m is given for Q4_1 and only for Q4_1");
-  TORCH_CHECK(!q4 || scales_ok(*m), "m: contiguous float16 [N, K / 32]");
-  return q4;
 }
 
 at::Tensor block_linear_op(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,

@@ -1,0 +1,71 @@
+// What both block linears share (block_linear.cpp: float32 activations; block_q8_linear.cpp: int8
+// activations): GGUF's block of 32, the per-row scales as float32, and the weights' checks.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <optional>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define RADIXSERVE_BLOCK_AVX2 1
+#endif
+
+namespace radixserve {
+
+constexpr int64_t kBlock = 32;
+
+struct BlockWeights {
+  const uint8_t* qs;     // Q4_1: 16 bytes per block; Q8_0: 32 int8 per block
+  const at::Half* d;     // [N, blocks]
+  const at::Half* m;     // [N, blocks]; nullptr for Q8_0
+  int64_t blocks;        // per output row: K / 32
+  int64_t qs_row_bytes;  // bytes of qs per output row
+};
+
+// Scales of one output row, and x's block sums, are padded with zeros to a multiple of 8 blocks:
+// the min term is then a plain 8-wide dot product.
+inline int64_t padded(int64_t blocks) { return (blocks + 7) / 8 * 8; }
+
+// d (or m) of one output row as float32 into out[padded(count)], zeros past count.
+inline void row_scales(const at::Half* h, int64_t count, float* out) {
+  int64_t i = 0;
+#ifdef RADIXSERVE_BLOCK_AVX2
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  for (; i < count; ++i) out[i] = _cvtsh_ss(h[i].x);
+#else
+  for (; i < count; ++i) out[i] = static_cast<float>(h[i]);
+#endif
+  for (; i < padded(count); ++i) out[i] = 0.f;
+}
+
+#ifdef RADIXSERVE_BLOCK_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// Checks shapes and dtypes; true for Q4_1 (qs uint8 [N, K/2]), false for Q8_0 (qs int8 [N, K]).
+inline bool check_blocks(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m) {
+  const bool q4 = qs.scalar_type() == at::kByte;
+  TORCH_CHECK(q4 || qs.scalar_type() == at::kChar, "qs: uint8 (Q4_1) or int8 (Q8_0)");
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.device().is_cpu(), "qs: contiguous [N, bytes] on CPU");
+  const int64_t in_features = q4 ? 2 * qs.size(1) : qs.size(1);
+  TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of 32");
+  const auto scales_ok = [&](const at::Tensor& t) {
+    return t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 2 && t.size(0) == qs.size(0) &&
+           t.size(1) == in_features / kBlock;
+  };
+  TORCH_CHECK(scales_ok(d), "d: contiguous float16 [N, K / 32]");
+  TORCH_CHECK(q4 == m.has_value(), "m is given for Q4_1 and only for Q4_1");
+  TORCH_CHECK(!q4 || scales_ok(*m), "m: contiguous float16 [N, K / 32]");
+  return q4;
+}
+
+}  // namespace radixserve
