@@ -79,8 +79,8 @@ def resolve_quantization(
 
     auto keeps what the checkpoint stores, and only where that loses nothing and runs fast:
     ``matrix_types`` (HF name -> storage type of each matrix a forward multiplies by; None for an
-    HF float checkpoint) all Q4_1 / Q8_0 -> q4_1-exact (those blocks, bit for bit, float activations), on a CPU where the
-    block kernel builds (``block_kernel``; None: ask ``paged_kernel.load``). Else none.
+    HF float checkpoint) all Q4_1 / Q8_0 -> q4_1-exact (those blocks, bit for bit, float activations),
+    on a CPU where the block kernel builds (``block_kernel``; None: ask ``paged_kernel.load``). Else none.
     """
     if requested != "auto":
         return requested, f"{requested} as asked"
