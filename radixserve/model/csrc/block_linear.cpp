@@ -23,6 +23,7 @@ namespace {
 
 using radixserve::BlockWeights;
 using radixserve::check_blocks;
+using radixserve::chunk_scales;
 using radixserve::kBlock;
 using radixserve::padded;
 using radixserve::row_scales;
@@ -152,10 +153,7 @@ void linear_channels(const float* x, int64_t rows, int64_t in_features, const fl
   float sums[kRowTile];
   for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
     const int64_t c1 = std::min(n1, c0 + kChunk);
-    for (int64_t n = c0; n < c1; ++n) {
-      row_scales(w.d + n * w.blocks, w.blocks, d.data() + (n - c0) * ldxs);
-      if constexpr (Q4) row_scales(w.m + n * w.blocks, w.blocks, m.data() + (n - c0) * ldxs);
-    }
+    chunk_scales<Q4>(w, c0, c1, d.data(), m.data());
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
       for (int64_t n = c0; n < c1; ++n) {
