@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import gguf
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from radixserve.model.gguf_loader import GGUFReader, default_model_path
 from radixserve.model.gguf_tokenizer import UnsupportedGGUFTokenizer, build_gguf_tokenizer
@@ -43,7 +43,7 @@ class Tokenizer:
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """From a folder holding ``tokenizer.json`` / ``tokenizer_config.json``; never touches the network."""
-        return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+        return cls(_auto_tokenizer().from_pretrained(str(path), local_files_only=True))
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str], reader: gguf.GGUFReader | None = None) -> Tokenizer:
@@ -56,7 +56,8 @@ class Tokenizer:
             return cls(build_gguf_tokenizer(reader))
         except UnsupportedGGUFTokenizer as exc:
             logger.warning("%s: %s; converting it with transformers instead (slower)", gguf_path.name, exc)
-        hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+        auto = _auto_tokenizer()
+        hf = auto.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
         template = None
         if not hf.chat_template:  # transformers normally copies it; read it ourselves if not
             field = reader.get_field("tokenizer.chat_template")
@@ -123,6 +124,14 @@ class Tokenizer:
             if self.chat_template and token in self.chat_template and token in vocab and vocab[token] not in ids:
                 ids.append(vocab[token])
         return tuple(ids)
+
+
+def _auto_tokenizer() -> Any:
+    """transformers' AutoTokenizer, imported on use: its import (the auto mappings) took 1.3 s of a
+    start-up that a GGUF built by ``gguf_tokenizer`` never needs."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 class IncrementalDecoder:
