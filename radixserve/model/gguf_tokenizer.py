@@ -9,8 +9,8 @@ file's control and user-defined tokens), wrapped in ``PreTrainedTokenizerFast`` 
 same special tokens and flags. Tests compare encodes, decodes and the serialised pipeline
 with transformers' own build.
 
-Handled exactly: ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE with merges) with a
-``tokenizer.ggml.pre`` in ``PRE_TOKENIZER_SPLITS``. Anything else raises
+Handled exactly: a llama-architecture file with ``tokenizer.ggml.model == "gpt2"`` (byte-level
+BPE with merges) and a ``tokenizer.ggml.pre`` in ``PRE_TOKENIZER_SPLITS``. Anything else raises
 ``UnsupportedGGUFTokenizer`` with the reason; the caller falls back to transformers.
 """
 
@@ -72,6 +72,9 @@ def byte_alphabet() -> dict[int, str]:
 def build_gguf_tokenizer(reader: gguf.GGUFReader) -> PreTrainedTokenizerFast:
     """The file's tokenizer as transformers would build it; UnsupportedGGUFTokenizer says why not."""
     meta = _metadata(reader)
+    arch, name = meta.get("architecture"), str(meta.get("name", "")).lower()
+    if arch != "llama" or "mistral" in name:  # transformers may pick a model-specific class for others
+        raise UnsupportedGGUFTokenizer(f"architecture {arch!r} ({name!r}): only llama is checked against transformers")
     if meta.get("tokenizer_type") != "gpt2":
         raise UnsupportedGGUFTokenizer(f"tokenizer.ggml.model {meta.get('tokenizer_type')!r} is not byte-level BPE")
     if meta.get("pre") not in PRE_TOKENIZER_SPLITS:
@@ -92,6 +95,8 @@ def build_gguf_tokenizer(reader: gguf.GGUFReader) -> PreTrainedTokenizerFast:
 def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     """The tokenizer keys of the file, named as in llama.cpp's ``tokenizer.ggml.*`` / ``tokenizer.*``."""
     keys = {
+        "general.architecture": "architecture",
+        "general.name": "name",
         "tokenizer.ggml.model": "tokenizer_type",
         "tokenizer.ggml.pre": "pre",
         "tokenizer.ggml.tokens": "tokens",

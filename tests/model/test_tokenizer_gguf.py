@@ -82,14 +82,16 @@ def _trained_vocab(size: int = 700) -> tuple[list[str], list[str]]:
     return tokens, [" ".join(pair) for pair in model["merges"]]
 
 
-def write_tokenizer_gguf(path: Path, pre: str, model: str = "gpt2", add_bos: bool | None = None) -> Path:
-    """A GGUF holding only a llama header and a tokenizer, as llama.cpp's converter writes one."""
+def write_tokenizer_gguf(
+    path: Path, pre: str, model: str = "gpt2", add_bos: bool | None = None, arch: str = "llama"
+) -> Path:
+    """A GGUF holding only a model header and a tokenizer, as llama.cpp's converter writes one."""
     tokens, merges = _trained_vocab()
     # A user-defined token, a token spelled with a real space (re-spelled byte by byte), and a
     # control token outside the byte alphabet (a mislabel: both builds skip it).
     extra = [("<think>", 4), ("</think>", 4), (" zq", 1), ("<|bad control|>", 3)]
     types = [3 if token in CONTROL else 1 for token in tokens] + [kind for _, kind in extra]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(64)
     writer.add_embedding_length(8)
@@ -182,10 +184,17 @@ def test_tiny_gguf_encodes_any_text_alike(tiny_pair: tuple[Tokenizer, Tokenizer]
 
 
 @pytest.mark.parametrize(
-    ("pre", "model", "why"), [("no-such-pre", "gpt2", "tokenizer.ggml.pre"), ("gpt-2", "bert", "model")]
+    ("pre", "model", "arch", "why"),
+    [
+        ("no-such-pre", "gpt2", "llama", "tokenizer.ggml.pre"),
+        ("gpt-2", "bert", "llama", "model"),
+        ("gpt-2", "gpt2", "qwen2", "architecture"),
+    ],
 )
-def test_unknown_tokenizers_are_refused_with_a_reason(tmp_path: Path, pre: str, model: str, why: str) -> None:
-    path = write_tokenizer_gguf(tmp_path / "tok.gguf", pre, model=model)
+def test_unknown_tokenizers_are_refused_with_a_reason(
+    tmp_path: Path, pre: str, model: str, arch: str, why: str
+) -> None:
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf", pre, model=model, arch=arch)
     with pytest.raises(UnsupportedGGUFTokenizer, match=why):
         build_gguf_tokenizer(GGUFReader(path))
 
