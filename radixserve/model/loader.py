@@ -75,12 +75,8 @@ def load_model(
     path = checkpoint_path(model_path)
     # The GGUF reader (its map and ~300k metadata views of SmolLM2's vocabulary) is gone by now.
     checkpoint = read_checkpoint(path, device, quantization)
-    config, method, reason, tokenizer = (
-        checkpoint.config,
-        checkpoint.quantization,
-        checkpoint.reason,
-        checkpoint.tokenizer,
-    )
+    config, method, reason = checkpoint.config, checkpoint.quantization, checkpoint.reason
+    tokenizer = checkpoint.tokenizer
     model = LlamaForCausalLM(config, device=device, dtype=dtype, attention_backend=attention_backend)
     if checkpoint.blocks:
         model.load_blocks(checkpoint.weights, checkpoint.blocks, method)
