@@ -18,11 +18,13 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    import xgrammar as xgr  # imported where used: most servers never constrain a request (0.4 s of start-up)
 
 GrammarKind = Literal["json_schema", "regex", "ebnf"]
 GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "regex", "ebnf")
@@ -37,6 +39,8 @@ class GrammarCompiler:
     """Compiles specs for one tokenizer + vocabulary; thread-safe, memoised by the spec's hash."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
         self.stop_token_ids = list(stop_token_ids)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
         # xgrammar's own cache would also do, but it keeps failures out of reach: ours says what failed.
@@ -78,11 +82,15 @@ class GrammarCompiler:
             raise GrammarError(f"invalid {kind}: {_xgrammar_message(exc)}") from None
 
     def _can_start(self, compiled: xgr.CompiledGrammar) -> bool:
+        import xgrammar as xgr
+
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids).fill_next_token_bitmask(bitmask, 0)
         return bool(bitmask.any())
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> GrammarState:
+        import xgrammar as xgr
+
         return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids))
 
 
@@ -108,6 +116,8 @@ def apply_masks(logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -
     rows = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
     if not rows:
         return logits
+    import xgrammar as xgr
+
     bitmask = xgr.allocate_token_bitmask(len(grammars), logits.shape[1])
     for i in rows:
         grammar = grammars[i]

@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
 
 from radixserve.model.config import ModelConfig
 
@@ -22,8 +21,14 @@ M = TypeVar("M", bound=nn.Module)
 def uninitialised(cls: type[M], *args: Any, **kwargs: Any) -> M:
     """``cls(*args, **kwargs)`` with its parameters allocated but not initialised. ``load_weights`` /
     ``load_blocks`` write every one next: a random init only cost time, and under q4_1 it wrote
-    (made resident) the float matrices the blocks replace, 540 MB for SmolLM2."""
-    module: M = skip_init(cls, *args, **kwargs)  # type: ignore[no-untyped-call]
+    (made resident) the float matrices the blocks replace, 540 MB for SmolLM2.
+
+    Not torch's ``skip_init``: it initialises on the meta device and then moves, and the first
+    ``normal_`` on meta (an embedding's init) imports torch._dynamo and the first move across
+    devices sympy, 3-5 s of every start-up, for values thrown away."""
+    without_reset = type(cls.__name__, (cls,), {"reset_parameters": lambda self: None})
+    module: M = without_reset(*args, **kwargs)  # nn.Linear / nn.Embedding allocate (torch.empty), then reset
+    module.__class__ = cls  # the plain class again: the subclass only lacked the reset
     return module
 
 

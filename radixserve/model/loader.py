@@ -31,13 +31,15 @@ class LoadedModel:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """What a load reads from the files: float weights, and the blocks that replace the others (q4_1)."""
+    """What a load reads from the files: float weights, the blocks that replace the others (q4_1),
+    and the tokenizer (a GGUF's from the same parse of the file)."""
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     blocks: dict[str, QuantBlocks]
     quantization: str  # resolved: none | int8 | q4_1 | q4_1-exact
     reason: str
+    tokenizer: Tokenizer
 
 
 def checkpoint_path(model_path: str | None) -> str:
@@ -54,11 +56,12 @@ def read_checkpoint(path: str, device: torch.device, quantization: str = "none")
     cannot stand for) dequantized."""
     if os.path.isdir(path):
         method, reason = resolve_quantization(quantization, device, None)
-        return Checkpoint(*load_hf_folder(path), {}, method, reason)
+        return Checkpoint(*load_hf_folder(path), {}, method, reason, Tokenizer.from_model_path(path))
     file = GGUFFile(path)
     method, reason = resolve_quantization(quantization, device, file.matrix_types())
     blocks = usable_blocks(file.blocks(), file.config.num_layers) if method in BLOCK_QUANTIZATIONS else {}
-    return Checkpoint(file.config, file.tensors(skip=blocks.keys()), blocks, method, reason)
+    tokenizer = Tokenizer.from_model_path(path, gguf_reader=file.reader)  # the vocabulary is parsed already
+    return Checkpoint(file.config, file.tensors(skip=blocks.keys()), blocks, method, reason, tokenizer)
 
 
 def load_model(
@@ -73,6 +76,7 @@ def load_model(
     # The GGUF reader (its map and ~300k metadata views of SmolLM2's vocabulary) is gone by now.
     checkpoint = read_checkpoint(path, device, quantization)
     config, method, reason = checkpoint.config, checkpoint.quantization, checkpoint.reason
+    tokenizer = checkpoint.tokenizer
     model = LlamaForCausalLM(config, device=device, dtype=dtype, attention_backend=attention_backend)
     if checkpoint.blocks:
         model.load_blocks(checkpoint.weights, checkpoint.blocks, method)
@@ -81,4 +85,4 @@ def load_model(
         del checkpoint  # the float32 checkpoint: free it before quantizing makes more copies
         model.quantize(method)
     model.eval()
-    return LoadedModel(path, config, model, Tokenizer.from_model_path(path), reason)
+    return LoadedModel(path, config, model, tokenizer, reason)

@@ -6,9 +6,14 @@ Where no C++ compiler is present, or the build fails, ``load()`` returns False
 and attention falls back to the reference gather + SDPA path (int8 linears to
 torch's ``_weight_int8pack_mm``).
 
-The build is named after the CPU's feature flags: it is compiled with
-``-march=native``, and a home folder shared with a machine of another CPU
-must not hand that machine an illegal instruction.
+The build is named after a fingerprint of the CPU's feature flags (it is
+compiled with ``-march=native``: a home folder shared with a machine of
+another CPU must not hand that machine an illegal instruction), torch's
+version, the compile flags and every file under csrc/. It compiles a copy of
+csrc/ kept in its own build folder, never the checkout's files: torch's build
+files name the sources by absolute path, so two checkouts (worktrees, a CI
+clone) with the same sources would otherwise rebuild each other's library,
+and with different ones they get different folders.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import functools
 import hashlib
 import itertools
 import logging
+import os
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,14 +48,66 @@ SOURCES = (
 HEADERS = (CSRC / "attention_common.h", CSRC / "shared_prefix.h", CSRC / "block_common.h")
 
 
-def _cpu_fingerprint() -> str:
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
+def build_fingerprint(csrc: Path = CSRC) -> str:
+    """What the built library depends on: CPU flags, torch, compile flags, each csrc/ file's name and bytes.
+
+    Not where the checkout lies: the same sources anywhere share one build."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = "unknown"
-    sources = "".join(p.read_text() for p in (*SOURCES, *HEADERS))
-    digest = hashlib.sha256((flags + sources + torch.__version__).encode()).hexdigest()
-    return digest[:12]
+    digest = hashlib.sha256("\0".join((flags, torch.__version__, *CFLAGS)).encode())
+    for path in sorted(p for p in csrc.iterdir() if p.is_file()):
+        data = path.read_bytes()
+        digest.update(f"\0{path.name}\0{len(data)}\0".encode() + data)
+    return digest.hexdigest()[:12]
+
+
+def build_directory(name: str) -> Path:
+    """The folder extension ``name`` is built in (created): ``TORCH_EXTENSIONS_DIR`` if set, else torch's
+    cache folder. Worked out here rather than asked of torch.utils.cpp_extension, whose import (0.35 s:
+    setuptools) a kernel that is built already does not need; the build is told this folder."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(cache, "torch_extensions", f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    path = Path(root) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def stage_sources(build_dir: Path, csrc: Path = CSRC) -> Path:
+    """csrc/ copied into ``build_dir/src`` once, atomically, and never rewritten (a newer file would
+    make ninja rebuild the library other processes have loaded). The folder is named by the sources'
+    fingerprint, so what is there already is these sources."""
+    staged = build_dir / "src"
+    if not staged.is_dir():
+        scratch = Path(tempfile.mkdtemp(prefix="src.", dir=build_dir))
+        for path in csrc.iterdir():
+            if path.is_file():
+                shutil.copyfile(path, scratch / path.name)
+        try:
+            os.rename(scratch, staged)
+        except OSError:  # another process staged them first: keep its copy
+            shutil.rmtree(scratch, ignore_errors=True)
+    return staged
+
+
+def _load_built(library: Path) -> bool:
+    """Load a finished build as it is: its folder is named by everything it was built from, so it is
+    current (torch's build step would import cpp_extension, check the compiler and run ninja to find
+    nothing to do: 0.4 s). False when there is none, a build is running (torch's lock file), or it does
+    not load: then build as usual."""
+    if not library.is_file() or (library.parent / "lock").exists():
+        return False
+    try:
+        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+    except OSError:
+        return False
+    return True
 
 
 @functools.cache
@@ -56,12 +116,18 @@ def load() -> bool:
 
     False (logged once) where they cannot be built."""
     try:
+        name = f"radixserve_paged_{build_fingerprint()}"
+        build_dir = build_directory(name)
+        if _load_built(build_dir / f"{name}.so"):
+            return True
         from torch.utils import cpp_extension
 
+        staged = stage_sources(build_dir)
         cpp_extension.load(
-            name=f"radixserve_paged_{_cpu_fingerprint()}",
-            sources=[str(p) for p in SOURCES if p.suffix == ".cpp"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            name=name,
+            sources=[str(staged / p.name) for p in SOURCES if p.suffix == ".cpp"],
+            extra_cflags=list(CFLAGS),
+            build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
         )

@@ -2,21 +2,27 @@
 
 ``Tokenizer`` wraps a transformers fast tokenizer loaded strictly offline, either from an
 HF folder (``tokenizer.json`` + ``tokenizer_config.json``) or from a GGUF file's embedded
-vocabulary. ``IncrementalDecoder`` turns output ids into text deltas that never split a
-multi-byte character; ``find_stop`` / ``partial_stop_len`` implement stop strings.
+vocabulary (built from the metadata our reader parsed, ``gguf_tokenizer.py``; transformers'
+own GGUF conversion for a tokenizer that module does not build exactly). ``IncrementalDecoder``
+turns output ids into text deltas that never split a multi-byte character; ``find_stop`` /
+``partial_stop_len`` implement stop strings.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import gguf
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from radixserve.model.gguf_loader import default_model_path
+from radixserve.model.gguf_loader import GGUFReader, default_model_path
+from radixserve.model.gguf_tokenizer import UnsupportedGGUFTokenizer, build_gguf_tokenizer
+
+logger = logging.getLogger(__name__)
 
 # Chat templates end a turn with one of these; generation must stop on it as well as on eos.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -37,25 +43,36 @@ class Tokenizer:
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """From a folder holding ``tokenizer.json`` / ``tokenizer_config.json``; never touches the network."""
-        return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+        return cls(_auto_tokenizer().from_pretrained(str(path), local_files_only=True))
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """From the vocabulary, merges and chat template embedded in a GGUF file (offline)."""
+    def from_gguf(cls, path: str | os.PathLike[str], reader: gguf.GGUFReader | None = None) -> Tokenizer:
+        """From the vocabulary, merges and chat template embedded in a GGUF file (offline).
+
+        ``reader``: the file already open (the weights' loader), so it is parsed once."""
         gguf_path = Path(path)
-        hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+        reader = reader or GGUFReader(gguf_path)
+        try:
+            return cls(build_gguf_tokenizer(reader))
+        except UnsupportedGGUFTokenizer as exc:
+            logger.warning("%s: %s; converting it with transformers instead (slower)", gguf_path.name, exc)
+        auto = _auto_tokenizer()
+        hf = auto.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
         template = None
         if not hf.chat_template:  # transformers normally copies it; read it ourselves if not
-            field = gguf.GGUFReader(gguf_path).get_field("tokenizer.chat_template")
+            field = reader.get_field("tokenizer.chat_template")
             template = None if field is None else str(field.contents())
         return cls(hf, chat_template=template)
 
     @classmethod
-    def from_model_path(cls, path: str | os.PathLike[str] | None = None) -> Tokenizer:
-        """From a ``.gguf`` file or an HF folder; None means the embedded default model."""
+    def from_model_path(
+        cls, path: str | os.PathLike[str] | None = None, gguf_reader: gguf.GGUFReader | None = None
+    ) -> Tokenizer:
+        """From a ``.gguf`` file (``gguf_reader``: that file, already open) or an HF folder; None means
+        the embedded default model."""
         target = Path(default_model_path() if path is None else path)
         if target.is_file() and target.suffix == ".gguf":
-            return cls.from_gguf(target)
+            return cls.from_gguf(target, gguf_reader)
         if target.is_dir() and any((target / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
             return cls.from_hf_folder(target)
         raise FileNotFoundError(f"{target} is neither a .gguf file nor a folder with tokenizer.json")
@@ -107,6 +124,14 @@ class Tokenizer:
             if self.chat_template and token in self.chat_template and token in vocab and vocab[token] not in ids:
                 ids.append(vocab[token])
         return tuple(ids)
+
+
+def _auto_tokenizer() -> Any:
+    """transformers' AutoTokenizer, imported on use: its import (the auto mappings) took 1.3 s of a
+    start-up that a GGUF built by ``gguf_tokenizer`` never needs."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 class IncrementalDecoder:

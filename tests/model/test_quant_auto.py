@@ -41,7 +41,7 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(autouse=True)
 def no_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny GGUFs carry no vocabulary: these tests are about weights."""
-    monkeypatch.setattr("radixserve.model.loader.Tokenizer.from_model_path", lambda path: None)
+    monkeypatch.setattr("radixserve.model.loader.Tokenizer.from_model_path", lambda path, gguf_reader=None: None)
 
 
 def test_auto_keeps_a_gguf_stored_as_q4_1_and_q8_0_blocks(q4_gguf: Path) -> None:
