@@ -144,7 +144,13 @@ def test_our_subscriber_reads_each_medium_in_the_peers_own_spelling(tmp_path: Pa
     def stored(hashes: list[int], medium: str) -> object:
         tokens = list(range(16 * len(hashes)))
         return module.BlockStored(
-            block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=16, lora_id=None, medium=medium
+            block_hashes=hashes,
+            parent_block_hash=None,
+            token_ids=tokens,
+            block_size=16,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
         )
 
     events = [stored([1, 2], gpu), stored([1, 3], cpu), stored([4], disk), module.BlockRemoved([1], medium=cpu)]
