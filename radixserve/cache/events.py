@@ -11,7 +11,8 @@ by its hash (``page_hash`` set, an empty key): a ``remove`` needs nothing else; 
 ``store`` carries the page's ``PageLabel`` (its parent's hash and its own tokens),
 kept beside the page while it sits in L2, so a page that moves down a tier (L2
 spilling to L3) or up one (a prefetch into L2) is announced as fully as a page
-copied straight from the pool.
+copied straight from the pool. A page found on disk at a start has no label (its
+file holds no tokens): its ``store`` names only its hash.
 
 Off by default: a cache built with ``events=None`` pays one ``is None`` check.
 
@@ -57,7 +58,7 @@ class KVEvent:
     page_size: int
     medium: str | None = None  # None: the KV pool; "cpu" / "disk": a page copied down into that tier
     page_hash: bytes | None = None  # one tier page (``page_size`` tokens), stored or dropped; ``key`` is then empty
-    label: PageLabel | None = None  # what a stored tier page holds
+    label: PageLabel | None = None  # what a stored tier page holds (None: unknown, a page found at a start)
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
@@ -108,11 +109,11 @@ class KVEventLog:
         empty = RadixKey(np.empty(0, dtype=np.int64))
         self._queue.append(KVEvent(self._seq, "remove", 0, empty, page_size, medium, page_hash))
 
-    def record_page(self, page_hash: bytes, label: PageLabel, medium: str) -> None:
-        """Record that the tier ``medium`` now holds the page named ``page_hash``, holding ``label``."""
+    def record_page(self, page_hash: bytes, page_size: int, medium: str, label: PageLabel | None) -> None:
+        """Record that the tier ``medium`` now holds the ``page_size``-token page named ``page_hash``, holding
+        ``label`` (None: what it holds is unknown, a page found in the tier at a start)."""
         self._seq += 1
         empty = RadixKey(np.empty(0, dtype=np.int64))
-        page_size = len(label.token_ids)
         self._queue.append(KVEvent(self._seq, "store", 0, empty, page_size, medium, page_hash, label))
 
     def add_source(self, source: Callable[[], None]) -> None:

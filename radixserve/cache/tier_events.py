@@ -11,6 +11,13 @@ medium is then exactly each tier's contents at the drain, however the changes
 raced in between (a page dropped and stored again announces nothing), and it
 never sees a page stored twice or removed twice.
 
+A page a tier held before events were attached (the disk directory's pages at a
+warm restart) is ``restored``: announced at the next drain by its hash alone, as
+its file holds no tokens. The first store of it with a label (a request read it,
+so its parent and tokens are known) announces it once more, in full: a router
+that had to skip the bare announcement (one that indexes pages by their parent
+chain) learns the page then. That is the one page ever stored twice in a row.
+
 The cost, with events on only: one set of announced page hashes per tier (16
 bytes a page, next to pages of tens of KiB) and a ``PageLabel`` per stored page
 in flight to the drain.
@@ -19,12 +26,13 @@ in flight to the drain.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 from radixserve.cache.events import KVEventLog, PageLabel
 
-Medium = Literal["cpu", "disk"]  # vLLM's names for the tiers on the wire
+Medium = Literal["cpu", "disk"]  # our tier names; on the wire they are kv_events.wire.WIRE_MEDIA's
+Touch = tuple[bool, PageLabel | None]  # (stored, label) of a page since the last drain; stored without label: bare
 
 
 class TierAnnouncer:
@@ -33,17 +41,22 @@ class TierAnnouncer:
         self.log = log
         self.page_tokens = page_tokens
         self._holds = holds
-        self._inbox: deque[tuple[bytes, Medium, PageLabel | None]] = deque()
+        self._inbox: deque[tuple[bytes, Medium, bool, PageLabel | None]] = deque()
         self._announced: dict[Medium, set[bytes]] = {"cpu": set(), "disk": set()}
+        self._bare: dict[Medium, set[bytes]] = {"cpu": set(), "disk": set()}  # announced by hash alone
         log.add_source(self.announce)
 
     def stored(self, page_hash: bytes, medium: Medium, label: PageLabel) -> None:
         """The tier ``medium`` took the page (any thread): announce it at the next drain if it still holds it."""
-        self._inbox.append((page_hash, medium, label))
+        self._inbox.append((page_hash, medium, True, label))
+
+    def restored(self, page_hashes: Iterable[bytes], medium: Medium) -> None:
+        """The tier ``medium`` held these pages before events began (a warm restart's): announce them by hash."""
+        self._inbox.extend((page_hash, medium, True, None) for page_hash in page_hashes)
 
     def dropped(self, page_hash: bytes, medium: Medium) -> None:
         """The tier ``medium`` let the page go (any thread): announce it at the next drain if it still lacks it."""
-        self._inbox.append((page_hash, medium, None))
+        self._inbox.append((page_hash, medium, False, None))
 
     def announced(self, medium: Medium) -> set[bytes]:
         """The pages announced as held by ``medium`` (a copy): what an exact subscriber holds."""
@@ -51,16 +64,24 @@ class TierAnnouncer:
 
     def announce(self) -> None:
         """At a drain (step loop): record the difference between each touched page's tier and what was announced."""
-        touched: dict[tuple[bytes, Medium], PageLabel | None] = {}  # first touch first: parents before children
+        touched: dict[tuple[bytes, Medium], Touch] = {}  # first touch first: parents before children
         while self._inbox:
-            page_hash, medium, label = self._inbox.popleft()
-            if label is not None or (page_hash, medium) not in touched:
-                touched[page_hash, medium] = label
-        for (page_hash, medium), label in touched.items():
-            held, announced = self._holds(page_hash, medium), self._announced[medium]
-            if held and page_hash not in announced and label is not None:
-                announced.add(page_hash)
-                self.log.record_page(page_hash, label, medium)
-            elif not held and page_hash in announced:
-                announced.discard(page_hash)
-                self.log.record_drop(page_hash, self.page_tokens, medium)
+            page_hash, medium, stored, label = self._inbox.popleft()
+            was_stored, known = touched.get((page_hash, medium), (False, None))
+            touched[page_hash, medium] = (stored or was_stored, label or known)  # a drop forgets no label
+        for (page_hash, medium), (stored, label) in touched.items():
+            self._reconcile(page_hash, medium, stored, label)
+
+    def _reconcile(self, page_hash: bytes, medium: Medium, stored: bool, label: PageLabel | None) -> None:
+        held, announced, bare = self._holds(page_hash, medium), self._announced[medium], self._bare[medium]
+        if held and stored and (page_hash not in announced or (page_hash in bare and label is not None)):
+            announced.add(page_hash)
+            if label is None:
+                bare.add(page_hash)
+            else:
+                bare.discard(page_hash)
+            self.log.record_page(page_hash, self.page_tokens, medium, label)
+        elif not held and page_hash in announced:
+            announced.discard(page_hash)
+            bare.discard(page_hash)
+            self.log.record_drop(page_hash, self.page_tokens, medium)

@@ -12,7 +12,8 @@ queued (bytes held by the writer) or on disk. See ``page_states``.
 KV events (with ``events`` set): every page a tier gains or loses is announced
 with its medium (tier_events.py), at the log's next drain. A page stored into L2
 keeps its ``PageLabel`` (parent hash, tokens) beside it, so the page can still be
-announced in full when L2 spills it to L3.
+announced in full when L2 spills it to L3. The pages the disk already holds when
+events are attached (a warm restart's) are announced at the first drain, by hash.
 
 ``TierPages`` is the state the store flow (tier_store.py) and the load-back
 (tiers.py) share: the stores, the lock, the counters.
@@ -99,6 +100,8 @@ class TierPages:
     def events(self, log: KVEventLog | None) -> None:
         self._events = log
         self._announcer = TierAnnouncer(log, self.page_tokens, self._holds) if log is not None else None
+        if self._announcer is not None and self.disk is not None:
+            self._announcer.restored(self.disk.hashes(), "disk")  # a router learns a restarted engine's disk
 
     def _stored(self, page_hash: bytes, medium: Medium, label: PageLabel | None) -> None:
         """A tier took a page (any thread): announce it at the next drain."""

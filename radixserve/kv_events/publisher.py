@@ -8,11 +8,13 @@ kept batch from that seq on as ``[topic, seq, payload]`` (the last ``buffer``
 batches are kept), then ``[b"", seq -1, b""]``. A client that asked for seq n
 and gets a first batch after n knows the rest are gone.
 
-Our addition, which their clients never send: the body ``b"snapshot"``
-answers ``[b"snapshot", seq, msgpack array of every cached block hash]`` as of
-batch ``seq`` (from a mirror the publisher keeps of its own batches), then the
-same end message. A request that is neither gets the end message with an error
-text as its payload.
+Our addition, which their clients never send: a snapshot, from a mirror the
+publisher keeps of its own batches (mirror.py), as of batch ``seq``, then the
+same end message. The body ``b"snapshot"`` (v1, unchanged for the clients that
+know it) answers ``[b"snapshot", seq, msgpack array of the KV pool's block
+hashes]``; ``b"snapshot/2"`` answers ``[b"snapshot/2", seq, msgpack Snapshot]``,
+every medium's hashes (the pool's and each cache tier's). A request that is none
+of these gets the end message with an error text as its payload.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import msgspec
 import zmq
 
 from radixserve.cache.events import KVEvent
+from radixserve.kv_events.mirror import SNAPSHOT_V2, BlockMirror, encode_snapshot
 from radixserve.kv_events.wire import (
     END_SEQ,
     SNAPSHOT,
-    BlockMirror,
     KVEventBatch,
     decode_seq,
     encode_batch,
@@ -124,11 +126,13 @@ class KVEventPublisher:
         """The messages answering one request (after the client's identity), the end message last."""
         end = [b"", encode_seq(END_SEQ), b""]
         if len(request) != 2 or request[0] != b"":
-            raise ValueError("a request is [b'', body]: a start seq (8 bytes big-endian) or b'snapshot'")
+            raise ValueError("a request is [b'', body]: a start seq (8 bytes big-endian), b'snapshot' or b'snapshot/2'")
         body = request[1]
         with self._lock:
             if body == SNAPSHOT:
                 blocks = msgspec.msgpack.encode(sorted(self._mirror.blocks))
                 return [[SNAPSHOT, encode_seq(self._mirror.seq), blocks], end]
+            if body == SNAPSHOT_V2:
+                return [[SNAPSHOT_V2, encode_seq(self._mirror.seq), encode_snapshot(self._mirror.snapshot())], end]
             start = decode_seq(body)
             return [[self._topic, encode_seq(seq), data] for seq, data in self._ring if seq >= start] + [end]

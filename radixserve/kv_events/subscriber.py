@@ -1,8 +1,10 @@
-"""A router's side of KV events: subscribe, detect gaps, replay or snapshot, keep a block mirror.
+"""A router's side of KV events: subscribe, detect gaps, replay or snapshot, keep a mirror per medium.
 
 It reads any publisher of the shared format (vLLM, SGLang, radixserve) live and
-through the replay protocol; the snapshot it falls back on when a replay comes
-too late is radixserve's addition (``publisher.py``).
+through the replay protocol, whatever its spelling of ``medium`` (mirror.py);
+the snapshot it falls back on when a replay comes too late is radixserve's
+addition (``publisher.py``): v2 (every medium) where the publisher answers it,
+else v1 (the pool only; the tiers' mirrors then start empty).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from collections.abc import Iterator
 import msgspec
 import zmq
 
-from radixserve.kv_events.wire import END_SEQ, SNAPSHOT, BlockMirror, decode_batch, decode_seq, encode_seq
+from radixserve.kv_events.mirror import SNAPSHOT_V2, BlockMirror, decode_snapshot
+from radixserve.kv_events.wire import END_SEQ, SNAPSHOT, decode_batch, decode_seq, encode_seq
 
 Message = tuple[bytes, int, bytes]  # topic, seq, payload
 
@@ -32,7 +35,13 @@ class KVEventSubscriber:
 
     @property
     def blocks(self) -> set[int]:
+        """The KV pool's blocks (what routing on a device hit reads)."""
         return self.mirror.blocks
+
+    @property
+    def media(self) -> dict[str, set[int]]:
+        """Each cache tier's blocks, by tier name (``"cpu"``, ``"disk"``)."""
+        return self.mirror.media
 
     @property
     def socket(self) -> zmq.Socket[bytes]:
@@ -67,13 +76,27 @@ class KVEventSubscriber:
                 self.mirror.apply(seq, decode_batch(data))
 
     def snapshot(self) -> None:
-        """Replace the mirror by the publisher's every cached block (radixserve publishers only)."""
-        for topic, seq, data in list(self._request(SNAPSHOT)):
-            if topic == SNAPSHOT:
-                self.mirror.load_snapshot(seq, msgspec.msgpack.decode(data, type=list[int]))
-                self.snapshots += 1
-                return
-        raise RuntimeError(f"{self._replay_endpoint} sent no snapshot")
+        """Replace the mirror by the publisher's every cached block (radixserve publishers only).
+
+        Asks for v2 (every medium) first; a publisher that predates it refuses, and v1 gives the pool.
+        """
+        answer = self._snapshot_answer(SNAPSHOT_V2)
+        if answer is not None:
+            self.mirror.load(answer[0], decode_snapshot(answer[1]))
+        else:
+            answer = self._snapshot_answer(SNAPSHOT)
+            if answer is None:
+                raise RuntimeError(f"{self._replay_endpoint} sent no snapshot")
+            self.mirror.load_snapshot(answer[0], msgspec.msgpack.decode(answer[1], type=list[int]))
+        self.snapshots += 1
+
+    def _snapshot_answer(self, body: bytes) -> tuple[int, bytes] | None:
+        """(seq, payload) of the answer to snapshot request ``body``; None if the publisher refused or lacks it."""
+        try:
+            messages = list(self._request(body))
+        except RuntimeError:  # refused: not a request this publisher knows
+            return None
+        return next(((seq, data) for topic, seq, data in messages if topic == body), None)
 
     def close(self) -> None:
         self._sub.close()

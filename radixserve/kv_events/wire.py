@@ -12,20 +12,28 @@ events are tagged maps (``"type"`` is the class name):
     {"type": "AllBlocksCleared"}
 
 ``namespace`` and ``shared_len`` are ours: a peer decoder skips keys it does
-not know. ``medium`` is vLLM's: None for the KV pool, ``"cpu"`` / ``"disk"`` for the host
-and disk cache tiers (``--hicache-size``, ``--cache-dir``). A tier announces
+not know. ``medium`` says which store holds the block: None for the KV pool (what
+every router reads as the device), ``"CPU_PINNED"`` / ``"DISK"`` for the host and
+disk cache tiers (``--hicache-size``, ``--cache-dir``): SGLang's ``StorageMedium``
+names, which SGLang's router matches exactly and NVIDIA Dynamo's KV router takes as
+its canonical names (``WIRE_MEDIA``; ``tier_of`` reads every spelling a publisher
+uses, vLLM's ``"GPU"`` / ``"CPU"`` / ``"STORAGE"`` included). A tier announces
 every page it gains (copied from the pool, spilled from L2 to L3, prefetched from
 L3 into L2) as a ``BlockStored`` with its parent hash and tokens, as vLLM's
 self-describing offloading events do, and every page it drops as a ``BlockRemoved``;
 both at each publish and only if the tier's state then differs from what was
 announced, so a consumer that keeps one set per medium holds exactly what each
-tier holds (pages already on disk at a restart are never announced: their files
-hold no tokens). Tier events go out only when ``B`` is the tier page (16 tokens
+tier holds. Pages already on disk at a start are announced at once, by hash only
+(their files hold no tokens): vLLM's placeholder form, ``parent_block_hash`` None,
+``token_ids`` empty, ``block_size`` 0; once a request reads one, it is announced
+again in full. Tier events go out only when ``B`` is the tier page (16 tokens
 for cache pages up to 16: the default), as a tier page's hash is a block hash at
 that size only. ``AllBlocksCleared`` clears the pool; a tier announces its own
-removals. ``BlockMirror`` tracks the pool only: a tier's events never touch it. Blocks are whole runs of ``B`` tokens
-(16 by default, whatever the cache's page size), announced once all their tokens
-are cached and removed as soon as one is evicted. A hash is the first 8 bytes, as a signed big-endian
+removals. ``BlockMirror`` (mirror.py) keeps one set per medium.
+
+Blocks are whole runs of ``B`` tokens (16 by default, whatever the cache's page
+size), announced once all their tokens are cached and removed as soon as one is
+evicted. A hash is the first 8 bytes, as a signed big-endian
 int64, of the chained 16-byte page hash of ``radixserve.cache.key.page_hashes``:
 
     c_-1 = 16 zero bytes
@@ -49,6 +57,23 @@ from radixserve.cache.key import RadixKey
 END_SEQ = -1  # the seq frame of the message that ends a replay (empty topic and payload)
 SNAPSHOT = b"snapshot"  # our addition on the replay socket: a request body, and the topic frame of its answer
 
+# Our tiers' names on the wire: SGLang's StorageMedium values, the spelling SGLang's router matches (an unknown
+# medium's store is dropped there, its removal clears every tier) and Dynamo's KV router writes as canonical.
+WIRE_MEDIA: dict[str, str] = {"cpu": "CPU_PINNED", "disk": "DISK"}
+# Every spelling publishers use (vLLM: GPU / CPU / STORAGE; SGLang: GPU / CPU_PINNED / DISK; Dynamo's aliases;
+# radixserve before this table: cpu / disk), upper-cased, to our tier name; None is the KV pool.
+MEDIUM_ALIASES: dict[str, str | None] = {
+    "GPU": None,
+    "DEVICE": None,
+    "CPU": "cpu",
+    "CPU_PINNED": "cpu",
+    "CPU_TIER1": "cpu",
+    "DISK": "disk",
+    "STORAGE": "disk",
+    "NVME": "disk",
+    "CPU_TIER2": "disk",
+}
+
 
 class BlockStored(msgspec.Struct, tag=True, gc=False):
     block_hashes: list[int]
@@ -56,7 +81,7 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None  # vLLM's decoder requires the key, even when empty
-    medium: str | None = None  # None: the engine's KV pool; "cpu" / "disk": copied down into that cache tier
+    medium: str | None = None  # None: the engine's KV pool; else a cache tier (``WIRE_MEDIA``)
     lora_name: str | None = None
     namespace: str | None = None
     shared_len: int = 0
@@ -84,6 +109,17 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 
+def wire_medium(tier: str | None) -> str | None:
+    """The ``medium`` a cache event's tier (None: the pool; ``"cpu"`` / ``"disk"``) goes on the wire as."""
+    return None if tier is None else WIRE_MEDIA.get(tier, tier)
+
+
+def tier_of(medium: str | None) -> str | None:
+    """Our name for the store a wire ``medium`` names, in any publisher's spelling and case: None (the KV pool),
+    ``"cpu"``, ``"disk"``, or an unknown medium as sent (kept apart: never read as the pool)."""
+    return None if medium is None else MEDIUM_ALIASES.get(medium.upper(), medium)
+
+
 def wire_hash(digest: bytes) -> int:
     """A chained page hash as it goes on the wire: its first 8 bytes, a signed big-endian int64."""
     return int.from_bytes(digest[:8], "big", signed=True)
@@ -101,8 +137,10 @@ def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
     if event.page_hash is not None:  # one tier page: its hash is a wire hash only at its own size
         if event.page_size != block_size:
             return None
-        if event.label is None:
-            return BlockRemoved([wire_hash(event.page_hash)], medium=event.medium)
+        if event.kind == "remove":
+            return BlockRemoved([wire_hash(event.page_hash)], medium=wire_medium(event.medium))
+        if event.label is None:  # found on disk at a start: its file holds no tokens (vLLM's placeholder form)
+            return BlockStored([wire_hash(event.page_hash)], None, [], 0, medium=wire_medium(event.medium))
         return page_record(event.page_hash, event.label, event.medium)
     first = event.start // block_size
     # The chain up to the event's end: its tail is the event's blocks, the one before is their parent.
@@ -111,7 +149,7 @@ def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
     if not hashes:
         return None
     if event.kind == "remove":
-        return BlockRemoved(hashes, medium=event.medium)
+        return BlockRemoved(hashes, medium=wire_medium(event.medium))
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=wire_hash(chain[0]) if first > 0 else None,
@@ -119,7 +157,7 @@ def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
         block_size=block_size,
         namespace=event.key.extra_key,
         shared_len=event.key.shared_len,
-        medium=event.medium,
+        medium=wire_medium(event.medium),
     )
 
 
@@ -132,7 +170,7 @@ def page_record(page_hash: bytes, label: PageLabel, medium: str | None) -> Block
         block_size=len(label.token_ids),
         namespace=label.extra_key,
         shared_len=label.shared_len,
-        medium=medium,
+        medium=wire_medium(medium),
     )
 
 
@@ -153,28 +191,3 @@ def decode_seq(frame: bytes) -> int:
     if len(frame) != 8:
         raise ValueError(f"a seq frame is 8 bytes, got {len(frame)}")
     return int.from_bytes(frame, "big", signed=True)
-
-
-class BlockMirror:
-    """The set of cached block hashes, rebuilt from batches (or a snapshot) in seq order."""
-
-    def __init__(self) -> None:
-        self.blocks: set[int] = set()
-        self.seq = -1  # the last batch applied (-1: none)
-
-    def apply(self, seq: int, batch: KVEventBatch) -> None:
-        if seq != self.seq + 1:
-            raise ValueError(f"batch {seq} after {self.seq}: events were missed (replay or snapshot)")
-        for event in batch.events:
-            if not isinstance(event, AllBlocksCleared) and event.medium is not None:
-                continue  # a lower cache tier: the mirror is the KV pool's blocks
-            if isinstance(event, BlockStored):
-                self.blocks.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                self.blocks.difference_update(event.block_hashes)
-            else:
-                self.blocks.clear()
-        self.seq = seq
-
-    def load_snapshot(self, seq: int, blocks: list[int]) -> None:
-        self.blocks, self.seq = set(blocks), seq

@@ -89,6 +89,11 @@ class DiskPageStore:
         with self._mutex:
             return len(self._index.keys() | self._pending.keys())
 
+    def hashes(self) -> list[bytes]:
+        """Every page held (on disk, least recently used first, then queued): at a start, the warm scan's."""
+        with self._mutex:
+            return [*self._index, *(h for h in self._pending if h not in self._index)]
+
     def put(self, page_hash: bytes, payload: bytes) -> bool:
         """Enqueue one page for the writer thread; False when writing is off or it is there already."""
         with self._mutex:

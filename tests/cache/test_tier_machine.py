@@ -28,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from radixserve.cache import CacheReq, RadixCache, RadixKey
 from radixserve.cache.radix_check import check_slot_conservation
 from radixserve.cache.tiers import TierIndex
-from radixserve.kv_events.wire import AllBlocksCleared, BlockRemoved, event_record, wire_hash
+from radixserve.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, event_record, tier_of, wire_hash
 from radixserve.memory import TokenAllocator
 from radixserve.memory.disk_store import DiskPageStore
 from radixserve.memory.host_arena import HostArena
@@ -51,17 +51,26 @@ class TierMachine(RuleBasedStateMachine):
     page_size = 1
     write_policy = "write_back"
     unbounded = True
-    loaded = {"host": 0, "disk": 0, "prefetched": 0}  # across every run of one test: the tiers were really exercised
+    # Across every run of one test: the tiers were really exercised (restored: a start's disk page read, announced
+    # again in full).
+    loaded = {"host": 0, "disk": 0, "prefetched": 0, "restored": 0}
 
     def __init__(self) -> None:
         super().__init__()
         self.tier_page = 2 * self.page_size
+        self.dir = Path(tempfile.mkdtemp())
+        self.ever: set[PageKey] = set()  # whole tier pages the tree has held
+        self.live: list[CacheReq] = []
+        self.seen: list[tuple[str | None, np.ndarray]] = []  # prompts opened so far: queue_request repeats them
+        self.open_cache()
+
+    def open_cache(self) -> None:
+        """A process starting: L1 and L2 empty, L3 (bounded runs) whatever ``self.dir`` holds, events from seq 0."""
         self.allocator = TokenAllocator(12 * self.page_size, self.page_size)
         self.cache = RadixCache(self.allocator, self.page_size, "lru", counter_clock(), enable_kv_events=True)
         self.pool = KVPool(1, self.allocator.size + self.page_size, 1, 2)
         mover = PoolPageMover(self.pool, self.tier_page)
         page_bytes = mover.layout.page_bytes
-        self.dir = Path(tempfile.mkdtemp())
         if self.unbounded:
             host, disk = HostArena(1 << 30), None
         else:  # L2 = 16 tokens (L1 holds 12), L3 = 32: both tiers spill all the time
@@ -70,9 +79,8 @@ class TierMachine(RuleBasedStateMachine):
         self.cache.tiers = TierIndex(mover, self.tier_page, host, disk, self.write_policy)  # type: ignore[arg-type]
         self.cache.tiers.events = self.cache.events
         self.announced: dict[str | None, set[int]] = {"cpu": set(), "disk": set()}  # per tier, from KV events
-        self.ever: set[PageKey] = set()  # whole tier pages the tree has held
-        self.live: list[CacheReq] = []
-        self.seen: list[tuple[str | None, np.ndarray]] = []  # prompts opened so far: queue_request repeats them
+        self.bare: set[tuple[str | None, int]] = set()  # (tier, page) announced by hash alone: a start's disk pages
+        self.age = 0  # steps since the start
 
     # ---- the fake model and the reference -------------------------------------------------------
 
@@ -177,10 +185,35 @@ class TierMachine(RuleBasedStateMachine):
     def evict(self, num_pages: int) -> None:
         self.cache.evict(num_pages * self.page_size)
 
+    # Every 8 steps at most, once the disk holds something: a restart empties L1 and L2, so more would starve them.
+    @precondition(
+        lambda self: self.cache.tiers and self.cache.tiers.disk and len(self.cache.tiers.disk) and self.age >= 8
+    )
+    @rule(data=st.data())
+    def restart(self, data: st.DataObject) -> None:
+        """The process stops (queued disk writes land) and another starts on the same directory: its first drain
+        announces the pages on disk, by hash; a page read later is announced again, in full. Then a prompt seen
+        before comes back (what a restart is for)."""
+        for req in self.live:
+            self.cache.cache_finished_req(req)
+        self.live = []
+        self.record_tree()
+        self.check_events()
+        self.close_tiers(30)
+        self.open_cache()
+        self.check_events()  # the start's announcements: each page on disk, by hash
+        if self.seen:
+            ns, arr = data.draw(st.sampled_from(self.seen))
+            req = self.open(ns, arr)
+            if req is not None:
+                self.cache.cache_finished_req(req)
+                self.record_tree()
+
     # ---- checked after every step ------------------------------------------------------------------
 
     @invariant()
     def everything_holds(self) -> None:
+        self.age += 1
         tiers = self.cache.tiers
         assert tiers is not None
         if tiers.disk is not None:
@@ -208,7 +241,8 @@ class TierMachine(RuleBasedStateMachine):
         """A subscriber keeping one set per tier from the KV events, drained now, holds exactly each tier's pages.
 
         Exactly: every tier page is one block here, and a page is never announced stored twice or removed
-        when it was not announced (what a reference-counting consumer needs).
+        when it was not announced (what a reference-counting consumer needs), but for a start's disk page,
+        announced by hash, then once more in full when a request reads it.
         """
         tiers, events = self.cache.tiers, self.cache.events
         assert tiers is not None and tiers.host is not None and events is not None
@@ -220,9 +254,17 @@ class TierMachine(RuleBasedStateMachine):
                 if record is None or isinstance(record, AllBlocksCleared) or record.medium is None:
                     continue
                 (block,) = record.block_hashes
-                mirror = self.announced[record.medium]
-                assert (block in mirror) == isinstance(record, BlockRemoved), record
-                mirror.symmetric_difference_update({block})
+                tier = tier_of(record.medium)
+                mirror, removed = self.announced[tier], isinstance(record, BlockRemoved)
+                tokens = record.token_ids if isinstance(record, BlockStored) else []
+                in_full = (tier, block) in self.bare and len(tokens) > 0  # a start's page, read: stored again
+                assert in_full or (block in mirror) == removed, record
+                (mirror.discard if removed else mirror.add)(block)
+                self.loaded["restored"] += in_full
+                if removed or in_full:
+                    self.bare.discard((tier, block))
+                elif not tokens:
+                    self.bare.add((tier, block))
             assert self.announced["cpu"] == {wire_hash(h) for h in tiers.host.hashes()}
             on_disk = {wire_hash(h) for h in tiers.disk._index} if tiers.disk is not None else set()
             assert self.announced["disk"] == on_disk
@@ -232,12 +274,16 @@ class TierMachine(RuleBasedStateMachine):
             self.cache.cache_finished_req(req)
         self.cache.check_invariants()
         check_slot_conservation(self.cache, [])
+        self.close_tiers(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def close_tiers(self, timeout: float) -> None:
+        """Count what the tiers loaded (for the test's check that they were exercised), then close them."""
         if self.cache.tiers is not None:
             for tier, count in self.cache.tiers.stats.hit_tokens.items():
                 self.loaded[tier] += count
             self.loaded["prefetched"] += self.cache.tiers.stats.pages_prefetched  # read from disk, then loaded
-            self.cache.tiers.close(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
+            self.cache.tiers.close(timeout)
 
 
 @pytest.mark.parametrize("unbounded", [True, False])
@@ -245,7 +291,9 @@ class TierMachine(RuleBasedStateMachine):
 @pytest.mark.parametrize("page_size", [1, 2, 4])
 def test_tiered_cache_matches_reference(page_size: int, write_policy: str, unbounded: bool) -> None:
     attrs = {"page_size": page_size, "write_policy": write_policy, "unbounded": unbounded}
-    machine = type("Machine", (TierMachine,), {**attrs, "loaded": {"host": 0, "disk": 0, "prefetched": 0}})
+    loaded = {"host": 0, "disk": 0, "prefetched": 0, "restored": 0}
+    machine = type("Machine", (TierMachine,), {**attrs, "loaded": loaded})
     run_state_machine_as_test(machine, settings=machine_settings(20, 30))
     disk_read = machine.loaded["disk"] + machine.loaded["prefetched"]  # a prefetch turns a disk hit into a host hit
     assert machine.loaded["host"] > 0 and (unbounded or disk_read > 0), machine.loaded
+    assert unbounded or machine.loaded["restored"] > 0, machine.loaded

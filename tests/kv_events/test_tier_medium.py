@@ -1,4 +1,4 @@
-"""Copies into a lower cache tier and its drops go on the wire with vLLM's ``medium``; the pool mirror ignores them."""
+"""Copies into a lower cache tier and its drops go on the wire with their ``medium``; the pool's set ignores them."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import numpy as np
 
 from radixserve.cache import KVEvent, RadixCache, RadixKey
 from radixserve.cache.tiers import TierIndex
+from radixserve.kv_events.mirror import BlockMirror
 from radixserve.kv_events.wire import (
     AllBlocksCleared,
-    BlockMirror,
     BlockRemoved,
     BlockStored,
     block_hashes,
     decode_batch,
     encode_batch,
     event_record,
+    tier_of,
     wire_hash,
 )
 from radixserve.memory import TokenAllocator
@@ -41,12 +42,13 @@ def test_demoted_blocks_carry_their_medium_and_leave_the_pool_mirror_exact() -> 
     records = [event_record(e, 16) for e in cache.events.drain()]
     wire = decode_batch(encode_batch([r for r in records if r is not None])).events
     stored = [e for e in wire if isinstance(e, BlockStored)]
-    assert [e.medium for e in stored] == [None, "cpu", "cpu"]
+    assert [e.medium for e in stored] == [None, "CPU_PINNED", "CPU_PINNED"]
     assert stored[1].block_hashes + stored[2].block_hashes == stored[0].block_hashes
     assert [e.medium for e in wire if isinstance(e, BlockRemoved)] == [None]
     mirror = BlockMirror()
     mirror.apply(0, decode_batch(encode_batch(wire)))
     assert mirror.blocks == set()  # the pool holds nothing now; the host tier's copies are not the pool's
+    assert mirror.media == {"cpu": set(stored[0].block_hashes), "disk": set()}
 
 
 PAGE_BYTES = 2 * 16 * 2 * 4  # one 16-token tier page of KVPool(1 layer, 1 head, head_dim 2), K and V, fp32
@@ -66,29 +68,32 @@ def _wire(cache: RadixCache, block_size: int = 16) -> list[BlockStored | BlockRe
 
 
 def _tier_removals(wire: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> list[tuple[str | None, list[int]]]:
-    return [(e.medium, e.block_hashes) for e in wire if isinstance(e, BlockRemoved) and e.medium is not None]
+    return [(tier_of(e.medium), e.block_hashes) for e in wire if isinstance(e, BlockRemoved) and e.medium is not None]
 
 
 class MediumMirror:
-    """A subscriber's view of every medium, from wire events: exact, or it raises (a page stored twice, a removal
-    of a page it never saw). ``AllBlocksCleared`` clears the pool only: the tiers announce their own removals."""
+    """A subscriber's view of every medium (by tier name), from wire events: exact, or it raises (a page stored
+    twice, a removal of a page it never saw; a page announced by hash alone may be stored once more, in full).
+    ``AllBlocksCleared`` clears the pool only: the tiers announce their own removals."""
 
     def __init__(self) -> None:
         self.blocks: dict[str | None, set[int]] = {None: set(), "cpu": set(), "disk": set()}
-        self.stored: dict[int, BlockStored] = {}  # a tier page's last BlockStored
+        self.stored: dict[int, BlockStored] = {}  # a tier page's last BlockStored (in any tier)
 
     def apply(self, wire: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> None:
         for event in wire:
             if isinstance(event, AllBlocksCleared):
                 self.blocks[None].clear()
                 continue
-            blocks = self.blocks[event.medium]
+            blocks = self.blocks[tier_of(event.medium)]
             for block in event.block_hashes:
-                if event.medium is not None:  # the pool announces a shared block once per path: no count there
+                bare = block in self.stored and not self.stored[block].token_ids and isinstance(event, BlockStored)
+                if event.medium is not None and not (bare and event.token_ids):  # the pool: a block once per path
                     assert (block in blocks) == isinstance(event, BlockRemoved), (event, blocks)
                 if isinstance(event, BlockStored):
                     blocks.add(block)
-                    self.stored[block] = event
+                    if event.medium is not None:
+                        self.stored[block] = event
                 else:
                     blocks.discard(block)
 
@@ -100,7 +105,7 @@ def _tier_blocks(tiers: TierIndex) -> dict[str, set[int]]:
     return {"cpu": host, "disk": disk}
 
 
-def _page_record(tokens: np.ndarray, index: int, medium: str) -> BlockStored:
+def _page_record(tokens: np.ndarray, index: int, medium: str) -> BlockStored:  # medium: the tier's name
     """The BlockStored of page ``index`` as the tier would announce it straight from the pool (the key's own event)."""
     event = KVEvent(0, "store", index * 16, RadixKey(tokens[: (index + 1) * 16]), 16, medium)
     record = event_record(event, 16)
@@ -191,8 +196,9 @@ def test_a_page_the_host_tier_spills_to_disk_is_announced_as_stored_on_disk(tmp_
         cache.tiers.close(5)
 
 
-def test_pages_on_disk_at_a_restart_are_announced_when_first_read(tmp_path: Path) -> None:
+def test_pages_on_disk_at_a_restart_are_announced_at_once_by_hash_then_in_full_when_read(tmp_path: Path) -> None:
     tokens = np.arange(3, 35, dtype=np.int64)
+    hashes = block_hashes(RadixKey(tokens), 16)
     before = RadixCache(TokenAllocator(32), 1)
     before.tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, None, DiskPageStore(tmp_path, 1 << 20, {}))
     _cached_and_evicted(before, tokens)
@@ -200,20 +206,27 @@ def test_pages_on_disk_at_a_restart_are_announced_when_first_read(tmp_path: Path
     cache = RadixCache(TokenAllocator(32), 1, enable_kv_events=True)
     cache.tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, None, DiskPageStore(tmp_path, 1 << 20, {}))
     cache.tiers.events = cache.events
+    mirror = MediumMirror()
     try:
-        assert _wire(cache) == []  # a page file holds no tokens: nothing to announce yet
-        req = cache.open_request(RadixKey(tokens))  # loads both pages back from disk
+        wire = _wire(cache)  # before any request: what the warm scan found, by hash (a page file holds no tokens)
+        assert sorted(wire, key=lambda e: e.block_hashes) == sorted(  # type: ignore[union-attr]
+            [BlockStored([h], None, [], 0, medium="DISK") for h in hashes], key=lambda e: e.block_hashes
+        )
+        mirror.apply(wire)
+        assert mirror.blocks["disk"] == set(hashes) == _tier_blocks(cache.tiers)["disk"]
+        req = cache.open_request(RadixKey(tokens))  # loads both pages back from disk: now their tokens are known
         assert len(req.key) == 32
         cache.cache_finished_req(req)
         wire = _wire(cache)
-        assert [(e.medium, e.block_hashes) for e in wire if isinstance(e, BlockStored) and e.medium] == [
-            ("disk", block_hashes(RadixKey(tokens), 16)[:1]),
-            ("disk", block_hashes(RadixKey(tokens), 16)[1:]),
-        ]
         assert [e for e in wire if isinstance(e, BlockStored) and e.medium] == [
             _page_record(tokens, 0, "disk"),
             _page_record(tokens, 1, "disk"),
         ]
+        mirror.apply(wire)
+        assert mirror.blocks["disk"] == set(hashes) and mirror.stored[hashes[1]].parent_block_hash == hashes[0]
+        assert _wire(cache) == []  # announced in full once: never again
+        _cached_and_evicted(cache, tokens)  # evicted from the pool again: the disk has them, nothing new there
+        assert [(type(e).__name__, e.medium) for e in _wire(cache)] == [("BlockRemoved", None)]
     finally:
         cache.tiers.close(5)
 
