@@ -12,7 +12,8 @@ layer count: ms per forward. Paths, interleaved round by round in one process (e
 - ``kernel-q8``: block_q8_linear.cpp (int8 activations) over all rows;
 - ``tiled-q8``: the int8 rows' values (dequantized_rows_q8) through the tiled GEMM.
 
-Absolute figures move with the machine's load: read one run's columns side by side.
+At one thread the figures are this thread's CPU time (time spent waiting for a core shared with other
+jobs is left out; cache and memory bandwidth they take is not): read one run's columns side by side.
 """
 
 from __future__ import annotations
@@ -68,10 +69,13 @@ def layer_weights(model_path: str, layers: int) -> list[tuple[QuantBlocks, torch
 def forward_ms(
     path: Path, weights: list[tuple[QuantBlocks, torch.Tensor]], inputs: dict[int, torch.Tensor], scale: float
 ) -> float:
-    t0 = time.perf_counter()
+    # One thread: this thread's CPU time, so time the core spent on other jobs does not count (on a shared
+    # machine wall time swung 2x between rounds); more threads: wall time.
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    t0 = clock()
     for w, wf in weights:
         path(w, wf, inputs[w.shape[1]])
-    return (time.perf_counter() - t0) * 1000 * scale
+    return (clock() - t0) * 1000 * scale
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
             for name, path in order if round_ % 2 == 0 else order[::-1]:
                 ms = forward_ms(path, weights, inputs, scale)
                 best[rows, name] = min(best.get((rows, name), float("inf")), ms)
-    print(f"ms per forward, {num_layers} layers' linears, {args.num_threads} thread(s), best of {args.rounds}")
+    clock = "CPU" if args.num_threads == 1 else "wall"
+    print(f"{clock} ms per forward, {num_layers} layers' linears, {args.num_threads} thread(s), best of {args.rounds}")
     print(f"{'rows':>6}" + "".join(f"{name:>12}" for name in paths))
     for rows in dict.fromkeys(r for r, _ in best):
         print(f"{rows:>6}" + "".join(f"{best[rows, name]:>12.1f}" for name in paths))

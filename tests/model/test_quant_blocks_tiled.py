@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.model import quant_blocks
-from radixserve.model.quant_blocks import KERNEL_MAX_ROWS, BlockLinear, QuantBlocks, tile_columns
+from radixserve.model.quant_blocks import INT8_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, BlockLinear, QuantBlocks, tile_columns
 from tests.model.test_quant_blocks import gguf_model, needs_kernel, random_blocks
 from tests.model.test_quant_blocks_int8 import integer_reference, q4_gguf  # noqa: F401  (a fixture)
 from tests.model.tiny import alloc, make_batch, make_pool
@@ -56,6 +56,15 @@ def test_the_layer_equals_the_reference_for_every_row_count(fmt: str, int8_activ
         else:
             expected = F.linear(x[:rows].double(), weight, bias.double())
         assert ((got - expected).abs() / scale[:rows]).max().item() <= 1e-6, rows
+
+
+def test_int8_rows_up_to_the_kernels_limit_have_the_same_bits_alone_or_batched() -> None:
+    """With int8 activations the kernel runs up to 48 rows (faster than the tiles there): every row of such a
+    batch has the bits it has alone."""
+    layer = BlockLinear(random_blocks("q4_1", 70, 128, seed=10), None, torch.float32, int8_activations=True)
+    x = torch.randn(INT8_KERNEL_MAX_ROWS, 128)
+    together = layer(x)
+    assert all(torch.equal(layer(x[r : r + 1]), together[r : r + 1]) for r in range(x.shape[0]))
 
 
 def test_many_rows_never_dequantize_the_whole_weight(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -69,12 +69,12 @@ at::Tensor block_dequantize_op(const at::Tensor& qs, const at::Tensor& d, const 
   return out;
 }
 
-// x [T, K] (float32 or another float dtype) @ W.T (+ bias) -> [T, N] in x's dtype, W dequantized
-// tile_columns output channels at a time, the last tile taking the remainder (N % tile_columns more): a
-// narrow GEMM of a few columns alone takes another path in MKL (another summation order; measured: 3-8
-// columns differ in their last bit), where the same columns at the edge of a wider GEMM do not. As
-// F.linear: addmm with a bias (the bias enters the GEMM's accumulator first), mm without, the tile in
-// x's dtype (float32 values rounded as .to(dtype) rounds them).
+// x [T, K] (float32 or another float dtype) @ W.T (+ bias) -> [T, N] in x's dtype, W dequantized about
+// tile_columns output channels at a time: N // tile_columns tiles of near-equal widths, each starting at a
+// multiple of 16 channels. A GEMM of a few columns alone takes another path in MKL (another summation
+// order; measured: the 3-8 columns of a narrow last tile differed in their last bit), where the same
+// columns inside a wider GEMM do not. As F.linear: addmm with a bias (the bias enters the GEMM's
+// accumulator first), mm without, the tile in x's dtype (float32 values rounded as .to(dtype) rounds them).
 at::Tensor block_linear_tiled_op(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                                  const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& bias,
                                  int64_t tile_columns) {
@@ -87,12 +87,14 @@ at::Tensor block_linear_tiled_op(const at::Tensor& x, const at::Tensor& qs, cons
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   const int64_t tiles = std::max<int64_t>(1, out_features / tile_columns);
-  const int64_t widest = out_features - (tiles - 1) * tile_columns;  // the last tile
+  const auto start = [&](int64_t t) { return t == tiles ? out_features : t * out_features / tiles / 16 * 16; };
+  int64_t widest = 0;
+  for (int64_t t = 0; t < tiles; ++t) widest = std::max(widest, start(t + 1) - start(t));
   at::Tensor buffer = at::empty({widest, in_features}, x.options().dtype(at::kFloat));
   const bool cast = x.scalar_type() != at::kFloat;
   at::Tensor cast_buffer = cast ? at::empty({widest, in_features}, x.options()) : buffer;
   for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t n0 = t * tile_columns, width = t + 1 < tiles ? tile_columns : widest;
+    const int64_t n0 = start(t), width = start(t + 1) - n0;
     float* bp = buffer.data_ptr<float>();
     at::parallel_for(n0, n0 + width, 8, [&](int64_t a, int64_t b) {
       dequantize_channels(w, a, b, bp + (a - n0) * in_features);
