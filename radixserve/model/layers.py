@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from radixserve.model.config import ModelConfig
+from radixserve.model.quant_blocks import BlockLinear
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -62,6 +63,8 @@ def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> to
     """residual + linear(x); a plain bias-free linear adds inside the GEMM (addmm), saving a pass over [T, N]."""
     if type(linear) is nn.Linear and linear.bias is None and x.dim() == 2:
         return torch.addmm(residual, x, linear.weight.t())
+    if isinstance(linear, BlockLinear):  # blocks add inside their GEMM too, with float32's bits
+        return linear.forward_add(x, residual)
     out: torch.Tensor = residual + linear(x)
     return out
 

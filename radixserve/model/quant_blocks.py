@@ -199,6 +199,18 @@ class BlockLinear(_BlockModule):
         tiled: torch.Tensor = torch.ops.radixserve.block_linear_tiled(rows, self.qs, self.d, self.m, self.bias, tile)
         return tiled
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x); on the tiled path inside the GEMM (addmm), as the float model adds it: MKL adds C
+        before its last pass over K, so residual + mm would differ from float32 in the last bit (K >= 576)."""
+        tiled = x.device.type == "cpu" and x.shape[0] > KERNEL_MAX_ROWS and paged_kernel.load()
+        if not tiled or self.int8_activations or self.bias is not None:
+            out: torch.Tensor = residual + self(x)
+            return out
+        added: torch.Tensor = torch.ops.radixserve.block_linear_tiled(
+            x, self.qs, self.d, self.m, residual, tile_columns(self.in_features)
+        )
+        return added
+
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         """No kernel (no compiler), or CUDA: dequantize with torch ops, then the dtype's GEMM."""
         weight = self.blocks.dequantize().to(x.dtype)

@@ -58,6 +58,18 @@ def test_the_layer_equals_the_reference_for_every_row_count(fmt: str, int8_activ
         assert ((got - expected).abs() / scale[:rows]).max().item() <= 1e-6, rows
 
 
+def test_the_residual_is_added_inside_the_gemm_as_the_float_model_adds_it() -> None:
+    """The float model adds a residual inside the GEMM (addmm); at K >= 576 that differs from residual + mm in
+    the last bit, so the blocks add it there too: SmolLM2's o_proj (K 576) and down_proj (K 1536) shapes."""
+    from radixserve.model.layers import linear_add
+
+    for in_features in (576, 1536):
+        blocks = random_blocks("q4_1", 576, in_features, seed=in_features)
+        x, residual = torch.randn(KERNEL_MAX_ROWS + 40, in_features), torch.randn(KERNEL_MAX_ROWS + 40, 576)
+        expected = torch.addmm(residual, x, blocks.dequantize().t())
+        assert torch.equal(linear_add(BlockLinear(blocks, None, torch.float32), x, residual), expected)
+
+
 def test_int8_rows_up_to_the_kernels_limit_have_the_same_bits_alone_or_batched() -> None:
     """With int8 activations the kernel runs up to 48 rows (faster than the tiles there): every row of such a
     batch has the bits it has alone."""

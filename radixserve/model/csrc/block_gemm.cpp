@@ -83,7 +83,10 @@ at::Tensor block_linear_tiled_op(const at::Tensor& x, const at::Tensor& qs, cons
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features && x.device().is_cpu(), "x [M, K] on CPU, weights [N, K]");
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x: a floating dtype");
   TORCH_CHECK(tile_columns > 0, "tile_columns must be positive");
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == out_features), "bias [N]");
+  // bias: [N], or [T, N] (a residual, added inside the GEMM as the float model's addmm adds it).
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == out_features) ||
+                  (bias->dim() == 2 && bias->size(0) == x.size(0) && bias->size(1) == out_features),
+              "bias [N] or [T, N]");
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   const int64_t tiles = std::max<int64_t>(1, out_features / tile_columns);
@@ -102,7 +105,7 @@ at::Tensor block_linear_tiled_op(const at::Tensor& x, const at::Tensor& qs, cons
     at::Tensor weight = cast_buffer.narrow(0, 0, width);
     if (cast) weight.copy_(buffer.narrow(0, 0, width));
     at::Tensor columns = out.narrow(1, n0, width);  // row stride N: a valid GEMM output in place
-    if (bias.has_value()) at::addmm_out(columns, bias->narrow(0, n0, width), xc, weight.t());
+    if (bias.has_value()) at::addmm_out(columns, bias->narrow(bias->dim() - 1, n0, width), xc, weight.t());
     else at::mm_out(columns, xc, weight.t());
   }
   return out;
