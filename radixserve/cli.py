@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 BENCHMARKS = {
     "cache-ops": "cache_ops",
     "model-speed": "model_speed",
+    "block-linears": "block_linears",
     "schedule": "schedule",
     "responsiveness": "responsiveness",
     "simulate": "simulate",

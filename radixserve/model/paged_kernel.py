@@ -43,6 +43,7 @@ SOURCES = (
     CSRC / "int8_linear.cpp",
     CSRC / "block_linear.cpp",
     CSRC / "block_q8_linear.cpp",
+    CSRC / "block_gemm.cpp",
 )
 # included, not compiled: in the fingerprint
 HEADERS = (CSRC / "attention_common.h", CSRC / "shared_prefix.h", CSRC / "block_common.h")

@@ -8,8 +8,9 @@ quantized here with gguf's own quantizer. Activations stay float32 in the kernel
 each row's result depends on that row only, so batch composition and cache hits
 change nothing. Three matmuls, by what the machine offers:
 
-- CPU, up to 16 rows (decode): our kernel (csrc/block_linear.cpp) reads the blocks;
-- CPU, more rows (prefill): dequantize once per call (C++), then the dtype's GEMM;
+- CPU, up to 16 rows (decode; 48 with int8 activations): our kernel (csrc/block_linear.cpp) reads the blocks;
+- CPU, more rows (prefill): csrc/block_gemm.cpp dequantizes a cache-sized tile of output channels at a
+  time and runs the dtype's GEMM on it (never a whole float weight per call);
 - otherwise (no compiler, CUDA): dequantize with torch ops, then the GEMM.
 
 With ``int8_activations`` (``--quantization q4_1`` on CPU; ``q4_1-exact`` without) each activation
@@ -32,7 +33,14 @@ from torch import nn
 from radixserve.model import paged_kernel
 
 BLOCK = 32
-KERNEL_MAX_ROWS = 16  # decode-sized batches: our block kernel; more rows: dequantize + GEMM
+# Up to these rows our block kernels, more: dequantized tiles + the GEMM. Measured on SmolLM2's 30 layers of
+# linears (bench block-linears, CPU ms, 1 thread): float activations, kernel vs tiles 73 vs 98 ms at 16 rows,
+# 104 vs 124 at 17, 130 vs 112 at 24; int8 activations 123 vs 161 at 32, 192 vs 199 at 48, 263 vs 236 at 64.
+KERNEL_MAX_ROWS = 16
+INT8_KERNEL_MAX_ROWS = 48
+# One tile of dequantized float32 weights (in L3). At 2,048 rows 256 KiB tiles ran 1.26x the whole weight's
+# time (MKL packs x again for each tile), 1 MiB tiles 1.00x; at 17-128 rows the two sizes ran alike.
+TILE_BYTES = 1024 * 1024
 FORMATS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # float16 d (and m for Q4_1), then the codes
 
@@ -122,6 +130,12 @@ def kept_blocks(weight: torch.Tensor, parts: Sequence[QuantBlocks | None]) -> Qu
     return blocks
 
 
+def tile_columns(in_features: int) -> int:
+    """Output channels per dequantized tile: about TILE_BYTES of float32 weights, a multiple of 16 channels, at
+    least 64 (a GEMM of a few columns takes another path in MKL, with other bits; see block_gemm.cpp)."""
+    return max(64, TILE_BYTES // (4 * in_features) // 16 * 16)
+
+
 class _BlockModule(nn.Module):
     def __init__(self, blocks: QuantBlocks, dtype: torch.dtype) -> None:
         super().__init__()
@@ -149,14 +163,10 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_activation_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The int8-activation kernel's math with the dtype's GEMM (prefill rows; no compiler): x's codes times their
-    scales (exact in float32) against the dequantized ``weight``. Equal to the kernel within float
-    rounding, so a row's answer does not depend on how many rows share its call."""
-    if x.device.type == "cpu" and paged_kernel.load():
-        x_hat: torch.Tensor = torch.ops.radixserve.dequantized_rows_q8(x)  # one pass over x
-    else:
-        codes, scales = quantize_activations(x)
-        x_hat = (codes.view(x.shape[0], -1, BLOCK).float() * scales[..., None]).view(x.shape)
+    """The int8-activation kernel's math with torch ops (no compiler): x's codes times their scales (exact in
+    float32) against the dequantized ``weight``. Equal to the kernel within float rounding."""
+    codes, scales = quantize_activations(x)
+    x_hat = (codes.view(x.shape[0], -1, BLOCK).float() * scales[..., None]).view(x.shape)
     return F.linear(x_hat.to(weight.dtype), weight)
 
 
@@ -176,13 +186,34 @@ class BlockLinear(_BlockModule):
         self.int8_activations = int8_activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.shape[0] <= KERNEL_MAX_ROWS and paged_kernel.load():
+        if x.device.type != "cpu" or not paged_kernel.load():
+            return self._torch_forward(x)
+        if x.shape[0] <= (INT8_KERNEL_MAX_ROWS if self.int8_activations else KERNEL_MAX_ROWS):
             op = torch.ops.radixserve.block_linear_q8 if self.int8_activations else torch.ops.radixserve.block_linear
             out: torch.Tensor = op(x, self.qs, self.d, self.m)
             return out if self.bias is None else out + self.bias
-        # Many rows (prefill), or no kernel: dequantize once, then the dtype's own GEMM; the conversion is
-        # amortised over the rows, and each row's result depends on that row alone.
-        weight = self.blocks.dequantize_fast().to(x.dtype)
+        # Many rows (prefill): the dtype's own GEMM, a cache-sized tile of dequantized weights at a time; each
+        # row's result depends on that row alone (with float rows, bit for bit F.linear on the float weights).
+        rows = torch.ops.radixserve.dequantized_rows_q8(x).to(x.dtype) if self.int8_activations else x
+        tile = tile_columns(self.in_features)
+        tiled: torch.Tensor = torch.ops.radixserve.block_linear_tiled(rows, self.qs, self.d, self.m, self.bias, tile)
+        return tiled
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x); on the tiled path inside the GEMM (addmm), as the float model adds it: MKL adds C
+        before its last pass over K, so residual + mm would differ from float32 in the last bit (K >= 576)."""
+        tiled = x.device.type == "cpu" and x.shape[0] > KERNEL_MAX_ROWS and paged_kernel.load()
+        if not tiled or self.int8_activations or self.bias is not None:
+            out: torch.Tensor = residual + self(x)
+            return out
+        added: torch.Tensor = torch.ops.radixserve.block_linear_tiled(
+            x, self.qs, self.d, self.m, residual, tile_columns(self.in_features)
+        )
+        return added
+
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """No kernel (no compiler), or CUDA: dequantize with torch ops, then the dtype's GEMM."""
+        weight = self.blocks.dequantize().to(x.dtype)
         if not self.int8_activations or x.device.type != "cpu":  # CUDA: nothing to gain from int8 rows
             return F.linear(x, weight, self.bias)
         out = int8_activation_linear(x, weight)

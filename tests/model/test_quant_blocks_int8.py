@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radixserve.model import paged_kernel
-from radixserve.model.quant_blocks import KERNEL_MAX_ROWS, BlockLinear, QuantBlocks, quantize_activations
+from radixserve.model.quant_blocks import INT8_KERNEL_MAX_ROWS, BlockLinear, QuantBlocks, quantize_activations
 from tests.model.test_gguf import _write_tiny_llama
 from tests.model.test_precision import agreement_and_kl, all_logits
 from tests.model.test_quant_blocks import F32, Q4_1, Q8_0, gguf_model, needs_kernel, random_blocks
@@ -97,7 +97,7 @@ def test_every_path_runs_the_same_int8_math(fmt: str, kernel: bool, monkeypatch:
     blocks = random_blocks(fmt, 40, 192, seed=9)
     bias = torch.randn(40)
     layer = BlockLinear(blocks, bias, torch.float32, int8_activations=True)
-    x = torch.randn(KERNEL_MAX_ROWS + 9, 192)
+    x = torch.randn(INT8_KERNEL_MAX_ROWS + 9, 192)
     many = layer(x)  # past the kernel: the GEMM path
     few = torch.cat([layer(x[r : r + 4]) for r in range(0, x.shape[0], 4)])
     expected = integer_reference(x, blocks) + bias.double()

@@ -20,7 +20,8 @@ GREEDY = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engines() -> dict[str, Engine]:
-    return {q: Engine.create(max_total_tokens=4096, dtype="float32", quantization=q) for q in ("none", "q4_1")}
+    quantizations = ("none", "q4_1", "q4_1-exact")
+    return {q: Engine.create(max_total_tokens=4096, dtype="float32", quantization=q) for q in quantizations}
 
 
 def teacher_forced(engine: Engine, ids: list[int], chunk: int) -> torch.Tensor:
@@ -51,3 +52,14 @@ def test_q4_1_stays_close_to_float32(engines: dict[str, Engine]) -> None:
     top1, kl = agreement_and_kl(torch.cat([r for r, _ in rows]), torch.cat([f for _, f in rows]))
     print(f"q4_1 vs float32 on SmolLM2: top-1 {top1:.3f}, KL {kl:.2e}, {same} of {len(CHATS)} greedy answers identical")
     assert top1 >= 0.95 and kl <= 1e-2 and same >= 1
+
+
+def test_q4_1_exact_prefill_and_extends_are_float32_bit_for_bit(engines: dict[str, Engine]) -> None:
+    """Past the kernel's 16 rows the blocks are dequantized a tile of channels at a time (the lm_head's 49,152
+    in ~100 tiles) into the same GEMM as float32: a 1-4k-token prompt's logits, prefilled whole and as 80-token
+    extends on its cached part, have float32's bits."""
+    prompt = engines["none"].tokenizer.apply_chat_template([{"role": "user", "content": " ".join(CHATS) * 30}])
+    assert 1000 < len(prompt) < 4000
+    for chunk in (4096, 80):
+        reference, exact = (teacher_forced(engines[q], prompt, chunk) for q in ("none", "q4_1-exact"))
+        assert torch.equal(reference, exact), chunk

@@ -26,7 +26,6 @@ using radixserve::check_blocks;
 using radixserve::chunk_scales;
 using radixserve::kBlock;
 using radixserve::padded;
-using radixserve::row_scales;
 #ifdef RADIXSERVE_BLOCK_AVX2
 using radixserve::hsum;
 #endif
@@ -199,51 +198,12 @@ at::Tensor block_linear_op(const at::Tensor& x, const at::Tensor& qs, const at::
   return out.to(x.scalar_type());
 }
 
-// Float32 [N, K] weights from the blocks: w = d * q (+ m). d * q is exact in float32 (11 x 8 bits at
-// most), so whether the compiler fuses the add or not, each value equals GGUF's own dequantization.
-at::Tensor block_dequantize_op(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m) {
-  const bool q4 = check_blocks(qs, d, m);
-  const int64_t out_features = qs.size(0), blocks = d.size(1), in_features = blocks * kBlock;
-  at::Tensor out = at::empty({out_features, in_features}, d.options().dtype(at::kFloat));
-  const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
-  const at::Half* dp = d.data_ptr<at::Half>();
-  const at::Half* mp = q4 ? m->data_ptr<at::Half>() : nullptr;
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, out_features, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> dn(padded(blocks)), mn(padded(blocks), 0.f);
-    for (int64_t n = n0; n < n1; ++n) {
-      row_scales(dp + n * blocks, blocks, dn.data());
-      if (q4) row_scales(mp + n * blocks, blocks, mn.data());
-      const uint8_t* q = qp + n * qs.size(1);
-      float* o = op + n * in_features;
-      for (int64_t b = 0; b < blocks; ++b) {
-        float* ob = o + b * kBlock;
-        if (q4) {
-          const uint8_t* qb = q + b * 16;
-#pragma omp simd
-          for (int j = 0; j < 16; ++j) {
-            ob[j] = dn[b] * static_cast<float>(qb[j] & 0x0F) + mn[b];
-            ob[j + 16] = dn[b] * static_cast<float>(qb[j] >> 4) + mn[b];
-          }
-        } else {
-          const int8_t* qb = reinterpret_cast<const int8_t*>(q + b * kBlock);
-#pragma omp simd
-          for (int j = 0; j < kBlock; ++j) ob[j] = dn[b] * static_cast<float>(qb[j]);
-        }
-      }
-    }
-  });
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor? m) -> Tensor");
-  m.def("block_dequantize(Tensor qs, Tensor d, Tensor? m) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("block_linear", &block_linear_op);
-  m.impl("block_dequantize", &block_dequantize_op);
 }

@@ -1,0 +1,124 @@
+// Linear over GGUF-style blocks of 32 weights for many rows (prefill, long extends, mixed batches), and
+// the blocks' dequantization. Each tile of output channels is dequantized into one small float buffer
+// that stays in cache, then multiplied by torch's own GEMM (at::mm_out) into its columns of the output:
+// no call allocates or streams a whole float weight (SmolLM2's 30 layers: 425 MB written and read back
+// per forward when the whole weight was dequantized per call, for an 80-token extend as for a 2k prefill).
+// The GEMM's result for an output column depends only on x and that column's weights, so a tile's
+// columns come out bitwise equal to the whole weight's GEMM (F.linear(x, W)): tests check it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "block_common.h"
+
+namespace {
+
+using radixserve::BlockWeights;
+using radixserve::check_blocks;
+using radixserve::kBlock;
+using radixserve::padded;
+using radixserve::row_scales;
+
+// Output channels n0..n1 as float32 rows of in_features, into out (row n at out + (n - n0) * in_features):
+// w = d * q (+ m). d * q is exact in float32 (11 x 8 bits at most), so whether the compiler fuses the add
+// or not, each value equals GGUF's own dequantization.
+void dequantize_channels(const BlockWeights& w, int64_t n0, int64_t n1, float* out) {
+  const int64_t blocks = w.blocks, in_features = blocks * kBlock;
+  std::vector<float> dn(padded(blocks)), mn(padded(blocks), 0.f);
+  for (int64_t n = n0; n < n1; ++n) {
+    row_scales(w.d + n * blocks, blocks, dn.data());
+    if (w.m != nullptr) row_scales(w.m + n * blocks, blocks, mn.data());
+    const uint8_t* q = w.qs + n * w.qs_row_bytes;
+    float* o = out + (n - n0) * in_features;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float* ob = o + b * kBlock;
+      if (w.m != nullptr) {
+        const uint8_t* qb = q + b * 16;
+#pragma omp simd
+        for (int j = 0; j < 16; ++j) {
+          ob[j] = dn[b] * static_cast<float>(qb[j] & 0x0F) + mn[b];
+          ob[j + 16] = dn[b] * static_cast<float>(qb[j] >> 4) + mn[b];
+        }
+      } else {
+        const int8_t* qb = reinterpret_cast<const int8_t*>(q + b * kBlock);
+#pragma omp simd
+        for (int j = 0; j < kBlock; ++j) ob[j] = dn[b] * static_cast<float>(qb[j]);
+      }
+    }
+  }
+}
+
+BlockWeights weights_of(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m, bool q4) {
+  return {static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(), q4 ? m->data_ptr<at::Half>() : nullptr,
+          d.size(1), qs.size(1)};
+}
+
+// Float32 [N, K] weights from the blocks (the whole weight: loading, the embedding, tests).
+at::Tensor block_dequantize_op(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m) {
+  const BlockWeights w = weights_of(qs, d, m, check_blocks(qs, d, m));
+  at::Tensor out = at::empty({qs.size(0), w.blocks * kBlock}, d.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, qs.size(0), 16, [&](int64_t n0, int64_t n1) {
+    dequantize_channels(w, n0, n1, op + n0 * w.blocks * kBlock);
+  });
+  return out;
+}
+
+// x [T, K] (float32 or another float dtype) @ W.T (+ bias) -> [T, N] in x's dtype, W dequantized about
+// tile_columns output channels at a time: N // tile_columns tiles of near-equal widths, each starting at a
+// multiple of 16 channels. A GEMM of a few columns alone takes another path in MKL (another summation
+// order; measured: the 3-8 columns of a narrow last tile differed in their last bit), where the same
+// columns inside a wider GEMM do not. As F.linear: addmm with a bias (the bias enters the GEMM's
+// accumulator first), mm without, the tile in x's dtype (float32 values rounded as .to(dtype) rounds them).
+at::Tensor block_linear_tiled_op(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                                 const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& bias,
+                                 int64_t tile_columns) {
+  const BlockWeights w = weights_of(qs, d, m, check_blocks(qs, d, m));
+  const int64_t out_features = qs.size(0), in_features = w.blocks * kBlock;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features && x.device().is_cpu(), "x [M, K] on CPU, weights [N, K]");
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x: a floating dtype");
+  TORCH_CHECK(tile_columns > 0, "tile_columns must be positive");
+  // bias: [N], or [T, N] (a residual, added inside the GEMM as the float model's addmm adds it).
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == out_features) ||
+                  (bias->dim() == 2 && bias->size(0) == x.size(0) && bias->size(1) == out_features),
+              "bias [N] or [T, N]");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  const int64_t tiles = std::max<int64_t>(1, out_features / tile_columns);
+  const auto start = [&](int64_t t) { return t == tiles ? out_features : t * out_features / tiles / 16 * 16; };
+  int64_t widest = 0;
+  for (int64_t t = 0; t < tiles; ++t) widest = std::max(widest, start(t + 1) - start(t));
+  at::Tensor buffer = at::empty({widest, in_features}, x.options().dtype(at::kFloat));
+  const bool cast = x.scalar_type() != at::kFloat;
+  at::Tensor cast_buffer = cast ? at::empty({widest, in_features}, x.options()) : buffer;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t n0 = start(t), width = start(t + 1) - n0;
+    float* bp = buffer.data_ptr<float>();
+    at::parallel_for(n0, n0 + width, 8, [&](int64_t a, int64_t b) {
+      dequantize_channels(w, a, b, bp + (a - n0) * in_features);
+    });
+    at::Tensor weight = cast_buffer.narrow(0, 0, width);
+    if (cast) weight.copy_(buffer.narrow(0, 0, width));
+    at::Tensor columns = out.narrow(1, n0, width);  // row stride N: a valid GEMM output in place
+    if (bias.has_value()) at::addmm_out(columns, bias->narrow(bias->dim() - 1, n0, width), xc, weight.t());
+    else at::mm_out(columns, xc, weight.t());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("block_dequantize(Tensor qs, Tensor d, Tensor? m) -> Tensor");
+  m.def("block_linear_tiled(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias, int tile_columns) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
+  m.impl("block_dequantize", &block_dequantize_op);
+  m.impl("block_linear_tiled", &block_linear_tiled_op);
+}
