@@ -121,6 +121,7 @@ class AdaptiveStrategy(EvictionStrategy):
     """
 
     NUM_CLASSES = 3  # hits 0, 1, 2+ (a fourth class, 4+, protected stale counts too long in the replays)
+    DEPTH_LEARNING = True
     LEARNING_RATE = 0.25  # each duel's vote scales the shift by 2**0.25 (AdaptiveCandidates._learn)
 
     def rank(self, node: NodeStats) -> Rank:
@@ -135,6 +136,7 @@ class AdaptiveStrategy(EvictionStrategy):
             hooks.capacity_len,
             self.NUM_CLASSES,
             self.LEARNING_RATE,
+            self.DEPTH_LEARNING,
         )
 
 
