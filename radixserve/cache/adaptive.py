@@ -86,7 +86,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, NamedTuple, Protocol, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 from radixserve.cache.candidates import CandidateHeap
 from radixserve.cache.duels import Duels
@@ -133,9 +133,9 @@ class AdaptiveCandidates(Generic[T]):
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         # Heap group * num_classes + class: group 0 the top level (depth 0), group 1 below a cached prefix.
-        # Group 2: group 1's members again, by recency alone (depth learning only).
+        # Last (depth learning only): every leaf below the top level again, by recency alone.
         self._heaps = [CandidateHeap(_depth_then_recency, tie_break, True) for _ in range(2 * num_classes)]
-        self._heaps += [CandidateHeap(_recency, tie_break, True) for _ in range(num_classes)]
+        self._heaps += [CandidateHeap(_recency, tie_break, True) for _ in range(depth_learning)]
         self._slot: dict[T, int] = {}  # member -> the heap it is in
         self._ghost_key, self._size, self._clock = ghost_key, size, clock
         self._ghosts = Ghosts(ghost_capacity_len)
@@ -170,14 +170,14 @@ class AdaptiveCandidates(Generic[T]):
             member.hit_count = self._revived.pop(self._ghost_key(member), 0)
         slot = self.slot_of(member)
         old = self._slot.get(member)
-        if old is not None:  # re-added after a hit or a split: an access
-            self._settle(member, self._clock())
+        if old is not None and (self._duels.pending or self._depth_duels.pending):  # re-added: an access
+            self._settle(member, None)
         if old is not None and old != slot:
             self._discard_from(member, old)
         self._slot[member] = slot
         self._heaps[slot].add(member)
         if slot >= self.num_classes and self.depth_learning:
-            self._heaps[slot + self.num_classes].add(member)
+            self._heaps[-1].add(member)
 
     def discard(self, member: T) -> None:
         slot = self._slot.pop(member, None)
@@ -187,71 +187,79 @@ class AdaptiveCandidates(Generic[T]):
     def _discard_from(self, member: T, slot: int) -> None:
         self._heaps[slot].discard(member)
         if slot >= self.num_classes and self.depth_learning:
-            self._heaps[slot + self.num_classes].discard(member)
+            self._heaps[-1].discard(member)
 
     def refresh(self, member: T) -> None:
         """An access settles the duels ``member`` was kept in; a hit may move it up a class."""
-        self._settle(member, self._clock())
+        if self._duels.pending or self._depth_duels.pending:
+            self._settle(member, None)
         if member in self._slot and self._slot[member] != self.slot_of(member):
             self.add(member)
 
-    def _scan(self, first: int) -> _Scan | None:
-        """The best head of the class heaps from slot ``first`` on, and where recency or frequency alone differ."""
+    def _scan(self, first: int) -> tuple[float, int, int | None, int | None] | None:
+        """The best head of the class heaps from slot ``first`` on: its shifted access time and slot, and the
+        slots plain recency and frequency by class alone would evict from where they differ (else None)."""
         best = recency = frequency = None
-        for cls in range(self.num_classes):
-            heap = self._heaps[first + cls]
+        shift, heaps = self.shift, self._heaps
+        for slot in range(first, first + self.num_classes):
+            heap = heaps[slot]
             if heap.peek() is None:
                 continue
             neg_depth, last_access, tie = cast(tuple[float, float, int], heap.peek_key())
-            key = (neg_depth, last_access + cls * self.shift, tie, first + cls)
+            key = (neg_depth, last_access + (slot - first) * shift, tie, slot)
             if best is None or key < best:
                 best = key
-            if self.shift and (recency is None or (neg_depth, last_access, tie) < recency[:3]):
-                recency = (neg_depth, last_access, tie, first + cls)  # at shift 0 it is the shifted order
+            if shift and (recency is None or (neg_depth, last_access, tie, slot) < recency):
+                recency = (neg_depth, last_access, tie, slot)  # at shift 0 it is the shifted order
             if frequency is None or neg_depth < frequency[0]:  # classes ascend: the lowest first
-                frequency = (neg_depth, first + cls)
+                frequency = (neg_depth, slot)
         if best is None:
             return None
         by_recency = recency[3] if recency is not None and recency[3] != best[3] else None
         by_frequency = frequency[1] if frequency is not None and frequency[1] != best[3] else None
-        return _Scan(best[1], best[3], by_recency, by_frequency)
+        return best[1], best[3], by_recency, by_frequency
 
     def pop(self) -> T | None:
         """Evict by the learned order (module docstring), open the duels where other orders differ; remember it."""
         top, deep = self._scan(0), self._scan(self.num_classes)
-        old = self._scan(2 * self.num_classes) if deep is not None and self.depth_learning else None
-        below = deep
-        if old is not None and deep is not None and old.shifted + self.depth_shift < deep.shifted:
-            below = old
-        chosen = below if below is not None and (top is None or below.shifted < top.shifted + self.top_shift) else top
+        oldest, old_shifted = None, math.inf  # the least recently used leaf below the top level
+        if deep is not None and self.depth_learning:
+            oldest = self._heaps[-1].peek()
+            old_shifted = cast(float, self._heaps[-1].peek_key()[1]) + self.class_of(cast(T, oldest)) * self.shift
+        by_age = deep is not None and old_shifted + self.depth_shift < deep[0]
+        below = old_shifted if by_age else deep[0] if deep is not None else math.inf
+        chosen = deep if deep is not None and (top is None or below < top[0] + self.top_shift) else top
         if chosen is None:
             return None
-        heaps = self._heaps
-        kept_by_recency = heaps[chosen.by_recency].peek() if chosen.by_recency is not None else None
-        kept_by_frequency = heaps[chosen.by_frequency].peek() if chosen.by_frequency is not None else None
-        member = heaps[chosen.slot].pop()
-        assert member is not None
-        if old is not None and chosen is below:  # deepest first and recency across depths disagreed
-            other = heaps[deep.slot if chosen is old else old.slot].peek()  # type: ignore[union-attr]
-            kept_by_depth = other if other is not member else None
+        _, slot, by_recency, by_frequency = chosen
+        heaps, kept_by_recency, kept_by_frequency = self._heaps, None, None
+        if by_age and chosen is deep:  # recency across depths decided, not the class shift: no class duel
+            member, kept_by_depth = cast(T, heaps[-1].pop()), heaps[slot].peek()
         else:
-            kept_by_depth = None
+            if by_recency is not None:
+                kept_by_recency = heaps[by_recency].peek()
+            if by_frequency is not None:
+                kept_by_frequency = heaps[by_frequency].peek()
+            member, kept_by_depth = cast(T, heaps[slot].pop()), oldest if chosen is deep else None
         slot = self._slot[member]
         self.discard(member)
         ghost_key = self._ghost_key(member)
         # The victim is known by its ghost key (it comes back as a miss there); a kept leaf by itself while
         # cached (an access refreshes it, a match inside it splits and re-adds it: no key to compute on the
         # hot path), and by its ghost key once it is evicted in turn.
-        self._duels.rekey(member, ghost_key)
-        self._depth_duels.rekey(member, ghost_key)
+        if self._duels.pending:
+            self._duels.rekey(member, ghost_key)
+        if self._depth_duels.pending:
+            self._depth_duels.rekey(member, ghost_key)
         if kept_by_recency is not None:  # the victim was the less-reused: less shift would have kept it
             self._duels.open(ghost_key, kept_by_recency, -1)
         if kept_by_frequency is not None:  # the victim was the more-reused: more shift would have kept it
             self._duels.open(ghost_key, kept_by_frequency, +1)
-        if kept_by_depth is not None:  # an old leaf went instead of the deepest: more depth shift keeps it
-            self._depth_duels.open(ghost_key, kept_by_depth, +1 if chosen is old else -1)
-        ghost = Ghost(slot // self.num_classes, self._clock(), self._size(member), member.hit_count)
-        self._ghosts.remember(ghost_key, ghost)
+        if kept_by_depth is not None and kept_by_depth is not member:  # deepest first and recency disagreed
+            self._depth_duels.open(ghost_key, kept_by_depth, +1 if by_age else -1)  # +1: more depth shift keeps it
+        self._ghosts.remember(
+            ghost_key, Ghost(slot // self.num_classes, self._clock(), self._size(member), member.hit_count)
+        )
         return member
 
     def note_miss(self, ghost_key: Hashable, now: float) -> None:
@@ -272,12 +280,14 @@ class AdaptiveCandidates(Generic[T]):
         else:
             self.top_shift = min(self.top_shift + step, self.MAX_TOP_SHIFT * horizon)
 
-    def _settle(self, key: Hashable, now: float) -> None:
-        """A request reached ``key``: the duels it decides move the shifts."""
+    def _settle(self, key: Hashable, now: float | None) -> None:
+        """A request reached ``key``: the duels it decides move the shifts (``now`` None: read the clock if so)."""
         if self._duels.pending and (vote := self._duels.settle(key)):
+            now = self._clock() if now is None else now
             self.shift_horizons = self._scaled(self.shift_horizons, vote)
             self.shift = self._in_clock(self.shift_horizons, now)
         if self._depth_duels.pending and (vote := self._depth_duels.settle(key)):
+            now = self._clock() if now is None else now
             self.depth_shift_horizons = self._scaled(self.depth_shift_horizons, vote)
             self.depth_shift = self._in_clock(self.depth_shift_horizons, now)
 
@@ -292,8 +302,9 @@ class AdaptiveCandidates(Generic[T]):
     def check(self) -> None:
         for slot, heap in enumerate(self._heaps):
             heap.check()
-            in_slot = slot if slot < 2 * self.num_classes or not self.depth_learning else slot - self.num_classes
-            assert set(heap) == {m for m, s in self._slot.items() if s == in_slot}, f"heap {slot} != its members"
+            below = slot == 2 * self.num_classes  # the recency heap of depth learning
+            members = {m for m, s in self._slot.items() if (s >= self.num_classes if below else s == slot)}
+            assert set(heap) == members, f"heap {slot} != its members"
         assert all(s == self.slot_of(m) for m, s in self._slot.items()), "a member sits in a stale heap"
         self._ghosts.check()
         assert self.shift >= 0.0 and self.top_shift >= 0.0 and self.depth_shift >= 0.0
@@ -310,12 +321,3 @@ def _depth_then_recency(member: _Ranked) -> tuple[float, ...]:
 
 def _recency(member: _Ranked) -> tuple[float, ...]:
     return (0.0, member.last_access_time)
-
-
-class _Scan(NamedTuple):
-    """The best head of one group's class heaps: shifted access time, slot; where the one-signal orders differ."""
-
-    shifted: float
-    slot: int
-    by_recency: int | None  # the slot plain recency would evict from, where it is another
-    by_frequency: int | None  # the slot frequency by class alone would evict from, where it is another

@@ -49,9 +49,9 @@ def adaptive_victim(leaves: list[TreeNode], shifts: tuple[float, float, float], 
     """The leaf ``adaptive`` evicts: by groups (the top level, below it), each ranked by shifted recency.
 
     Shifted recency: last access + class * shift, class 0 for a never-reused leaf, else 1 + floor(log2(hits))
-    capped at ``num_classes - 1``. Below the top level the deepest leaf goes first, unless the oldest leaf
-    there (by shifted recency alone) is older by ``depth_shift``; the two groups' picks are compared by
-    shifted recency, the top level's plus ``top_shift``.
+    capped at ``num_classes - 1``. Below the top level the deepest leaf goes first, unless the least recently
+    used leaf there is older by ``depth_shift`` (shifted recency of both); the two groups' picks are compared
+    by shifted recency, the top level's plus ``top_shift``.
     """
     shift, top_shift, depth_shift = shifts
 
@@ -64,7 +64,7 @@ def adaptive_victim(leaves: list[TreeNode], shifts: tuple[float, float, float], 
     top = min((n for n in leaves if slow_depth(n) == 0), key=deepest, default=None)
     below = min((n for n in leaves if slow_depth(n) > 0), key=deepest, default=None)
     if below is not None:
-        old = min((n for n in leaves if slow_depth(n) > 0), key=lambda n: (shifted(n), n.id))
+        old = min((n for n in leaves if slow_depth(n) > 0), key=lambda n: (n.last_access_time, n.id))
         below = old if shifted(old) + depth_shift < shifted(below) else below
     if below is not None and (top is None or shifted(below) < shifted(top) + top_shift):
         return below
