@@ -51,11 +51,10 @@ evicted where shifted recency across depths would have evicted an older,
 shallower one, or the other way round, the two duel; each vote scales it by
 2**``learning_rate`` within [1/64, 16] horizons (0 at the floor: shifted
 recency alone below the top level). It is infinite (deepest first) until the
-first vote. In the replays (seed 0, 25% of the working set) it reaches the
-cap on RAG (a question below a document is never read again, however new),
-about 10 horizons on chat (a leaf idle that long is a finished
-conversation's) and about 1 on thought trees (a middle step idle for a
-horizon belongs to a tree that has moved on).
+first vote. In the replays (seed 0, 25% of the working set) it settles at
+3-5 horizons on chat, RAG and thought trees (BENCHMARKS §2). The deepest and
+the least recent leaf come from one heap per class ordered by (-depth, last
+access) and one recency heap for every leaf below the top level.
 
 Ghosts: every evicted leaf leaves a ghost (its heap, hit count, eviction
 time and length) under its place in the tree (parent id, first page); ghosts
@@ -74,7 +73,7 @@ count is the node's ``hit_count`` (a radix split copies it to both halves).
 
 Costs: a leaf below the top level sits in two heaps (by depth, by recency);
 ``add``/``discard``/``refresh`` O(log n) at worst; a pop compares
-``3 * num_classes`` heads (a constant), pops one heap and opens at most three
+``2 * num_classes + 1`` heads (a constant), pops one heap and opens at most three
 duels: evicting k leaves stays O(k log n). ``note_miss`` and a ``refresh``
 while duels are open are two dict lookups (plus the duels they settle). The
 tree keeps each node's depth (O(1) per insert or split; a split leaf is
