@@ -259,8 +259,11 @@ def test_hit_classes_are_log2_buckets() -> None:
 @given(
     ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.booleans()), min_size=5, max_size=60),
     shift=st.sampled_from([0.0, 1.0, 5.0, 100.0]),
+    depth_shift=st.sampled_from([0.0, 2.0, float("inf")]),
 )
-def test_never_evicts_a_locked_or_interior_node(ops: list[tuple[int, int, bool]], shift: float) -> None:
+def test_never_evicts_a_locked_or_interior_node(
+    ops: list[tuple[int, int, bool]], shift: float, depth_shift: float
+) -> None:
     """Prompts from 6 stems x 4 tails, some kept running (locked): every victim is an unlocked leaf."""
     cache, clock = make_cache(48)
     real_pop, running = cache.candidates.pop, []
@@ -273,7 +276,7 @@ def test_never_evicts_a_locked_or_interior_node(ops: list[tuple[int, int, bool]]
     cache.candidates.pop = checked_pop  # type: ignore[method-assign]
     for t, (stem, tail, keep) in enumerate(ops):
         clock.now = float(t)
-        candidates(cache).shift = shift
+        candidates(cache).shift, candidates(cache).depth_shift = shift, depth_shift
         prompt = [100 + stem] * 3 + [200 + tail] * 2 + [300 + t]
         if keep and len(running) < 3:
             running.append(start(cache, prompt))
