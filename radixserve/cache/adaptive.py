@@ -1,14 +1,18 @@
-"""The adaptive eviction candidate set: deepest first below the top level; recency or frequency learned online.
+"""The adaptive eviction candidate set: depth, recency and frequency, how much each weighs learned online.
 
 A leaf's depth is the number of tokens above its first token. Below the top
-level (depth > 0, under a cached prefix) the deepest leaf goes first. A deep
+level (depth > 0, under a cached prefix) the deepest leaf goes first, unless
+the oldest leaf there is older by more than a learned ``depth_shift``. A deep
 leaf is the most specific content there is: the newest turn of one
 conversation, a question asked once below a shared document, a leaf step of
 one thought tree. A shallow one is what many later requests start with (a
 document, a thought tree's middle step). In the replays of ``bench simulate``
 this order is most of the gain over LRU on tree-of-thought traces and grouped
-prompts (BENCHMARKS §2). Among leaves of one depth (siblings, documents below
-one system prompt) recency or frequency decides:
+prompts (BENCHMARKS §2). But deepest first alone never lets an idle shallow
+leaf go while anything deeper is cached: a finished conversation's last turn
+outlived the newest turns of the active ones, and cost up to 0.8 points
+against LRU on multi-turn chat. Among leaves of one depth (siblings,
+documents below one system prompt) recency or frequency decides:
 
 Leaves fall into classes by how often finished requests reused them: class 0
 never (seen once), class c >= 1 about 2**(c-1) times (log2 buckets, capped).
@@ -42,6 +46,16 @@ place come back first. (Ghost hits alone, ARC's signal, could not tell a
 shift in popularity from noise: on ``rag-shift`` at seeds 1 and 2 they
 stayed 1.5-2.2 points under LRU; BENCHMARKS §2.)
 
+``depth_shift`` is learned from duels the same way: when the deepest leaf is
+evicted where shifted recency across depths would have evicted an older,
+shallower one, or the other way round, the two duel; each vote scales it by
+2**``learning_rate`` within [1/64, 16] horizons (0 at the floor: shifted
+recency alone below the top level). It is infinite (deepest first) until the
+first vote. In the replays (seed 0, 25% of the working set) it settles at
+3-5 horizons on chat, RAG and thought trees (BENCHMARKS §2). The deepest and
+the least recent leaf come from one heap per class ordered by (-depth, last
+access) and one recency heap for every leaf below the top level.
+
 Ghosts: every evicted leaf leaves a ghost (its heap, hit count, eviction
 time and length) under its place in the tree (parent id, first page); ghosts
 hold at most ``ghost_capacity_len`` tokens (the pool's size), oldest
@@ -57,22 +71,25 @@ popular document evicted in a burst of other traffic is protected again as
 soon as it is back, instead of having to earn its reuses anew. The restored
 count is the node's ``hit_count`` (a radix split copies it to both halves).
 
-Costs: ``add``/``discard``/``refresh`` O(log n) at worst; a pop compares
-``2 * num_classes`` heads (a constant), pops one heap and opens at most two
+Costs: a leaf below the top level sits in two heaps (by depth, by recency);
+``add``/``discard``/``refresh`` O(log n) at worst; a pop compares
+``2 * num_classes + 1`` heads (a constant), pops one heap and opens at most three
 duels: evicting k leaves stays O(k log n). ``note_miss`` and a ``refresh``
-while duels are open are a dict lookup each (plus the duels they settle). The
+while duels are open are two dict lookups (plus the duels they settle). The
 tree keeps each node's depth (O(1) per insert or split; a split leaf is
 re-added at its new depth).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, Protocol, TypeVar, cast
 
 from radixserve.cache.candidates import CandidateHeap
 from radixserve.cache.duels import Duels
+from radixserve.cache.ghosts import Ghost, Ghosts
 
 
 class _Ranked(Protocol):
@@ -98,6 +115,7 @@ class AdaptiveCandidates(Generic[T]):
     MAX_TOP_SHIFT = 16.0  # horizons: tree roots are reused across long gaps (thought trees)
     TOP_LEARNING_RATE = 10.0  # top-level ghosts are few and far between: each must move the top shift further
     MAX_REVIVED = 1024  # missed ghosts awaiting their node's return (about one per request in flight)
+    INITIAL_DEPTH_SHIFT = 1.0
     MAX_DUELS = 4096  # open duels (two per eviction at most); the oldest are dropped undecided
 
     def __init__(
@@ -109,23 +127,27 @@ class AdaptiveCandidates(Generic[T]):
         ghost_capacity_len: int,
         num_classes: int = 3,
         learning_rate: float = 0.25,
+        depth_learning: bool = True,
     ) -> None:
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         # Heap group * num_classes + class: group 0 the top level (depth 0), group 1 below a cached prefix.
+        # Last (depth learning only): every leaf below the top level again, by recency alone.
         self._heaps = [CandidateHeap(_depth_then_recency, tie_break, True) for _ in range(2 * num_classes)]
+        self._heaps += [CandidateHeap(_recency, tie_break, True) for _ in range(depth_learning)]
         self._slot: dict[T, int] = {}  # member -> the heap it is in
         self._ghost_key, self._size, self._clock = ghost_key, size, clock
-        # ghost key -> (heap slot, evicted at, len, hit count)
-        self._ghosts: OrderedDict[Hashable, tuple[int, float, int, int]] = OrderedDict()
+        self._ghosts = Ghosts(ghost_capacity_len)
         self._revived: OrderedDict[Hashable, int] = OrderedDict()  # a missed ghost's hit count, until re-inserted
-        self._ghost_len, self.ghost_capacity_len = 0, ghost_capacity_len
-        self._group_len = [0, 0]  # ghost tokens of the top level, of below it
         self.num_classes, self.learning_rate = num_classes, learning_rate
         self._duels = Duels(self.MAX_DUELS)
         self.shift_horizons = 1.0  # the shift in ghost horizons, learned from duels
         self.shift = 0.0  # clock units a leaf outlives one a class below it (shift_horizons x the horizon)
         self.top_shift = 0.0  # clock units a top-level leaf outlives the deepest leaf below
+        self._depth_duels = Duels(self.MAX_DUELS)
+        self.depth_learning = depth_learning
+        self.depth_shift_horizons = self.INITIAL_DEPTH_SHIFT
+        self.depth_shift = math.inf  # clock units the deepest leaf below outlives an older, shallower one
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -147,131 +169,154 @@ class AdaptiveCandidates(Generic[T]):
             member.hit_count = self._revived.pop(self._ghost_key(member), 0)
         slot = self.slot_of(member)
         old = self._slot.get(member)
-        if old is not None and self._duels.pending and (vote := self._duels.settle(member)):
-            self._learn(vote, self._clock())  # re-added after a hit or a split: an access
+        if old is not None and (self._duels.pending or self._depth_duels.pending):  # re-added: an access
+            self._settle(member, None)
         if old is not None and old != slot:
-            self._heaps[old].discard(member)
+            self._discard_from(member, old)
         self._slot[member] = slot
         self._heaps[slot].add(member)
+        if slot >= self.num_classes and self.depth_learning:
+            self._heaps[-1].add(member)
 
     def discard(self, member: T) -> None:
         slot = self._slot.pop(member, None)
         if slot is not None:
-            self._heaps[slot].discard(member)
+            self._discard_from(member, slot)
+
+    def _discard_from(self, member: T, slot: int) -> None:
+        self._heaps[slot].discard(member)
+        if slot >= self.num_classes and self.depth_learning:
+            self._heaps[-1].discard(member)
 
     def refresh(self, member: T) -> None:
         """An access settles the duels ``member`` was kept in; a hit may move it up a class."""
-        if self._duels.pending and (vote := self._duels.settle(member)):
-            self._learn(vote, self._clock())
+        if self._duels.pending or self._depth_duels.pending:
+            self._settle(member, None)
         if member in self._slot and self._slot[member] != self.slot_of(member):
             self.add(member)
 
-    def pop(self) -> T | None:
-        """Evict the deepest leaf below the top level unless the oldest top-level one is older; remember it."""
-        best: list[tuple[float, float, int, int] | None] = [None, None]  # per group: -depth, shifted, tie, slot
-        recency: list[tuple[float, float, int, int] | None] = [None, None]  # per group, at shift 0
-        frequency: list[tuple[float, int] | None] = [None, None]  # per group, at shift oo: -depth, slot
-        for slot, heap in enumerate(self._heaps):
+    def _scan(self, first: int) -> tuple[float, int, int | None, int | None] | None:
+        """The best head of the class heaps from slot ``first`` on: its shifted access time and slot, and the
+        slots plain recency and frequency by class alone would evict from where they differ (else None)."""
+        best = recency = frequency = None
+        shift, heaps = self.shift, self._heaps
+        for slot in range(first, first + self.num_classes):
+            heap = heaps[slot]
             if heap.peek() is None:
                 continue
-            group, cls = divmod(slot, self.num_classes)
             neg_depth, last_access, tie = cast(tuple[float, float, int], heap.peek_key())
-            key = (neg_depth, last_access + cls * self.shift, tie, slot)
-            if (old := best[group]) is None or key < old:
-                best[group] = key
-            if self.shift:  # at shift 0 the recency order is the shifted one: no duel to open
-                key = (neg_depth, last_access, tie, slot)
-                if (old := recency[group]) is None or key < old:
-                    recency[group] = key
-            if (low := frequency[group]) is None or neg_depth < low[0]:  # slots ascend: the lowest class first
-                frequency[group] = (neg_depth, slot)
-        group = 1 if best[1] is not None and (best[0] is None or best[1][1] < best[0][1] + self.top_shift) else 0
-        chosen = best[group]
+            key = (neg_depth, last_access + (slot - first) * shift, tie, slot)
+            if best is None or key < best:
+                best = key
+            if shift and (recency is None or (neg_depth, last_access, tie, slot) < recency):
+                recency = (neg_depth, last_access, tie, slot)  # at shift 0 it is the shifted order
+            if frequency is None or neg_depth < frequency[0]:  # classes ascend: the lowest first
+                frequency = (neg_depth, slot)
+        if best is None:
+            return None
+        by_recency = recency[3] if recency is not None and recency[3] != best[3] else None
+        by_frequency = frequency[1] if frequency is not None and frequency[1] != best[3] else None
+        return best[1], best[3], by_recency, by_frequency
+
+    def pop(self) -> T | None:
+        """Evict by the learned order (module docstring), open the duels where other orders differ; remember it."""
+        top, deep = self._scan(0), self._scan(self.num_classes)
+        oldest, old_shifted = None, math.inf  # the least recently used leaf below the top level
+        if deep is not None and self.depth_learning:
+            oldest = self._heaps[-1].peek()
+            old_shifted = cast(float, self._heaps[-1].peek_key()[1]) + self.class_of(cast(T, oldest)) * self.shift
+        by_age = deep is not None and old_shifted + self.depth_shift < deep[0]
+        below = old_shifted if by_age else deep[0] if deep is not None else math.inf
+        chosen = deep if deep is not None and (top is None or below < top[0] + self.top_shift) else top
         if chosen is None:
             return None
-        # Where recency alone, or frequency by class alone, would have evicted another leaf (of this
-        # depth: the group's deepest), that leaf is kept in a duel against the victim (duels.py).
-        slot, by_recency, by_frequency = chosen[3], recency[group], frequency[group]
-        kept_by_recency = self._heaps[by_recency[3]].peek() if by_recency and by_recency[3] != slot else None
-        kept_by_frequency = self._heaps[by_frequency[1]].peek() if by_frequency and by_frequency[1] != slot else None
-        member = self._heaps[slot].pop()
-        assert member is not None
-        del self._slot[member]
+        _, slot, by_recency, by_frequency = chosen
+        heaps, kept_by_recency, kept_by_frequency = self._heaps, None, None
+        if by_age and chosen is deep:  # recency across depths decided, not the class shift: no class duel
+            member, kept_by_depth = cast(T, heaps[-1].pop()), heaps[slot].peek()
+        else:
+            if by_recency is not None:
+                kept_by_recency = heaps[by_recency].peek()
+            if by_frequency is not None:
+                kept_by_frequency = heaps[by_frequency].peek()
+            member, kept_by_depth = cast(T, heaps[slot].pop()), oldest if chosen is deep else None
+        slot = self._slot[member]
+        self.discard(member)
         ghost_key = self._ghost_key(member)
         # The victim is known by its ghost key (it comes back as a miss there); a kept leaf by itself while
         # cached (an access refreshes it, a match inside it splits and re-adds it: no key to compute on the
         # hot path), and by its ghost key once it is evicted in turn.
-        self._duels.rekey(member, ghost_key)
+        if self._duels.pending:
+            self._duels.rekey(member, ghost_key)
+        if self._depth_duels.pending:
+            self._depth_duels.rekey(member, ghost_key)
         if kept_by_recency is not None:  # the victim was the less-reused: less shift would have kept it
             self._duels.open(ghost_key, kept_by_recency, -1)
         if kept_by_frequency is not None:  # the victim was the more-reused: more shift would have kept it
             self._duels.open(ghost_key, kept_by_frequency, +1)
-        self._remember(member, ghost_key, slot)
+        if kept_by_depth is not None and kept_by_depth is not member:  # deepest first and recency disagreed
+            self._depth_duels.open(ghost_key, kept_by_depth, +1 if by_age else -1)  # +1: more depth shift keeps it
+        self._ghosts.remember(
+            ghost_key, Ghost(slot // self.num_classes, self._clock(), self._size(member), member.hit_count)
+        )
         return member
 
     def note_miss(self, ghost_key: Hashable, now: float) -> None:
         """A lookup stopped where an evicted leaf would have continued: settle its duels, learn the top shift."""
-        if self._duels.pending and (vote := self._duels.settle(ghost_key)):
-            self._learn(vote, now)
-        ghost = self._ghosts.pop(ghost_key, None)
-        if ghost is None:
+        self._settle(ghost_key, now)
+        taken = self._ghosts.take(ghost_key)
+        if taken is None:
             return
-        slot, evicted_at, length, hits = ghost
-        if hits:
-            self._revived[ghost_key] = hits
+        ghost, share = taken
+        if ghost.hit_count:
+            self._revived[ghost_key] = ghost.hit_count
             if len(self._revived) > self.MAX_REVIVED:
                 self._revived.popitem(last=False)
-        group = slot // self.num_classes
-        group_len = self._group_len[group]  # this ghost's group, itself included
-        self._forget(slot, length)
-        step = self.TOP_LEARNING_RATE * self._horizon(now, evicted_at) * length / max(group_len, 1)
-        if group:  # a leaf below the top level came back: the deep-first order erred
+        horizon = self._ghosts.horizon(now, ghost.evicted_at)
+        step = self.TOP_LEARNING_RATE * horizon * share
+        if ghost.group:  # a leaf below the top level came back: the deep-first order erred
             self.top_shift = max(self.top_shift - step, 0.0)
         else:
-            self.top_shift = min(self.top_shift + step, self.MAX_TOP_SHIFT * self._horizon(now, evicted_at))
+            self.top_shift = min(self.top_shift + step, self.MAX_TOP_SHIFT * horizon)
 
-    def _horizon(self, now: float, fallback: float) -> float:
-        """How long ago the oldest remembered ghost was evicted (``fallback`` when none is left)."""
-        oldest = next(iter(self._ghosts.values()))[1] if self._ghosts else fallback
-        return max(now - oldest, 0.0)
+    def _settle(self, key: Hashable, now: float | None) -> None:
+        """A request reached ``key``: the duels it decides move the shifts (``now`` None: read the clock if so)."""
+        if self._duels.pending and (vote := self._duels.settle(key)):
+            now = self._clock() if now is None else now
+            self.shift_horizons = self._scaled(self.shift_horizons, vote)
+            self.shift = self._in_clock(self.shift_horizons, now)
+        if self._depth_duels.pending and (vote := self._depth_duels.settle(key)):
+            now = self._clock() if now is None else now
+            self.depth_shift_horizons = self._scaled(self.depth_shift_horizons, vote)
+            self.depth_shift = self._in_clock(self.depth_shift_horizons, now)
 
-    def _learn(self, vote: int, now: float) -> None:
-        """The net vote of the duels an access settled scales the shift, in horizons, by 2**learning_rate each."""
-        scaled = self.shift_horizons * 2.0 ** (vote * self.learning_rate)
-        self.shift_horizons = min(max(scaled, self.MIN_SHIFT), self.MAX_SHIFT)
-        at_floor = self.shift_horizons <= self.MIN_SHIFT
-        self.shift = 0.0 if at_floor else self.shift_horizons * self._horizon(now, now)
+    def _scaled(self, horizons: float, vote: int) -> float:
+        """Each net vote scales a shift, in horizons, by 2**learning_rate, within [MIN_SHIFT, MAX_SHIFT]."""
+        scaled: float = horizons * 2.0 ** (vote * self.learning_rate)
+        return min(max(scaled, self.MIN_SHIFT), self.MAX_SHIFT)
+
+    def _in_clock(self, horizons: float, now: float) -> float:
+        return 0.0 if horizons <= self.MIN_SHIFT else horizons * self._ghosts.horizon(now, now)
 
     def check(self) -> None:
         for slot, heap in enumerate(self._heaps):
             heap.check()
-            assert set(heap) == {m for m, s in self._slot.items() if s == slot}, f"heap {slot} != its members"
+            below = slot == 2 * self.num_classes  # the recency heap of depth learning
+            members = {m for m, s in self._slot.items() if (s >= self.num_classes if below else s == slot)}
+            assert set(heap) == members, f"heap {slot} != its members"
         assert all(s == self.slot_of(m) for m, s in self._slot.items()), "a member sits in a stale heap"
-        ghosts = self._ghosts.values()
-        assert self._ghost_len == sum(g[2] for g in ghosts), "ghost token count drifted"
-        assert self._group_len[0] == sum(g[2] for g in ghosts if g[0] < self.num_classes), "top ghosts drifted"
-        assert self._ghost_len <= self.ghost_capacity_len or len(self._ghosts) == 1, "ghosts over capacity"
-        assert self.shift >= 0.0 and self.top_shift >= 0.0
+        self._ghosts.check()
+        assert self.shift >= 0.0 and self.top_shift >= 0.0 and self.depth_shift >= 0.0
         assert len(self._revived) <= self.MAX_REVIVED and all(self._revived.values()), "revived counts"
         assert self.MIN_SHIFT <= self.shift_horizons <= self.MAX_SHIFT
+        assert self.MIN_SHIFT <= self.depth_shift_horizons <= self.MAX_SHIFT
         self._duels.check()
-
-    def _remember(self, member: T, key: Hashable, slot: int) -> None:
-        old = self._ghosts.pop(key, None)
-        if old is not None:
-            self._forget(old[0], old[2])
-        length, now = self._size(member), self._clock()
-        self._ghosts[key] = (slot, now, length, member.hit_count)
-        self._ghost_len += length
-        self._group_len[slot // self.num_classes] += length
-        while self._ghost_len > self.ghost_capacity_len and len(self._ghosts) > 1:
-            _, (old_slot, _, forgotten, _) = self._ghosts.popitem(last=False)
-            self._forget(old_slot, forgotten)
-
-    def _forget(self, slot: int, length: int) -> None:
-        self._ghost_len -= length
-        self._group_len[slot // self.num_classes] -= length
+        self._depth_duels.check()
 
 
 def _depth_then_recency(member: _Ranked) -> tuple[float, ...]:
     return (-member.depth, member.last_access_time)
+
+
+def _recency(member: _Ranked) -> tuple[float, ...]:
+    return (0.0, member.last_access_time)

@@ -110,17 +110,20 @@ class PriorityStrategy(EvictionStrategy):
 
 
 class AdaptiveStrategy(EvictionStrategy):
-    """Deepest first below the top level; recency or frequency, whichever the workload rewards (adaptive.py).
+    """Depth, recency and frequency, each weighed by what the workload rewards (adaptive.py).
 
     Rank in a group: (-depth, last_access_time + class * shift), classes 0, 1,
     2+ reuses, ``shift`` learned online from duels between this order and
     plain recency or frequency (0: LRU within a depth; large: LFU over the
-    classes). The top level's best leaf goes instead of the deepest one below
-    when its shifted access time plus a ``top_shift`` learned from ghosts of
-    evicted leaves is older.
+    classes). Below the top level the oldest leaf by that shifted time goes
+    instead of the deepest when it is older by ``depth_shift``, learned from
+    duels between the two orders. The top level's best leaf goes instead of
+    the one below when its shifted access time plus a ``top_shift`` learned
+    from ghosts of evicted leaves is older.
     """
 
     NUM_CLASSES = 3  # hits 0, 1, 2+ (a fourth class, 4+, protected stale counts too long in the replays)
+    DEPTH_LEARNING = True  # False: always the deepest leaf below the top level first (issue 16's fourth pass)
     LEARNING_RATE = 0.25  # each duel's vote scales the shift by 2**0.25 (AdaptiveCandidates._learn)
 
     def rank(self, node: NodeStats) -> Rank:
@@ -135,6 +138,7 @@ class AdaptiveStrategy(EvictionStrategy):
             hooks.capacity_len,
             self.NUM_CLASSES,
             self.LEARNING_RATE,
+            self.DEPTH_LEARNING,
         )
 
 

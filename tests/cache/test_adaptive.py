@@ -106,7 +106,7 @@ def frequency_trace(cache: RadixCache, clock: Clock, rng: np.random.Generator, l
 
 def test_orders_like_lru_after_a_recency_friendly_trace() -> None:
     cache, clock = make_cache(72)
-    recency_trace(cache, clock, np.random.default_rng(0), length=1200)  # ~24 votes take the shift to its floor
+    recency_trace(cache, clock, np.random.default_rng(0), length=4800)  # enough net votes take the shift to its floor
     assert candidates(cache).shift == 0.0
     expected = brute_force_order(cache, lru)
     assert expected != brute_force_order(cache, lfu_by_class), "the trace cannot tell LRU from LFU"
@@ -259,8 +259,11 @@ def test_hit_classes_are_log2_buckets() -> None:
 @given(
     ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.booleans()), min_size=5, max_size=60),
     shift=st.sampled_from([0.0, 1.0, 5.0, 100.0]),
+    depth_shift=st.sampled_from([0.0, 2.0, float("inf")]),
 )
-def test_never_evicts_a_locked_or_interior_node(ops: list[tuple[int, int, bool]], shift: float) -> None:
+def test_never_evicts_a_locked_or_interior_node(
+    ops: list[tuple[int, int, bool]], shift: float, depth_shift: float
+) -> None:
     """Prompts from 6 stems x 4 tails, some kept running (locked): every victim is an unlocked leaf."""
     cache, clock = make_cache(48)
     real_pop, running = cache.candidates.pop, []
@@ -273,7 +276,7 @@ def test_never_evicts_a_locked_or_interior_node(ops: list[tuple[int, int, bool]]
     cache.candidates.pop = checked_pop  # type: ignore[method-assign]
     for t, (stem, tail, keep) in enumerate(ops):
         clock.now = float(t)
-        candidates(cache).shift = shift
+        candidates(cache).shift, candidates(cache).depth_shift = shift, depth_shift
         prompt = [100 + stem] * 3 + [200 + tail] * 2 + [300 + t]
         if keep and len(running) < 3:
             running.append(start(cache, prompt))
@@ -283,3 +286,44 @@ def test_never_evicts_a_locked_or_interior_node(ops: list[tuple[int, int, bool]]
     for req in running:
         cache.cache_finished_req(req)
     cache.check_invariants()
+
+
+def depth_duel_setup(depth_shift: float) -> tuple[RadixCache, Clock, tuple[int, ...]]:
+    """Below [1, 2]: [3, 4] (old, shallow) and [9, 10] (new, deeper, under [5..8]); evict one of them.
+
+    Deepest first (``depth_shift`` oo) evicts [9, 10]; recency across depths (``depth_shift`` 0) evicts [3, 4].
+    The two orders disagree: a depth duel opens between the victim and the other leaf. Returns the victim.
+    """
+    cache, clock = make_cache(10)
+    for t, prompt in enumerate(([1, 2, 3, 4], [1, 2, 5, 6, 7, 8], [1, 2, 5, 6, 7, 8, 9, 10])):
+        clock.now = float(t)
+        serve(cache, prompt)
+    candidates(cache).depth_shift = depth_shift
+    clock.now = 3.0
+    before = {tuple(n.key.token_ids.tolist()) for n in cache.nodes()}
+    cache.evict(2)
+    (victim,) = before - {tuple(n.key.token_ids.tolist()) for n in cache.nodes()}
+    assert candidates(cache).depth_shift_horizons == 1.0
+    return cache, clock, victim
+
+
+@pytest.mark.parametrize("depth_shift", [float("inf"), 0.0])
+def test_the_evicted_leaf_asked_for_first_moves_the_depth_shift_its_way(depth_shift: float) -> None:
+    """The victim comes back first: the order that would have kept it was right, the depth shift moves to it."""
+    cache, clock, victim = depth_duel_setup(depth_shift)
+    assert victim == ((9, 10) if depth_shift else (3, 4))
+    clock.now = 4.0
+    cache.match_prefix(RadixKey([1, 2, 5, 6, 7, 8, 9, 10] if depth_shift else [1, 2, 3, 4]))
+    expected = 2**-0.25 if depth_shift else 2**0.25  # deepest first erred: less depth shift; else more
+    assert candidates(cache).depth_shift_horizons == pytest.approx(expected)
+    assert candidates(cache).depth_shift < float("inf")
+
+
+@pytest.mark.parametrize("depth_shift", [float("inf"), 0.0])
+def test_the_kept_leaf_asked_for_first_keeps_the_order_that_kept_it(depth_shift: float) -> None:
+    cache, clock, victim = depth_duel_setup(depth_shift)
+    clock.now = 4.0
+    kept = [1, 2, 3, 4] if depth_shift else [1, 2, 5, 6, 7, 8, 9, 10]
+    assert len(cache.match_prefix(RadixKey(kept)).indices) == len(kept)
+    expected = 2**0.25 if depth_shift else 2**-0.25
+    assert candidates(cache).depth_shift_horizons == pytest.approx(expected)

@@ -45,19 +45,28 @@ def slow_depth(n: TreeNode) -> int:
     return depth
 
 
-def adaptive_victim(leaves: list[TreeNode], shift: float, top_shift: float) -> TreeNode:
-    """The deepest leaf below the top level, unless the oldest top-level leaf is older by ``top_shift``.
+def adaptive_victim(leaves: list[TreeNode], shifts: tuple[float, float, float], num_classes: int) -> TreeNode:
+    """The leaf ``adaptive`` evicts: by groups (the top level, below it), each ranked by shifted recency.
 
-    In each group, (-depth, last access + class * shift) with classes 0, 1, 2+ reuses; the groups'
-    best are compared by that shifted recency, the top level's plus ``top_shift``.
+    Shifted recency: last access + class * shift, class 0 for a never-reused leaf, else 1 + floor(log2(hits))
+    capped at ``num_classes - 1``. Below the top level the deepest leaf goes first, unless the least recently
+    used leaf there is older by ``depth_shift`` (shifted recency of both); the two groups' picks are compared
+    by shifted recency, the top level's plus ``top_shift``.
     """
+    shift, top_shift, depth_shift = shifts
 
-    def rank(n: TreeNode) -> tuple[float, float, int]:
-        return (-slow_depth(n), n.last_access_time + min(n.hit_count, 2) * shift, n.id)
+    def shifted(n: TreeNode) -> float:
+        return n.last_access_time + min(n.hit_count.bit_length(), num_classes - 1) * shift
 
-    top = min((n for n in leaves if slow_depth(n) == 0), key=rank, default=None)
-    below = min((n for n in leaves if slow_depth(n) > 0), key=rank, default=None)
-    if below is not None and (top is None or rank(below)[1] < rank(top)[1] + top_shift):
+    def deepest(n: TreeNode) -> tuple[float, float, int]:
+        return (-slow_depth(n), shifted(n), n.id)
+
+    top = min((n for n in leaves if slow_depth(n) == 0), key=deepest, default=None)
+    below = min((n for n in leaves if slow_depth(n) > 0), key=deepest, default=None)
+    if below is not None:
+        old = min((n for n in leaves if slow_depth(n) > 0), key=lambda n: (n.last_access_time, n.id))
+        below = old if shifted(old) + depth_shift < shifted(below) else below
+    if below is not None and (top is None or shifted(below) < shifted(top) + top_shift):
         return below
     assert top is not None
     return top
@@ -149,13 +158,17 @@ class RadixMachine(RuleBasedStateMachine):
 
     def simulate_eviction(self, num_tokens: int) -> list[PageKey]:
         """Brute force: repeatedly take the best-ranked unlocked leaf, as the policy says."""
-        shifts = (self.cache.candidates.shift, self.cache.candidates.top_shift) if self.policy == "adaptive" else None
+        learned = self.cache.candidates
+        shifts = (learned.shift, learned.top_shift, learned.depth_shift) if self.policy == "adaptive" else None
         nodes = list(self.cache.nodes())
         alive = {n.id: len(n.children) for n in nodes}
         leaves = [n for n in nodes if n.lock_ref == 0 and not n.children]
         order, freed = [], 0
         while leaves and freed < num_tokens:
-            victim = adaptive_victim(leaves, *shifts) if shifts else min(leaves, key=EXPECTED_RANK[self.policy])
+            if shifts:
+                victim = adaptive_victim(leaves, shifts, learned.num_classes)  # type: ignore[attr-defined]
+            else:
+                victim = min(leaves, key=EXPECTED_RANK[self.policy])
             leaves.remove(victim)
             order.append(self.page_key(victim))
             freed += len(victim.key)
@@ -224,11 +237,16 @@ class RadixMachine(RuleBasedStateMachine):
         self.cache.evict(num_pages * self.page_size)
 
     @precondition(lambda self: self.policy == "adaptive")
-    @rule(shift=st.sampled_from([0.0, 0.5, 1.0, 3.0, 7.0, 40.0]), top_shift=st.sampled_from([0.0, 1.0, 5.0, 40.0]))
-    def learn(self, shift: float, top_shift: float) -> None:
-        """Stand in for what the ghosts would have taught: any shifts must keep the order exact."""
+    @rule(
+        shift=st.sampled_from([0.0, 0.5, 1.0, 3.0, 7.0, 40.0]),
+        top_shift=st.sampled_from([0.0, 1.0, 5.0, 40.0]),
+        depth_shift=st.sampled_from([0.0, 1.0, 4.0, float("inf")]),
+    )
+    def learn(self, shift: float, top_shift: float, depth_shift: float) -> None:
+        """Stand in for what the ghosts and duels would have taught: any shifts must keep the order exact."""
         self.cache.candidates.shift = shift  # type: ignore[attr-defined]
         self.cache.candidates.top_shift = top_shift  # type: ignore[attr-defined]
+        self.cache.candidates.depth_shift = depth_shift  # type: ignore[attr-defined]
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:

@@ -1,0 +1,70 @@
+"""Ghosts: what the adaptive policy (adaptive.py) remembers of the leaves it evicted, ARC-style.
+
+Every evicted leaf leaves a ghost (its group, eviction time, length and hit
+count) under its place in the tree (parent id, first page): the key a later
+lookup that stops there passes to ``note_miss``. Ghosts hold at most
+``capacity_len`` tokens (the pool's size), oldest forgotten first, so the age
+of the oldest ghost is the cache's turnover: the ``horizon`` the adaptive
+policy counts every learned shift in. Each operation is O(1).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import NamedTuple
+
+
+class Ghost(NamedTuple):
+    group: int  # 0: the top level (nothing cached above it), 1: below it
+    evicted_at: float
+    length: int  # tokens
+    hit_count: int
+
+
+class Ghosts:
+    def __init__(self, capacity_len: int) -> None:
+        self.capacity_len = capacity_len
+        self._ghosts: OrderedDict[Hashable, Ghost] = OrderedDict()  # oldest first
+        self.total_len = 0
+        self.group_len = [0, 0]  # ghost tokens of the top level, of below it
+
+    def __len__(self) -> int:
+        return len(self._ghosts)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._ghosts
+
+    def remember(self, key: Hashable, ghost: Ghost) -> None:
+        """A leaf was evicted from ``key``'s place; the oldest ghosts go while over capacity (never the newest)."""
+        self._drop(self._ghosts.pop(key, None))
+        self._ghosts[key] = ghost
+        self.total_len += ghost.length
+        self.group_len[ghost.group] += ghost.length
+        while self.total_len > self.capacity_len and len(self._ghosts) > 1:
+            self._drop(self._ghosts.popitem(last=False)[1])
+
+    def take(self, key: Hashable) -> tuple[Ghost, float] | None:
+        """Forget the ghost at ``key`` (a lookup stopped there); it and its share of its group's ghost tokens."""
+        ghost = self._ghosts.pop(key, None)
+        if ghost is None:
+            return None
+        share = ghost.length / max(self.group_len[ghost.group], 1)
+        self._drop(ghost)
+        return ghost, share
+
+    def horizon(self, now: float, fallback: float) -> float:
+        """How long ago the oldest remembered ghost was evicted (``fallback`` when none is left)."""
+        oldest = next(iter(self._ghosts.values())).evicted_at if self._ghosts else fallback
+        return max(now - oldest, 0.0)
+
+    def check(self) -> None:
+        ghosts = self._ghosts.values()
+        assert self.total_len == sum(g.length for g in ghosts), "ghost token count drifted"
+        assert self.group_len[0] == sum(g.length for g in ghosts if g.group == 0), "top ghosts drifted"
+        assert self.total_len <= self.capacity_len or len(self._ghosts) == 1, "ghosts over capacity"
+
+    def _drop(self, ghost: Ghost | None) -> None:
+        if ghost is not None:
+            self.total_len -= ghost.length
+            self.group_len[ghost.group] -= ghost.length
