@@ -45,8 +45,6 @@ SOURCES = (
     CSRC / "block_q8_linear.cpp",
     CSRC / "block_gemm.cpp",
 )
-# included, not compiled: in the fingerprint
-HEADERS = (CSRC / "attention_common.h", CSRC / "shared_prefix.h", CSRC / "block_common.h")
 
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
