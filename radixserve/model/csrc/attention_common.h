@@ -36,16 +36,30 @@ inline float fast_exp(float x) {
 // overlap (a row of head_dim 64 in float32 spans four cache lines).
 constexpr int64_t kPrefetchAhead = 8;
 
-template <typename kv_t>
+template <int64_t ahead = kPrefetchAhead, typename kv_t>
 inline void prefetch_row(const kv_t* base, const int64_t* slots, int64_t j, int64_t num_keys, int64_t dim) {
-  if (j + kPrefetchAhead >= num_keys) return;
-  const char* row = reinterpret_cast<const char*>(base + slots[j + kPrefetchAhead] * dim);
+  if (j + ahead >= num_keys) return;
+  const char* row = reinterpret_cast<const char*>(base + slots[j + ahead] * dim);
   for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(kv_t)); off += 64) __builtin_prefetch(row + off);
 }
+
+// A bfloat16 as its bits: the binding hands torch's BFloat16 storage over as this (the same 16
+// bits), so the kernels widen it with a shift and need no torch header.
+struct bf16 {
+  uint16_t bits;
+};
 
 template <typename kv_t>
 inline float load(const kv_t* p, int64_t i) {
   return static_cast<float>(p[i]);
+}
+
+template <>
+inline float load(const bf16* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(p[i].bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 }  // namespace radixserve

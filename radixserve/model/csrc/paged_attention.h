@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "paged_avx512.h"
 #include "shared_prefix.h"
 
 namespace radixserve {
@@ -88,14 +89,29 @@ void values_pass(const float* p, int64_t rows, const int64_t* seen, const kv_t* 
   }
 }
 
+// Per-thread scratch the items reuse: a decode item is a few microseconds, too short to allocate.
+struct ItemScratch {
+  std::vector<float> q, scores;
+  std::vector<int64_t> seen;
+};
+
+inline ItemScratch& item_scratch() {
+  static thread_local ItemScratch scratch;
+  return scratch;
+}
+
 template <int64_t DIM, typename kv_t>
 void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t* k, const kv_t* v,
                   const int64_t* slots, int64_t prefix_len, float* acc, float* row_max, float* row_sum) {
   const int64_t rows = (w.t1 - w.t0) * s.group, dim = s.dim;
   const int64_t last = std::min(w.key1, prefix_len + w.t1);  // no row of the tile sees beyond
-  const int64_t num_keys = std::max<int64_t>(0, last - w.key0);
-  std::vector<float> qf(rows * dim), scores(rows * std::max<int64_t>(num_keys, 1));
-  std::vector<int64_t> seen(rows);
+  const int64_t num_keys = std::max<int64_t>(0, last - w.key0), stride = std::max<int64_t>(16, (num_keys + 15) / 16 * 16);
+  ItemScratch& buf = item_scratch();
+  buf.q.resize(rows * dim);
+  buf.scores.resize(rows * stride);
+  buf.seen.resize(rows);
+  float *qf = buf.q.data(), *scores = buf.scores.data();
+  int64_t* seen = buf.seen.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = w.t0 + r / s.group, h = w.hkv * s.group + r % s.group;
     for (int64_t i = 0; i < dim; ++i) qf[r * dim + i] = q[(t * s.num_heads + h) * dim + i] * s.scale;
@@ -103,9 +119,17 @@ void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t*
   }
   const int64_t head = w.hkv * s.num_slots * dim;
   const int64_t* item_slots = slots + w.key0;
-  scores_pass<DIM>(qf.data(), rows, k + head, item_slots, num_keys, dim, num_keys, scores.data());
+#if defined(__AVX512F__)
+  if constexpr (DIM > 0 && DIM % 16 == 0 && (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, bf16>)) {
+    avx512::scores_pass<DIM / 16>(qf, rows, k + head, item_slots, num_keys, stride, scores);
+    for (int64_t r = 0; r < rows; ++r) avx512::softmax_row(scores + r * stride, seen[r], stride, row_max + r, row_sum + r);
+    avx512::values_pass<DIM / 16>(scores, rows, seen, stride, v + head, item_slots, acc);
+    return;
+  }
+#endif
+  scores_pass<DIM>(qf, rows, k + head, item_slots, num_keys, dim, stride, scores);
   for (int64_t r = 0; r < rows; ++r) {
-    float* sc = scores.data() + r * num_keys;
+    float* sc = scores + r * stride;
     float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
     for (int64_t j = 0; j < seen[r]; ++j) m = std::max(m, sc[j]);
 #pragma omp simd reduction(+ : sum)
@@ -116,7 +140,7 @@ void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t*
     row_max[r] = m;
     row_sum[r] = sum;
   }
-  values_pass<DIM>(scores.data(), rows, seen.data(), v + head, item_slots, num_keys, dim, num_keys, acc);
+  values_pass<DIM>(scores, rows, seen, v + head, item_slots, num_keys, dim, stride, acc);
 }
 
 template <typename kv_t>
