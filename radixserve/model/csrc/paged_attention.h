@@ -257,7 +257,7 @@ struct Plan {
 inline Plan make_plan(const int64_t* q_starts, const int64_t* ctx_starts, int64_t batch, int64_t num_splits,
                       const SharedGroups& groups, const Shape& s) {
   Plan plan;
-  const bool cascade = s.dim % 4 == 0;  // the blocked shared pass steps the head dim by 4
+  const bool cascade = s.dim % kStep == 0;  // the blocked shared pass steps the head dim by kStep
   std::vector<int64_t> key_starts(batch, 0);
   for (int64_t g = 0; cascade && g < groups.count; ++g)
     for (int64_t m = groups.starts[g]; m < groups.starts[g + 1]; ++m) key_starts[groups.members[m]] = groups.lens[g];
