@@ -14,7 +14,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "attention_common.h"
 
@@ -83,6 +85,78 @@ void scores_pass(const float* q, int64_t rows, const kv_t* k, const int64_t* slo
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+// scores_pass for a bfloat16 pool with the BF16 dot product: key rows are read as they lie, no
+// widening. q is split into bfloat16 pairs hi + lo (lo = q - hi, rounded: ~2^-16 of q left out);
+// LO = false when every lo is 0, as when q comes from a bfloat16 model (scale is a power of 2).
+template <int NC, bool LO>
+void scores_dp(const uint16_t* qh, const uint16_t* ql, int64_t rows, const bf16* k, const int64_t* slots,
+               int64_t num_keys, int64_t stride, float* scores) {
+  constexpr int64_t dim = NC * 16;
+  constexpr int NP = NC / 2;  // 32 bfloat16 a register
+  alignas(64) static const bf16 zeros[dim] = {};
+  for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, num_keys - j0);
+    const bf16* row[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j < n) prefetch_row<kAhead>(k, slots + j0, j, num_keys - j0, dim);
+      row[j] = j < n ? k + slots[j0 + j] * dim : zeros;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512bh h[NP], l[NP];
+      __m512 part[16];
+#pragma GCC unroll 4
+      for (int c = 0; c < NP; ++c) {
+        h[c] = (__m512bh)_mm512_loadu_si512(qh + r * dim + 32 * c);
+        if constexpr (LO) l[c] = (__m512bh)_mm512_loadu_si512(ql + r * dim + 32 * c);
+      }
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        part[j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int c = 0; c < NP; ++c) {
+          const __m512bh kc = (__m512bh)_mm512_loadu_si512(row[j] + 32 * c);
+          part[j] = _mm512_dpbf16_ps(part[j], h[c], kc);
+          if constexpr (LO) part[j] = _mm512_dpbf16_ps(part[j], l[c], kc);
+        }
+      }
+      _mm512_storeu_ps(scores + r * stride + j0, reduce16(part));
+    }
+  }
+}
+
+// q [rows][dim] float -> hi, lo bfloat16 (round to nearest even); true when some lo is not 0.
+inline bool split_bf16(const float* q, int64_t n, uint16_t* hi, uint16_t* lo) {
+  const auto round = [](float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  };
+  bool any = false;
+  for (int64_t i = 0; i < n; ++i) {
+    hi[i] = round(q[i]);
+    const uint32_t back = static_cast<uint32_t>(hi[i]) << 16;
+    float b;
+    std::memcpy(&b, &back, sizeof b);
+    lo[i] = round(q[i] - b);
+    any |= (lo[i] & 0x7FFF) != 0;
+  }
+  return any;
+}
+
+template <int NC>
+void scores_pass(const float* q, int64_t rows, const bf16* k, const int64_t* slots, int64_t num_keys, int64_t stride,
+                 float* scores) {
+  static thread_local std::vector<uint16_t> split;
+  split.resize(2 * rows * NC * 16);
+  uint16_t *hi = split.data(), *lo = hi + rows * NC * 16;
+  if (split_bf16(q, rows * NC * 16, hi, lo))
+    scores_dp<NC, true>(hi, lo, rows, k, slots, num_keys, stride, scores);
+  else
+    scores_dp<NC, false>(hi, lo, rows, k, slots, num_keys, stride, scores);
+}
+#endif
 
 // sc[j] = exp(sc[j] - max) for j < seen, 0 for seen <= j < padded (a multiple of 16); returns
 // (max, sum) of the row through *m and *l.
