@@ -14,7 +14,8 @@
 // heads sharing a K/V head are rows of one tile, so each K/V row is read once per tile; a long
 // context is split when there are fewer requests than threads (flash-decoding), and the splits'
 // softmax partials are merged at the end. Two passes per item, each a flat vectorisable loop:
-// scores = q K^T over the item's keys, then p = softmax and acc = p V. Requests that share a
+// scores = q K^T over the item's keys, then p = softmax and acc = p V (with AVX512, for head dims
+// 64 and 128 and float32 or bfloat16 pools, paged_avx512.h's intrinsics). Requests that share a
 // leading run of slots (SharedGroups) read it once, in shared_prefix.h's items, and only their
 // own suffix here; every partial then meets in one log-sum-exp merge.
 #pragma once

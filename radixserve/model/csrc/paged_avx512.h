@@ -3,7 +3,8 @@
 // where the target has AVX512F; paged_attention.h keeps the portable loops for every other case.
 //
 // Per work item (a few query rows against one K/V head's keys [key0, key1)):
-//   scores   16 keys at a time: each key's row is converted once (bfloat16 widens by a shift),
+//   scores   16 keys at a time: each key's row is converted once (bfloat16 widens by a shift;
+//            with AVX512-BF16 it is not converted at all: vdpbf16ps against q in bfloat16),
 //            each query row's 16 partial dot products are summed by one transposed reduction
 //            (15 adds, 16 scores in a register) instead of 16 horizontal sums;
 //   softmax  per row, 16 scores at a time (the same polynomial as fast_exp);
