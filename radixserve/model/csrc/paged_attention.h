@@ -106,7 +106,8 @@ void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t*
                   const int64_t* slots, int64_t prefix_len, float* acc, float* row_max, float* row_sum) {
   const int64_t rows = (w.t1 - w.t0) * s.group, dim = s.dim;
   const int64_t last = std::min(w.key1, prefix_len + w.t1);  // no row of the tile sees beyond
-  const int64_t num_keys = std::max<int64_t>(0, last - w.key0), stride = std::max<int64_t>(16, (num_keys + 15) / 16 * 16);
+  const int64_t num_keys = std::max<int64_t>(0, last - w.key0);
+  const int64_t stride = std::max<int64_t>(16, (num_keys + 15) / 16 * 16);  // rows of scores: 16-key blocks
   ItemScratch& buf = item_scratch();
   buf.q.resize(rows * dim);
   buf.scores.resize(rows * stride);
@@ -123,7 +124,8 @@ void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t*
 #if defined(__AVX512F__)
   if constexpr (DIM > 0 && DIM % 16 == 0 && (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, bf16>)) {
     avx512::scores_pass<DIM / 16>(qf, rows, k + head, item_slots, num_keys, stride, scores);
-    for (int64_t r = 0; r < rows; ++r) avx512::softmax_row(scores + r * stride, seen[r], stride, row_max + r, row_sum + r);
+    for (int64_t r = 0; r < rows; ++r)
+      avx512::softmax_row(scores + r * stride, seen[r], stride, row_max + r, row_sum + r);
     avx512::values_pass<DIM / 16>(scores, rows, seen, stride, v + head, item_slots, acc);
     return;
   }
