@@ -88,6 +88,20 @@ def test_paged_kernel_equals_gather_and_sdpa(dtype: torch.dtype, page_size: int,
         assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 64), (10, 2, 64), (8, 2, 128), (6, 2, 48)])
+def test_other_head_shapes_equal_gather_and_sdpa(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Groups of 1 and 5 rows (decode and extend tiles then fill row blocks of every size the vector
+    loops have), head dim 128 (twice the registers a row) and 48 (the portable loops)."""
+    contexts, lens, num_slots = layout(1, seed=4)  # extend lengths 1, 3 and 8
+    generator = torch.Generator().manual_seed(4)
+    k, v = torch.randn(2, kv_heads, num_slots, head_dim, generator=generator).to(dtype)
+    q = torch.randn(sum(lens), heads, head_dim, generator=generator).to(dtype)
+    expected = reference(q, k, v, contexts, lens)
+    got = paged_attention(q, k, v, PagedIndex.build(contexts, lens))
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
 def test_paged_kernel_rejects_indices_that_do_not_cover_the_batch() -> None:
     k = v = torch.zeros(KV_HEADS, 8, HEAD_DIM)
     q = torch.zeros(2, HEADS, HEAD_DIM)

@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace radixserve {
 
 struct Shape {
@@ -36,16 +40,57 @@ inline float fast_exp(float x) {
 // overlap (a row of head_dim 64 in float32 spans four cache lines).
 constexpr int64_t kPrefetchAhead = 8;
 
-template <typename kv_t>
+template <int64_t ahead = kPrefetchAhead, typename kv_t>
 inline void prefetch_row(const kv_t* base, const int64_t* slots, int64_t j, int64_t num_keys, int64_t dim) {
-  if (j + kPrefetchAhead >= num_keys) return;
-  const char* row = reinterpret_cast<const char*>(base + slots[j + kPrefetchAhead] * dim);
+  if (j + ahead >= num_keys) return;
+  const char* row = reinterpret_cast<const char*>(base + slots[j + ahead] * dim);
   for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(kv_t)); off += 64) __builtin_prefetch(row + off);
 }
+
+// A bfloat16 as its bits: the binding hands torch's BFloat16 storage over as this (the same 16
+// bits), so the kernels widen it with a shift and need no torch header.
+struct bf16 {
+  uint16_t bits;
+};
 
 template <typename kv_t>
 inline float load(const kv_t* p, int64_t i) {
   return static_cast<float>(p[i]);
 }
+
+template <>
+inline float load(const bf16* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(p[i].bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#if defined(__AVX512F__)
+namespace avx512 {
+
+// 16 floats from p: float32 as is, bfloat16 widened (its bits are a float32's upper half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) for x <= 0, 16 at a time: fast_exp's polynomial, 2^n applied by scalef.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace avx512
+#endif
 
 }  // namespace radixserve

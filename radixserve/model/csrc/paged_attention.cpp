@@ -32,6 +32,11 @@ radixserve::SharedGroups checked_groups(const at::Tensor& members, const at::Ten
   return {m, st, ln, count};
 }
 
+// A bfloat16 pool's storage as the kernel's bf16 (the same bits).
+const radixserve::bf16* as_bf16(const at::Tensor& t) {
+  return reinterpret_cast<const radixserve::bf16*>(t.data_ptr<c10::BFloat16>());
+}
+
 at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                               const at::Tensor& q_starts, const at::Tensor& ctx_starts, const at::Tensor& group_members,
                               const at::Tensor& group_starts, const at::Tensor& group_lens, int64_t num_splits,
@@ -56,9 +61,9 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at
     radixserve::paged_attention<float>(qf.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), sl, qs, cs,
                                        batch, num_splits, groups, s, out.data_ptr<float>(), parallel);
   } else if (k.scalar_type() == at::kBFloat16) {
-    radixserve::paged_attention<c10::BFloat16>(qf.data_ptr<float>(), k.data_ptr<c10::BFloat16>(),
-                                               v.data_ptr<c10::BFloat16>(), sl, qs, cs, batch, num_splits, groups, s,
-                                               out.data_ptr<float>(), parallel);
+    static_assert(sizeof(c10::BFloat16) == sizeof(radixserve::bf16), "bfloat16 is 16 bits");
+    radixserve::paged_attention<radixserve::bf16>(qf.data_ptr<float>(), as_bf16(k), as_bf16(v), sl, qs, cs, batch,
+                                                  num_splits, groups, s, out.data_ptr<float>(), parallel);
   } else if (k.scalar_type() == at::kHalf) {
     radixserve::paged_attention<c10::Half>(qf.data_ptr<float>(), k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(),
                                            sl, qs, cs, batch, num_splits, groups, s, out.data_ptr<float>(), parallel);

@@ -14,7 +14,8 @@
 // heads sharing a K/V head are rows of one tile, so each K/V row is read once per tile; a long
 // context is split when there are fewer requests than threads (flash-decoding), and the splits'
 // softmax partials are merged at the end. Two passes per item, each a flat vectorisable loop:
-// scores = q K^T over the item's keys, then p = softmax and acc = p V. Requests that share a
+// scores = q K^T over the item's keys, then p = softmax and acc = p V (with AVX512, for head dims
+// 64 and 128 and float32 or bfloat16 pools, paged_avx512.h's intrinsics). Requests that share a
 // leading run of slots (SharedGroups) read it once, in shared_prefix.h's items, and only their
 // own suffix here; every partial then meets in one log-sum-exp merge.
 #pragma once
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "paged_avx512.h"
 #include "shared_prefix.h"
 
 namespace radixserve {
@@ -88,14 +90,30 @@ void values_pass(const float* p, int64_t rows, const int64_t* seen, const kv_t* 
   }
 }
 
+// Per-thread scratch the items reuse: a decode item is a few microseconds, too short to allocate.
+struct ItemScratch {
+  std::vector<float> q, scores;
+  std::vector<int64_t> seen;
+};
+
+inline ItemScratch& item_scratch() {
+  static thread_local ItemScratch scratch;
+  return scratch;
+}
+
 template <int64_t DIM, typename kv_t>
 void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t* k, const kv_t* v,
                   const int64_t* slots, int64_t prefix_len, float* acc, float* row_max, float* row_sum) {
   const int64_t rows = (w.t1 - w.t0) * s.group, dim = s.dim;
   const int64_t last = std::min(w.key1, prefix_len + w.t1);  // no row of the tile sees beyond
   const int64_t num_keys = std::max<int64_t>(0, last - w.key0);
-  std::vector<float> qf(rows * dim), scores(rows * std::max<int64_t>(num_keys, 1));
-  std::vector<int64_t> seen(rows);
+  const int64_t stride = std::max<int64_t>(16, (num_keys + 15) / 16 * 16);  // rows of scores: 16-key blocks
+  ItemScratch& buf = item_scratch();
+  buf.q.resize(rows * dim);
+  buf.scores.resize(rows * stride);
+  buf.seen.resize(rows);
+  float *qf = buf.q.data(), *scores = buf.scores.data();
+  int64_t* seen = buf.seen.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = w.t0 + r / s.group, h = w.hkv * s.group + r % s.group;
     for (int64_t i = 0; i < dim; ++i) qf[r * dim + i] = q[(t * s.num_heads + h) * dim + i] * s.scale;
@@ -103,9 +121,18 @@ void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t*
   }
   const int64_t head = w.hkv * s.num_slots * dim;
   const int64_t* item_slots = slots + w.key0;
-  scores_pass<DIM>(qf.data(), rows, k + head, item_slots, num_keys, dim, num_keys, scores.data());
+#if defined(__AVX512F__)
+  if constexpr (DIM > 0 && DIM % 16 == 0 && (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, bf16>)) {
+    avx512::scores_pass<DIM / 16>(qf, rows, k + head, item_slots, num_keys, stride, scores);
+    for (int64_t r = 0; r < rows; ++r)
+      avx512::softmax_row(scores + r * stride, seen[r], stride, row_max + r, row_sum + r);
+    avx512::values_pass<DIM / 16>(scores, rows, seen, stride, v + head, item_slots, acc);
+    return;
+  }
+#endif
+  scores_pass<DIM>(qf, rows, k + head, item_slots, num_keys, dim, stride, scores);
   for (int64_t r = 0; r < rows; ++r) {
-    float* sc = scores.data() + r * num_keys;
+    float* sc = scores + r * stride;
     float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
     for (int64_t j = 0; j < seen[r]; ++j) m = std::max(m, sc[j]);
 #pragma omp simd reduction(+ : sum)
@@ -116,7 +143,7 @@ void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t*
     row_max[r] = m;
     row_sum[r] = sum;
   }
-  values_pass<DIM>(scores.data(), rows, seen.data(), v + head, item_slots, num_keys, dim, num_keys, acc);
+  values_pass<DIM>(scores, rows, seen, v + head, item_slots, num_keys, dim, stride, acc);
 }
 
 template <typename kv_t>
@@ -233,7 +260,7 @@ struct Plan {
 inline Plan make_plan(const int64_t* q_starts, const int64_t* ctx_starts, int64_t batch, int64_t num_splits,
                       const SharedGroups& groups, const Shape& s) {
   Plan plan;
-  const bool cascade = s.dim % 4 == 0;  // the blocked shared pass steps the head dim by 4
+  const bool cascade = s.dim % kStep == 0;  // the blocked shared pass steps the head dim by kStep
   std::vector<int64_t> key_starts(batch, 0);
   for (int64_t g = 0; cascade && g < groups.count; ++g)
     for (int64_t m = groups.starts[g]; m < groups.starts[g + 1]; ++m) key_starts[groups.members[m]] = groups.lens[g];

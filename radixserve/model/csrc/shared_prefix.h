@@ -11,9 +11,9 @@
 // The arithmetic is a small blocked GEMM with the rows as the vector lanes, so each K/V element
 // is loaded once per item and reused across the rows from a register:
 //
-//   qt  [D][R/8] vec8    q transposed (rows padded to 8), scaled
-//   st  [keys][R/8]      scores^T = K qt, then p = exp(st - max)   (max, sum over keys per lane)
-//   acct[D][R/8]         (p^T V)^T, accumulated tile by tile
+//   qt  [D][R/L] vecf    q transposed (rows padded to L, the lanes of a vector), scaled
+//   st  [keys][R/L]      scores^T = K qt, then p = exp(st - max)   (max, sum over keys per lane)
+//   acct[D][R/L]         (p^T V)^T, accumulated tile by tile
 //
 // K/V rows are gathered (and converted to float) a tile at a time into a small buffer first.
 #pragma once
@@ -28,10 +28,19 @@
 
 namespace radixserve {
 
-// Eight floats; GCC and Clang lower it to the target's vector registers (AVX2: one ymm).
-// aligned(4): loads from plain float buffers, no alignment promise needed.
-typedef float vec8 __attribute__((vector_size(32), aligned(4)));
-constexpr int64_t kLanes = 8, kSharedTile = 64, kSharedKeysPerItem = 512, kSharedMaxRows = 48, kRowVecs = 3;
+// One vector register of floats, which GCC and Clang lower to the target's registers: a zmm (16
+// lanes) with AVX512, else a ymm (8: AVX2). aligned(4): loads from plain float buffers, no
+// alignment promise needed.
+// kStep: keys (scores) or head dims (values) a step, kStep x kRowVecs accumulators (of 32
+// registers with AVX512, 16 with AVX2).
+#if defined(__AVX512F__)
+typedef float vecf __attribute__((vector_size(64), aligned(4)));
+constexpr int64_t kLanes = 16, kStep = 8;
+#else
+typedef float vecf __attribute__((vector_size(32), aligned(4)));
+constexpr int64_t kLanes = 8, kStep = 4;
+#endif
+constexpr int64_t kSharedTile = 64, kSharedKeysPerItem = 512, kSharedMaxRows = 48, kRowVecs = 3;
 
 struct SharedItem {
   int64_t group, hkv, tok0, tok1, key0, key1;  // tokens index the group's token list; keys its prefix
@@ -51,51 +60,51 @@ void gather_tile(const kv_t* head, const int64_t* slots, int64_t n, int64_t n_pa
   std::fill(tile + n * dim, tile + n_pad * dim, 0.f);
 }
 
-// st[j][v0 + v] = sum_i kb[j][i] * qt[i][v0 + v], four keys at a time (4 x NV accumulators).
+// st[j][v0 + v] = sum_i kb[j][i] * qt[i][v0 + v], kStep keys at a time (kStep x NV accumulators).
 template <int NV>
-void shared_scores(const float* kb, int64_t n_pad4, const vec8* qt, int64_t nvt, int64_t v0, int64_t dim, vec8* st) {
-  for (int64_t j = 0; j < n_pad4; j += 4) {
-    vec8 acc[4][NV] = {};
+void shared_scores(const float* kb, int64_t n_pad, const vecf* qt, int64_t nvt, int64_t v0, int64_t dim, vecf* st) {
+  for (int64_t j = 0; j < n_pad; j += kStep) {
+    vecf acc[kStep][NV] = {};
     for (int64_t i = 0; i < dim; ++i) {
-      vec8 qv[NV];
+      vecf qv[NV];
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) qv[v] = qt[i * nvt + v0 + v];
-#pragma GCC unroll 4
-      for (int jj = 0; jj < 4; ++jj) {
+#pragma GCC unroll 8
+      for (int jj = 0; jj < kStep; ++jj) {
         const float b = kb[(j + jj) * dim + i];
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) acc[jj][v] += b * qv[v];
       }
     }
-    for (int jj = 0; jj < 4; ++jj)
+    for (int jj = 0; jj < kStep; ++jj)
       for (int v = 0; v < NV; ++v) st[(j + jj) * nvt + v0 + v] = acc[jj][v];
   }
 }
 
-// acct[d][v0 + v] += sum_j p[j][v0 + v] * vb[j][d] over the tile's n keys, four dims at a time.
+// acct[d][v0 + v] += sum_j p[j][v0 + v] * vb[j][d] over the tile's n keys, kStep dims at a time.
 template <int NV>
-void shared_values(const vec8* p, int64_t n, const float* vb, int64_t dim, int64_t nvt, int64_t v0, vec8* acct) {
-  for (int64_t d = 0; d < dim; d += 4) {
-    vec8 acc[4][NV];
-    for (int dd = 0; dd < 4; ++dd)
+void shared_values(const vecf* p, int64_t n, const float* vb, int64_t dim, int64_t nvt, int64_t v0, vecf* acct) {
+  for (int64_t d = 0; d < dim; d += kStep) {
+    vecf acc[kStep][NV];
+    for (int dd = 0; dd < kStep; ++dd)
       for (int v = 0; v < NV; ++v) acc[dd][v] = acct[(d + dd) * nvt + v0 + v];
     for (int64_t j = 0; j < n; ++j) {
-      vec8 pv[NV];
+      vecf pv[NV];
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) pv[v] = p[j * nvt + v0 + v];
-#pragma GCC unroll 4
-      for (int dd = 0; dd < 4; ++dd) {
+#pragma GCC unroll 8
+      for (int dd = 0; dd < kStep; ++dd) {
         const float b = vb[j * dim + d + dd];
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) acc[dd][v] += b * pv[v];
       }
     }
-    for (int dd = 0; dd < 4; ++dd)
+    for (int dd = 0; dd < kStep; ++dd)
       for (int v = 0; v < NV; ++v) acct[(d + dd) * nvt + v0 + v] = acc[dd][v];
   }
 }
 
-// Row blocks of up to kRowVecs vectors (12 accumulators: fits AVX2's 16 registers).
+// Row blocks of up to kRowVecs vectors.
 template <typename Fn>
 void for_row_blocks(int64_t nvt, Fn fn) {
   for (int64_t v0 = 0; v0 < nvt; v0 += kRowVecs) {
@@ -111,6 +120,19 @@ void for_row_blocks(int64_t nvt, Fn fn) {
 
 // p = exp(st - max) in place over the first n key rows; per lane: row_max, row_sum.
 inline void shared_softmax(float* st, int64_t n, int64_t lanes, float* row_max, float* row_sum) {
+#if defined(__AVX512F__)
+  for (int64_t r = 0; r < lanes; r += 16) {  // lanes: a multiple of kLanes = 16
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) m = _mm512_max_ps(m, _mm512_loadu_ps(st + j * lanes + r));
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 p = avx512::exp16(_mm512_sub_ps(_mm512_loadu_ps(st + j * lanes + r), m));
+      _mm512_storeu_ps(st + j * lanes + r, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(row_max + r, m);
+    _mm512_storeu_ps(row_sum + r, sum);
+  }
+#else
   std::fill(row_max, row_max + lanes, -std::numeric_limits<float>::infinity());
   std::fill(row_sum, row_sum + lanes, 0.f);
   for (int64_t j = 0; j < n; ++j)
@@ -122,17 +144,18 @@ inline void shared_softmax(float* st, int64_t n, int64_t lanes, float* row_max, 
       st[j * lanes + r] = fast_exp(st[j * lanes + r] - row_max[r]);
       row_sum[r] += st[j * lanes + r];
     }
+#endif
 }
 
 // One item: rows (toks[tok0 .. tok1) x the K/V head's query heads) against prefix keys [key0, key1).
 // Writes acc [rows][D], row_max and row_sum [rows]; row r is token toks[tok0 + r / group],
-// head hkv * group + r % group. Needs D % 4 == 0 (the planner checks).
+// head hkv * group + r % group. Needs D % kStep == 0 (the planner checks).
 template <typename kv_t>
 void run_shared_item(const SharedItem& w, const Shape& s, const float* q, const int64_t* toks, const kv_t* k,
                      const kv_t* v, const int64_t* prefix_slots, float* acc, float* row_max, float* row_sum) {
   const int64_t dim = s.dim, rows = (w.tok1 - w.tok0) * s.group, nvt = (rows + kLanes - 1) / kLanes;
   const int64_t lanes = nvt * kLanes, num_keys = w.key1 - w.key0;
-  std::vector<float> qt(dim * lanes, 0.f), st(((num_keys + 3) / 4 * 4) * lanes), acct(dim * lanes, 0.f);
+  std::vector<float> qt(dim * lanes, 0.f), st(((num_keys + kStep - 1) / kStep * kStep) * lanes), acct(dim * lanes, 0.f);
   std::vector<float> tile(kSharedTile * dim), lane_max(lanes), lane_sum(lanes);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = toks[w.tok0 + r / s.group], h = w.hkv * s.group + r % s.group;
@@ -140,19 +163,19 @@ void run_shared_item(const SharedItem& w, const Shape& s, const float* q, const 
   }
   const int64_t head = w.hkv * s.num_slots * dim;
   const int64_t* slots = prefix_slots + w.key0;
-  auto* qv = reinterpret_cast<const vec8*>(qt.data());
+  auto* qv = reinterpret_cast<const vecf*>(qt.data());
   for (int64_t j0 = 0; j0 < num_keys; j0 += kSharedTile) {
-    const int64_t n = std::min(kSharedTile, num_keys - j0), n_pad4 = (n + 3) / 4 * 4;
-    gather_tile(k + head, slots + j0, n, n_pad4, num_keys - j0, dim, tile.data());
-    auto* out = reinterpret_cast<vec8*>(st.data() + j0 * lanes);
-    for_row_blocks(nvt, [&](int64_t v0, auto nv) { shared_scores<nv()>(tile.data(), n_pad4, qv, nvt, v0, dim, out); });
+    const int64_t n = std::min(kSharedTile, num_keys - j0), n_pad = (n + kStep - 1) / kStep * kStep;
+    gather_tile(k + head, slots + j0, n, n_pad, num_keys - j0, dim, tile.data());
+    auto* out = reinterpret_cast<vecf*>(st.data() + j0 * lanes);
+    for_row_blocks(nvt, [&](int64_t v0, auto nv) { shared_scores<nv()>(tile.data(), n_pad, qv, nvt, v0, dim, out); });
   }
   shared_softmax(st.data(), num_keys, lanes, lane_max.data(), lane_sum.data());
-  auto* av = reinterpret_cast<vec8*>(acct.data());
+  auto* av = reinterpret_cast<vecf*>(acct.data());
   for (int64_t j0 = 0; j0 < num_keys; j0 += kSharedTile) {
     const int64_t n = std::min(kSharedTile, num_keys - j0);
     gather_tile(v + head, slots + j0, n, n, num_keys - j0, dim, tile.data());
-    auto* p = reinterpret_cast<const vec8*>(st.data() + j0 * lanes);
+    auto* p = reinterpret_cast<const vecf*>(st.data() + j0 * lanes);
     for_row_blocks(nvt, [&](int64_t v0, auto nv) { shared_values<nv()>(p, n, tile.data(), dim, nvt, v0, av); });
   }
   for (int64_t r = 0; r < rows; ++r) {

@@ -1,0 +1,235 @@
+// The decode-shaped hot loops of paged_attention.h with AVX512 intrinsics, for head dims that are
+// a multiple of 16 (NC = D / 16 zmm registers a row) and float32 or bfloat16 pools. Compiled only
+// where the target has AVX512F; paged_attention.h keeps the portable loops for every other case.
+//
+// Per work item (a few query rows against one K/V head's keys [key0, key1)):
+//   scores   16 keys at a time: each key's row is converted once (bfloat16 widens by a shift;
+//            with AVX512-BF16 it is not converted at all: vdpbf16ps against q in bfloat16),
+//            each query row's 16 partial dot products are summed by one transposed reduction
+//            (15 adds, 16 scores in a register) instead of 16 horizontal sums;
+//   softmax  per row, 16 scores at a time (the same polynomial as fast_exp);
+//   values   each V row converted once, accumulated into up to 24 zmm registers (a block of rows).
+#pragma once
+
+#if defined(__AVX512F__)
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "attention_common.h"
+
+namespace radixserve::avx512 {
+
+// Scattered pool rows are ~100 ns away: ask for them this many keys ahead (the loops below spend a
+// few ns a key, so the portable loops' distance would leave most of each miss exposed).
+constexpr int64_t kAhead = 32;
+
+// Lane j of the result = the sum of v[j]'s 16 lanes: halve, pair and add four times (8 + 4 + 2 + 1
+// adds, two shuffles each), then one permute puts the keys back in order.
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)  // 256-bit halves: w[j] = [v[j] 8 partials | v[j+8] 8 partials]
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44), _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j)  // 128-bit quarters
+    x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[j], w[j + 4], 0x88), _mm512_shuffle_f32x4(w[j], w[j + 4], 0xDD));
+#pragma GCC unroll 2
+  for (int j = 0; j < 2; ++j) {  // pairs of floats within each quarter
+    const __m512d a = _mm512_castps_pd(x[j]), b = _mm512_castps_pd(x[j + 2]);
+    y[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), z);
+}
+
+// scores[r * stride + j] = q_r . k_j for keys [0, num_keys), rows [0, rows); scores is written up to
+// num_keys rounded up to 16 (the pad holds zeros' dot products: 0).
+template <int NC, typename kv_t>
+void scores_pass(const float* q, int64_t rows, const kv_t* k, const int64_t* slots, int64_t num_keys, int64_t stride,
+                 float* scores) {
+  constexpr int64_t dim = NC * 16;
+  alignas(64) static thread_local float tile[16 * dim];
+  for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, num_keys - j0);
+    const float* row[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= n) {
+        std::fill(tile + j * dim, tile + (j + 1) * dim, 0.f);
+        row[j] = tile + j * dim;
+        continue;
+      }
+      prefetch_row<kAhead>(k, slots + j0, j, num_keys - j0, dim);
+      const kv_t* src = k + slots[j0 + j] * dim;
+      if constexpr (std::is_same_v<kv_t, float>) {
+        row[j] = src;
+      } else {
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) _mm512_store_ps(tile + j * dim + 16 * c, load16(src + 16 * c));
+        row[j] = tile + j * dim;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 qv[NC], part[16];
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + r * dim + 16 * c);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        part[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(row[j]));
+#pragma GCC unroll 8
+        for (int c = 1; c < NC; ++c) part[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(row[j] + 16 * c), part[j]);
+      }
+      _mm512_storeu_ps(scores + r * stride + j0, reduce16(part));
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// scores_pass for a bfloat16 pool with the BF16 dot product: key rows are read as they lie, no
+// widening. q is split into bfloat16 pairs hi + lo (lo = q - hi, rounded: ~2^-16 of q left out);
+// LO = false when every lo is 0, as when q comes from a bfloat16 model (scale is a power of 2).
+template <int NC, bool LO>
+void scores_dp(const uint16_t* qh, const uint16_t* ql, int64_t rows, const bf16* k, const int64_t* slots,
+               int64_t num_keys, int64_t stride, float* scores) {
+  constexpr int64_t dim = NC * 16;
+  constexpr int NP = NC / 2;  // 32 bfloat16 a register
+  alignas(64) static const bf16 zeros[dim] = {};
+  for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, num_keys - j0);
+    const bf16* row[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j < n) prefetch_row<kAhead>(k, slots + j0, j, num_keys - j0, dim);
+      row[j] = j < n ? k + slots[j0 + j] * dim : zeros;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512bh h[NP], l[NP];
+      __m512 part[16];
+#pragma GCC unroll 4
+      for (int c = 0; c < NP; ++c) {
+        h[c] = (__m512bh)_mm512_loadu_si512(qh + r * dim + 32 * c);
+        if constexpr (LO) l[c] = (__m512bh)_mm512_loadu_si512(ql + r * dim + 32 * c);
+      }
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        part[j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int c = 0; c < NP; ++c) {
+          const __m512bh kc = (__m512bh)_mm512_loadu_si512(row[j] + 32 * c);
+          part[j] = _mm512_dpbf16_ps(part[j], h[c], kc);
+          if constexpr (LO) part[j] = _mm512_dpbf16_ps(part[j], l[c], kc);
+        }
+      }
+      _mm512_storeu_ps(scores + r * stride + j0, reduce16(part));
+    }
+  }
+}
+
+// q [rows][dim] float -> hi, lo bfloat16 (round to nearest even); true when some lo is not 0.
+inline bool split_bf16(const float* q, int64_t n, uint16_t* hi, uint16_t* lo) {
+  const auto round = [](float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  };
+  bool any = false;
+  for (int64_t i = 0; i < n; ++i) {
+    hi[i] = round(q[i]);
+    const uint32_t back = static_cast<uint32_t>(hi[i]) << 16;
+    float b;
+    std::memcpy(&b, &back, sizeof b);
+    lo[i] = round(q[i] - b);
+    any |= (lo[i] & 0x7FFF) != 0;
+  }
+  return any;
+}
+
+template <int NC>
+void scores_pass(const float* q, int64_t rows, const bf16* k, const int64_t* slots, int64_t num_keys, int64_t stride,
+                 float* scores) {
+  static thread_local std::vector<uint16_t> split;
+  split.resize(2 * rows * NC * 16);
+  uint16_t *hi = split.data(), *lo = hi + rows * NC * 16;
+  if (split_bf16(q, rows * NC * 16, hi, lo))
+    scores_dp<NC, true>(hi, lo, rows, k, slots, num_keys, stride, scores);
+  else
+    scores_dp<NC, false>(hi, lo, rows, k, slots, num_keys, stride, scores);
+}
+#endif
+
+// sc[j] = exp(sc[j] - max) for j < seen, 0 for seen <= j < padded (a multiple of 16); returns
+// (max, sum) of the row through *m and *l.
+inline void softmax_row(float* sc, int64_t seen, int64_t padded, float* m, float* l) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < seen; j += 16) {
+    const __mmask16 keep = seen - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (seen - j)) - 1);
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, keep, sc + j));
+  }
+  const float row_max = _mm512_reduce_max_ps(mx);
+  const __m512 mv = _mm512_set1_ps(row_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 16) {
+    const int64_t left = std::clamp<int64_t>(seen - j, 0, 16);
+    const __mmask16 keep = left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512 p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mv)));
+    _mm512_storeu_ps(sc + j, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  *m = row_max;
+  *l = _mm512_reduce_add_ps(sum);
+}
+
+// acc[r] = sum_j p[r][j] v_j for NR rows over keys [0, num_keys) (p is 0 past a row's last key).
+template <int NC, int NR, typename kv_t>
+void values_block(const float* p, int64_t stride, const kv_t* v, const int64_t* slots, int64_t num_keys, float* acc) {
+  constexpr int64_t dim = NC * 16;
+  __m512 a[NR][NC];
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < num_keys; ++j) {
+    prefetch_row<kAhead>(v, slots, j, num_keys, dim);
+    const kv_t* vj = v + slots[j] * dim;
+    __m512 pr[NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) pr[r] = _mm512_set1_ps(p[r * stride + j]);
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      const __m512 x = load16(vj + 16 * c);
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) a[r][c] = _mm512_fmadd_ps(pr[r], x, a[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + r * dim + 16 * c, a[r][c]);
+}
+
+// values_block for nr <= NR rows: NR is a compile-time count, so pick it by counting down.
+template <int NC, int NR, typename kv_t>
+void values_rows(int64_t nr, const float* p, int64_t stride, const kv_t* v, const int64_t* slots, int64_t num_keys,
+                 float* acc) {
+  if constexpr (NR > 1)
+    if (nr < NR) return values_rows<NC, NR - 1>(nr, p, stride, v, slots, num_keys, acc);
+  values_block<NC, NR>(p, stride, v, slots, num_keys, acc);
+}
+
+// Rows in blocks of up to 24 / NC (24 accumulators: with the V row's chunk and the row weights they
+// fit the 32 zmm registers); each block reads the keys its rows see.
+template <int NC, typename kv_t>
+void values_pass(const float* p, int64_t rows, const int64_t* seen, int64_t stride, const kv_t* v,
+                 const int64_t* slots, float* acc) {
+  constexpr int max_rows = 24 / NC;
+  for (int64_t r0 = 0; r0 < rows; r0 += max_rows) {
+    const int64_t nr = std::min<int64_t>(max_rows, rows - r0), keys = *std::max_element(seen + r0, seen + r0 + nr);
+    values_rows<NC, max_rows>(nr, p + r0 * stride, stride, v, slots, keys, acc + r0 * NC * 16);
+  }
+}
+
+}  // namespace radixserve::avx512
+
+#endif  // __AVX512F__
