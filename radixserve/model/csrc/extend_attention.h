@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -151,14 +152,16 @@ inline void qk_rows(const uint32_t* q, int64_t pairs, const uint32_t* kp, float*
     for (int i = 0; i < 4; ++i) _mm512_store_ps(scores + r * kKeyTile + i * kKeyBlock, acc[r][i]);
 }
 
-// O[r][d0 .. d0 + 16 NV) = alpha_r O[r] + P_r V over one key tile (P as bf16 key pairs), kRowBlock rows.
+// O[r][d0 .. d0 + 16 NV) = alpha_r O[r] + P_r V over the first ``num_pairs`` key pairs of a tile (P as
+// bf16 key pairs), kRowBlock rows.
 template <int NV>
-inline void pv_rows(const uint32_t* p, const uint32_t* vp, int64_t dim, int64_t d0, const float* alpha, float* o) {
+inline void pv_rows(const uint32_t* p, const uint32_t* vp, int64_t num_pairs, int64_t dim, int64_t d0,
+                    const float* alpha, float* o) {
   __m512 acc[kRowBlock][NV];
   for (int r = 0; r < kRowBlock; ++r)
     for (int i = 0; i < NV; ++i)
       acc[r][i] = _mm512_mul_ps(_mm512_load_ps(o + r * dim + d0 + 16 * i), _mm512_set1_ps(alpha[r]));
-  for (int64_t j = 0; j < kKeyTile / 2; ++j) {
+  for (int64_t j = 0; j < num_pairs; ++j) {
     __m512bh vv[NV];
     for (int i = 0; i < NV; ++i) vv[i] = as_bh(_mm512_load_si512(vp + j * dim + d0 + 16 * i));
     for (int r = 0; r < kRowBlock; ++r) {
@@ -242,18 +245,20 @@ void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q
   std::memset(ot, 0, rows * dim * sizeof(float));
   const int64_t head_pairs = (it.hkv * L.packed_len() + L.packed_starts[it.b]) * pairs;
   const float c = s.scale * 1.44269504f;  // softmax in base 2
-  const int64_t first_limit = prefix_len + it.t0 + 1;
+  // Rows see keys below their limits: from first_limit (the tile's first token) to last_limit. Keys at or
+  // past last_limit in the diagonal tile are masked for every row: their scores and P V are skipped.
+  const int64_t first_limit = prefix_len + it.t0 + 1, last_limit = prefix_len + it.t1;
   for (int64_t tile = 0; tile < it.num_tiles; ++tile) {
-    const int64_t key0 = tile * kKeyTile;
+    const int64_t key0 = tile * kKeyTile, live = std::min(kKeyTile, last_limit - key0);
     const uint32_t* kt = kp + head_pairs + key0 * pairs;
     for (int64_t r = 0; r < rows; r += kRowBlock)
-      for (int64_t j = 0; j < kKeyTile; j += 4 * kKeyBlock)
+      for (int64_t j = 0; j < live; j += 4 * kKeyBlock)
         qk_rows(qt + r * pairs, pairs, kt + j * pairs, st + r * kKeyTile + j);
     softmax_tile(st, pt, rows, key0, key0 + kKeyTile > first_limit, w, c);
     const uint32_t* vt = vp + head_pairs + key0 * pairs;
     for (int64_t r = 0; r < rows; r += kRowBlock)
       for (int64_t d0 = 0; d0 < dim; d0 += 16 * NV)
-        pv_rows<NV>(pt + r * kKeyTile / 2, vt, dim, d0, w.alpha.data() + r, ot + r * dim);
+        pv_rows<NV>(pt + r * kKeyTile / 2, vt, (live + 1) / 2, dim, d0, w.alpha.data() + r, ot + r * dim);
   }
   for (int64_t r = 0; r < real_rows; ++r) {
     const int64_t t = it.t0 + r / s.group, h = it.hkv * s.group + r % s.group;
@@ -288,8 +293,9 @@ void extend_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
                       uint16_t* out, ParallelFor parallel_for) {
   const Layout L(q_starts, ctx_starts, batch, s.group);
   const int64_t packed_pairs = s.num_kv_heads * L.packed_len() * s.dim / 2;
-  std::vector<uint32_t> packed(2 * packed_pairs + 32);
-  uint32_t* kp = aligned(packed);
+  // Not zeroed: packing writes every element, padding included (a zeroed vector cost a memset).
+  const std::unique_ptr<uint32_t[]> packed(new uint32_t[2 * packed_pairs + 16]);
+  uint32_t* kp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(packed.get()) + 63) & ~uintptr_t{63});
   uint32_t* vp = kp + packed_pairs;
   std::vector<int64_t> tile_starts(batch + 1, 0);  // pack items: (request, head, key tile)
   for (int64_t b = 0; b < batch; ++b) tile_starts[b + 1] = tile_starts[b] + L.packed_starts[b + 1] / kKeyTile - L.packed_starts[b] / kKeyTile;
