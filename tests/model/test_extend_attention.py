@@ -18,11 +18,13 @@ import pytest
 import torch
 
 from radixserve import Engine
+from radixserve.memory.kv_pool import KVPool
 from radixserve.model import attention
 from radixserve.model.attention import Routes, extend_kernel_usable
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.paged_kernel import PagedIndex, extend_attention
 from tests.model.test_paged_attention import fragmented_allocator, reference
+from tests.model.tiny import alloc, build_hf_model, load_ours, make_batch, make_pool
 
 needs_kernel = pytest.mark.skipif(
     not extend_kernel_usable(), reason="the CPU lacks AVX512-BF16 (or no compiler): bf16 extends use gather + SDPA"
@@ -153,3 +155,31 @@ def test_a_bfloat16_cache_hit_gives_the_same_tokens_as_a_cold_prefill(
         assert hit.output_ids == expected
     assert calls and max(calls) <= chunk
     engine.check_idle_invariants()
+
+
+@needs_kernel
+def test_a_bfloat16_mixed_step_gives_the_same_bits_as_its_extend_and_decode_steps_apart(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Prefill chunks (kernel) next to decodes (paged kernel) in one forward, as ``--enable-mixed-chunk`` runs them."""
+    folder = tmp_path_factory.mktemp("mixed-bf16")
+    build_hf_model("llama", folder)
+    model = load_ours(folder, torch.bfloat16)
+
+    def setup() -> tuple[KVPool, list[tuple[list[int], torch.Tensor]]]:
+        pool, allocator = make_pool(model.config, dtype=torch.bfloat16)
+        prompts = [list(range(3, 14)), list(range(20, 25)), list(range(40, 49))]
+        contexts = [alloc(allocator, len(p)).flip(0) for p in prompts]
+        model(make_batch("extend", list(zip(prompts, contexts))), pool)
+        decode_a = ([17], torch.cat([contexts[0], alloc(allocator, 1)]))
+        decode_b = ([23], torch.cat([contexts[1], alloc(allocator, 1)]))
+        chunk = (list(range(60, 80)), torch.cat([contexts[2], alloc(allocator, 20)]))
+        short = ([5, 6, 7], alloc(allocator, 3))
+        return pool, [chunk, decode_a, short, decode_b]
+
+    pool, items = setup()
+    mixed = model(make_batch("mixed", items), pool)
+    pool, items = setup()
+    extend = model(make_batch("extend", [items[0], items[2]]), pool)
+    decode = model(make_batch("decode", [items[1], items[3]]), pool)
+    assert torch.equal(mixed, torch.stack([extend[0], decode[0], extend[1], decode[1]]))
