@@ -3,11 +3,13 @@
 Two backends. "paged" (CPU): a C++ kernel reads each request's K/V from the pool
 in place (paged_kernel.py), for decode and short extends; requests whose contexts
 start with the same slots (a radix hit) read that shared prefix once per step
-(cascade attention, shared_prefix.py). "reference": gather
-each context into a scratch buffer, then SDPA; the path tests compare against,
-the path for long extends and the device-agnostic one. The masks and gather
-indices depend only on the batch, so ``AttentionPlan`` builds them once per
-forward and every layer reuses them::
+(cascade attention, shared_prefix.py). Where q and the pool are bfloat16 on a CPU
+with AVX512-BF16, every extend (prefill chunks, a cache hit's tail) goes to the
+extend kernel instead (flash attention on bf16 dot products, csrc/extend_attention.h).
+"reference": gather each context into a scratch buffer, then SDPA; the path tests
+compare against, the path for long extends elsewhere and the device-agnostic one.
+The masks and gather indices depend only on the batch, so ``AttentionPlan`` builds
+them once per forward and every layer reuses them::
 
     extend  request i:  q = its extend_lens[i] new rows     k/v = pool[context_slots[i]]
                         new token t (0-based) sees context 0 .. prefix_len + t
@@ -22,7 +24,8 @@ repeated in memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -34,7 +37,8 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace, grouped_matmul_attention
 from radixserve.model.layers import apply_rotary, linear_add, uninitialised
-from radixserve.model.paged_kernel import PagedIndex, paged_attention
+from radixserve.model.paged_kernel import PagedIndex, extend_attention, extend_kernel_built, paged_attention
+from radixserve.model.precision import CpuFeatures
 
 
 @dataclass(frozen=True)
@@ -58,37 +62,40 @@ class DecodeGroup:
 # A request extending by more rows than this goes through gather + SDPA: the copy of its
 # context is amortised over its rows, and SDPA's blocked kernel beats the paged kernel's
 # per-row loops there. Decode and short extends (speculative, mixed-in) read in place.
+# Where the extend kernel applies (bf16 on an AVX512-BF16 CPU), it takes every extend instead.
 PAGED_MAX_EXTEND_LEN = 8
 
 
 @dataclass(frozen=True)
-class AttentionPlan:
-    """Per-step indices and masks, shared by every layer; each request is routed on its own.
+class Routes:
+    """Which path each request of a step takes, and the indices and masks each path needs.
 
-    Three groups, any of them empty: ``paged`` (the kernel reads the pool in place: decode rows
-    and short extends on the paged backend), ``decode`` (reference: one-row requests of a decode
-    or mixed step, padded), ``spans`` (gather + SDPA per request: long extends, and every extend
-    on the reference backend). ``*_rows``: the query rows a group owns, None when it owns all.
-    A mixed step (prefill chunks next to decodes) is one plan with several groups.
+    Four groups, any of them empty: ``extend`` (the bf16 extend kernel, paged_kernel.extend_attention:
+    every prefill chunk, where it applies), ``paged`` (the paged kernel reads the pool in place: decode
+    rows, and short extends where the extend kernel does not apply), ``decode`` (reference: one-row
+    requests of a decode or mixed step, padded), ``spans`` (gather + SDPA per request: long extends,
+    and every extend on the reference backend). ``*_rows``: the query rows a group owns, None when it
+    owns all. A mixed step (prefill chunks next to decodes) is one set of routes with several groups.
     """
 
-    workspace: GatherWorkspace
     spans: list[ExtendSpan]
     span_rows: torch.Tensor | None = None
     decode: DecodeGroup | None = None
     decode_rows: torch.Tensor | None = None
     paged: PagedIndex | None = None
     paged_rows: torch.Tensor | None = None
+    extend: PagedIndex | None = None
+    extend_rows: torch.Tensor | None = None
 
     @classmethod
-    def build(
-        cls, batch: ForwardBatch, workspace: GatherWorkspace, backend: str = "reference", cascade: bool = True
-    ) -> AttentionPlan:
-        """``backend``: "paged" (in place, where a request suits it) or "reference" (gather + SDPA).
-        ``cascade``: the paged kernel reads a prefix that several requests share once for all of them."""
-        groups: dict[str, list[int]] = {"paged": [], "decode": [], "spans": []}
+    def build(cls, batch: ForwardBatch, backend: str, cascade: bool, extend_kernel: bool) -> Routes:
+        """``extend_kernel``: the bf16 extend kernel takes every extend request (a prefill chunk, a
+        cache hit's tail), but not the one-row requests of a mixed step, which are decodes."""
+        groups: dict[str, list[int]] = {"extend": [], "paged": [], "decode": [], "spans": []}
         for i, extend_len in enumerate(batch.extend_lens):
-            if backend == "paged" and extend_len <= PAGED_MAX_EXTEND_LEN:
+            if extend_kernel and (batch.mode == "extend" or (batch.mode == "mixed" and extend_len > 1)):
+                groups["extend"].append(i)
+            elif backend == "paged" and extend_len <= PAGED_MAX_EXTEND_LEN:
                 groups["paged"].append(i)
             elif batch.mode == "decode" or (batch.mode == "mixed" and extend_len == 1):
                 groups["decode"].append(i)
@@ -96,16 +103,57 @@ class AttentionPlan:
                 groups["spans"].append(i)
         starts = [0, *accumulate(batch.extend_lens)]
         rows = {name: _rows(members, starts, batch) for name, members in groups.items()}
-        contexts = [batch.context_slots[i] for i in groups["paged"]]
-        paged_lens = [batch.extend_lens[i] for i in groups["paged"]]
-        paged = PagedIndex.build(contexts, paged_lens, cascade) if contexts else None
+        indices = {}
+        for name in ("paged", "extend"):
+            contexts = [batch.context_slots[i] for i in groups[name]]
+            lens = [batch.extend_lens[i] for i in groups[name]]
+            indices[name] = PagedIndex.build(contexts, lens, cascade and name == "paged") if contexts else None
         decode = _decode_group([batch.context_slots[i] for i in groups["decode"]]) if groups["decode"] else None
         spans, start = [], 0
         for i in groups["spans"]:
             extend_len = batch.extend_lens[i]
             spans.append(_span(start, extend_len, batch.context_slots[i]))
             start += extend_len
-        return cls(workspace, spans, rows["spans"], decode, rows["decode"], paged, rows["paged"])
+        return cls(
+            spans,
+            rows["spans"],
+            decode,
+            rows["decode"],
+            indices["paged"],
+            rows["paged"],
+            indices["extend"],
+            rows["extend"],
+        )
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One step's batch and its routes, shared by every layer.
+
+    The routes are built at the first layer, once per step: whether the extend kernel applies
+    depends on q's and the pool's dtypes, which the plan learns there.
+    """
+
+    workspace: GatherWorkspace
+    batch: ForwardBatch
+    backend: str = "reference"
+    cascade: bool = True
+    _routes: dict[bool, Routes] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def build(
+        cls, batch: ForwardBatch, workspace: GatherWorkspace, backend: str = "reference", cascade: bool = True
+    ) -> AttentionPlan:
+        """``backend``: "paged" (in place, where a request suits it) or "reference" (gather + SDPA).
+        ``cascade``: the paged kernel reads a prefix that several requests share once for all of them."""
+        return cls(workspace, batch, backend, cascade)
+
+    def routes(self, extend_kernel: bool) -> Routes:
+        """The step's routes, with or without the extend kernel (built on first use, then reused)."""
+        extend_kernel = extend_kernel and self.backend == "paged"
+        if extend_kernel not in self._routes:
+            self._routes[extend_kernel] = Routes.build(self.batch, self.backend, self.cascade, extend_kernel)
+        return self._routes[extend_kernel]
 
 
 def _rows(members: list[int], starts: list[int], batch: ForwardBatch) -> torch.Tensor | None:
@@ -136,6 +184,21 @@ def _decode_group(context_slots: list[torch.Tensor]) -> DecodeGroup:
         lens_t = torch.tensor(lens, device=device)
         mask = (torch.arange(max(lens), device=device)[None, :] < lens_t[:, None])[:, None, None, :]
     return DecodeGroup(padded, mask)
+
+
+@functools.cache
+def extend_kernel_usable() -> bool:
+    """This CPU has AVX512-BF16 (asked at run time) and the kernel was built with it."""
+    return CpuFeatures.detect().avx512_bf16 and extend_kernel_built()
+
+
+def extend_kernel_applies(q: torch.Tensor, kv_pool: KVPool) -> bool:
+    """bf16 queries on a bf16 pool on such a CPU. Everything else (float32 anywhere, a bf16 pool under
+    float32 weights, AVX2-only CPUs, CUDA) keeps the paged kernel and gather + SDPA."""
+    bf16 = torch.bfloat16
+    if q.device.type != "cpu" or q.dtype != bf16 or kv_pool.dtype != bf16 or q.shape[-1] % 16 != 0:
+        return False  # the kernel packs K/V 16 head dims at a time
+    return extend_kernel_usable()
 
 
 class Attention(nn.Module):
@@ -193,20 +256,22 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, plan: AttentionPlan, kv_pool: KVPool) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]: each group of requests on its path, written back to its rows."""
+        routes = plan.routes(extend_kernel_applies(q, kv_pool))
+        k_pool, v_pool = kv_pool.k[self.layer_id], kv_pool.v[self.layer_id]
         parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-        if plan.paged is not None:
-            rows = plan.paged_rows
-            q_paged = q if rows is None else q[rows]
-            parts.append(
-                (rows, paged_attention(q_paged, kv_pool.k[self.layer_id], kv_pool.v[self.layer_id], plan.paged))
-            )
-        if plan.decode is not None:
-            rows = plan.decode_rows
-            parts.append((rows, self._decode(q if rows is None else q[rows], plan.decode, plan.workspace, kv_pool)))
-        if plan.spans:
-            q_spans = q if plan.span_rows is None else q[plan.span_rows]
-            extend = [self._extend_one(q_spans[s.start : s.end], s, plan.workspace, kv_pool) for s in plan.spans]
-            parts.append((plan.span_rows, torch.cat(extend)))
+        for index, rows, kernel in (
+            (routes.extend, routes.extend_rows, extend_attention),
+            (routes.paged, routes.paged_rows, paged_attention),
+        ):
+            if index is not None:
+                parts.append((rows, kernel(q if rows is None else q[rows], k_pool, v_pool, index)))
+        if routes.decode is not None:
+            rows = routes.decode_rows
+            parts.append((rows, self._decode(q if rows is None else q[rows], routes.decode, plan.workspace, kv_pool)))
+        if routes.spans:
+            q_spans = q if routes.span_rows is None else q[routes.span_rows]
+            extend = [self._extend_one(q_spans[s.start : s.end], s, plan.workspace, kv_pool) for s in routes.spans]
+            parts.append((routes.span_rows, torch.cat(extend)))
         if len(parts) == 1 and parts[0][0] is None:
             return parts[0][1]
         out = torch.empty_like(q)

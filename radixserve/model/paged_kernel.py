@@ -44,6 +44,7 @@ SOURCES = (
     CSRC / "block_linear.cpp",
     CSRC / "block_q8_linear.cpp",
     CSRC / "block_gemm.cpp",
+    CSRC / "extend_attention.cpp",
 )
 
 
@@ -198,6 +199,23 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         *index.shared_tensors,
         index.num_splits,
         q.shape[-1] ** -0.5,
+    )
+    return out
+
+
+@functools.cache
+def extend_kernel_built() -> bool:
+    """The library loads and was compiled for AVX512-BF16 (extend_attention.cpp; else its op refuses)."""
+    return load() and bool(torch.ops.radixserve.extend_attention_supported())
+
+
+def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, index: PagedIndex) -> torch.Tensor:
+    """bf16 q [T, H, D] against bf16 K/V [Hkv, N, D] read at ``index`` -> [T, H, D] bf16 (causal per request).
+
+    Multi-token rows (prefill chunks, a cache hit's tail) with AVX512-BF16 dot products; a row's result
+    does not depend on how its prompt was split into chunks or cached (csrc/extend_attention.h)."""
+    out: torch.Tensor = torch.ops.radixserve.extend_attention(
+        q, k_pool, v_pool, index.slots, index.q_starts, index.ctx_starts, q.shape[-1] ** -0.5
     )
     return out
 

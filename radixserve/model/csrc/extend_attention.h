@@ -1,0 +1,328 @@
+// Multi-token (extend / prefill) attention over the KV pool with AVX512-BF16 dot products.
+// Plain C++ (no torch headers); bound in extend_attention.cpp. Built only where the compiler
+// targets AVX512-BF16 (-march=native on such a CPU): RADIXSERVE_EXTEND_BF16 says so.
+//
+// Request b owns query rows q_starts[b] .. q_starts[b+1] (its new tokens) and context slots
+// slots[ctx_starts[b] .. ctx_starts[b+1]] (cached prefix first, new tokens last); new token t
+// (0-based) sees context 0 .. prefix_len + t. A cold prefill is an extend with prefix_len 0.
+//
+//   q, out [T, H, D] bfloat16    k, v [Hkv, N, D] bfloat16 (one layer of the pool)
+//
+// Flash attention in two phases. (1) Pack: each (request, K/V head)'s context is copied once out
+// of the pool into the pair layout vdpbf16ps multiplies: K as blocks of 16 keys [D/2][16][2]
+// (pairs along the head dim), V as key pairs [D][2] (pairs along the keys), zero past the end.
+// (2) Attend: work items are (request, K/V head, tile of query tokens); the query heads sharing
+// a K/V head are rows of one tile. Keys go by in tiles of 128 from key 0: S = Q K^T (bf16 pairs,
+// float32 sums), the online softmax in float32, P rounded to bf16, O += P V. Key tiles no row of
+// the tile sees are skipped; the diagonal ones are masked per row.
+//
+// A row's arithmetic never depends on the other rows of its tile or on where the tile starts:
+// key tiles are aligned to context positions and always visited in order, and a tile a row does
+// not see leaves its sums bit for bit as they were. So a prompt prefilled whole, in chunks, or
+// as a tail on a cached prefix gets the same bits from this kernel.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define RADIXSERVE_EXTEND_BF16 1
+#endif
+
+namespace radixserve::extend {
+
+constexpr int64_t kKeyBlock = 16;   // keys per vector of scores
+constexpr int64_t kKeyTile = 128;   // keys per online-softmax step; contexts are packed to a multiple of it
+constexpr int kTileVectors = kKeyTile / kKeyBlock;
+constexpr int64_t kRowBlock = 6;    // query rows per micro-kernel pass (6 x 4 accumulators)
+constexpr int64_t kTileRows = 48;   // query rows (tokens x heads of a group) per work item, about
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, dim, num_slots, group, q_token_stride;
+  float scale;
+};
+
+// Where each request's packed context lies: keys packed_starts[b] .. + padded length, per head.
+struct Layout {
+  const int64_t *q_starts, *ctx_starts;
+  int64_t batch;
+  std::vector<int64_t> packed_starts;  // [batch + 1], multiples of kKeyTile
+  int64_t tokens_per_tile;
+
+  Layout(const int64_t* qs, const int64_t* cs, int64_t b, int64_t group)
+      : q_starts(qs), ctx_starts(cs), batch(b), packed_starts(b + 1, 0),
+        tokens_per_tile(std::max<int64_t>(1, kTileRows / group)) {
+    for (int64_t i = 0; i < b; ++i)
+      packed_starts[i + 1] = packed_starts[i] + (cs[i + 1] - cs[i] + kKeyTile - 1) / kKeyTile * kKeyTile;
+  }
+  int64_t extend_len(int64_t b) const { return q_starts[b + 1] - q_starts[b]; }
+  int64_t ctx_len(int64_t b) const { return ctx_starts[b + 1] - ctx_starts[b]; }
+  int64_t packed_len() const { return packed_starts[batch]; }
+};
+
+struct Item {
+  int64_t b, hkv, t0, t1, num_tiles;  // num_tiles: key tiles the item visits (its cost)
+};
+
+#ifdef RADIXSERVE_EXTEND_BF16
+
+inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }  // a bit cast: 32 bf16 = 16 pairs
+
+// 2^x for x <= 0: 2^floor(x) (vscalefps) times a degree-4 polynomial of the fraction (relative
+// error 3e-6, far below P's rounding to bf16), exact 1 at x = 0; 0 below -126, and so for -inf
+// (masked keys).
+inline __m512 exp2_neg(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.34267101e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.22424295e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.41280228e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93044841e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+// 16 keys (slot pointers into one head of the pool, nullptr past the context) -> one K block
+// [D/2][16] of bf16 pairs.
+inline void pack_k_block(const uint16_t* head, const int64_t* slots, int64_t count, int64_t dim, uint32_t* out) {
+  alignas(64) int32_t idx[kKeyBlock] = {};
+  for (int64_t j = 0; j < count; ++j) idx[j] = static_cast<int32_t>(slots[j] * dim / 2);
+  const __m512i index = _mm512_load_si512(idx);
+  const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+  const int32_t* base = reinterpret_cast<const int32_t*>(head);
+  for (int64_t p = 0; p < dim / 2; ++p)
+    _mm512_store_si512(out + p * kKeyBlock,
+                       _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, index, base + p, 4));
+}
+
+// Two keys' V rows (nullptr: zeros) -> [D][2] bf16, interleaved 16 dims at a time.
+inline void pack_v_pair(const uint16_t* a, const uint16_t* b, int64_t dim, uint32_t* out) {
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i perm = _mm512_load_si512(kInterleave);
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m256i lo = a ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)) : _mm256_setzero_si256();
+    const __m256i hi = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)) : _mm256_setzero_si256();
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    _mm512_store_si512(out + d, _mm512_permutexvar_epi16(perm, both));
+  }
+}
+
+// One key tile (kKeyTile keys from ``key0`` of request b, head h) into the packed K and V buffers.
+inline void pack_tile(const Layout& L, const Shape& s, const uint16_t* k, const uint16_t* v, const int64_t* slots,
+                      int64_t b, int64_t h, int64_t key0, uint32_t* kp, uint32_t* vp) {
+  const int64_t dim = s.dim, ctx_len = L.ctx_len(b), offset = (h * L.packed_len() + L.packed_starts[b] + key0) * dim / 2;
+  const int64_t* ctx = slots + L.ctx_starts[b];
+  const uint16_t *k_head = k + h * s.num_slots * dim, *v_head = v + h * s.num_slots * dim;
+  for (int64_t j = key0; j < key0 + kKeyTile; j += kKeyBlock) {
+    const int64_t count = std::clamp<int64_t>(ctx_len - j, 0, kKeyBlock);
+    pack_k_block(k_head, ctx + j, count, dim, kp + offset + (j - key0) * dim / 2);
+  }
+  for (int64_t j = key0; j < key0 + kKeyTile; j += 2) {
+    const uint16_t* a = j < ctx_len ? v_head + ctx[j] * dim : nullptr;
+    const uint16_t* c = j + 1 < ctx_len ? v_head + ctx[j + 1] * dim : nullptr;
+    pack_v_pair(a, c, dim, vp + offset + (j - key0) * dim / 2);
+  }
+}
+
+// S[r][0..64) = q_r . k for 64 keys (4 packed blocks) and kRowBlock rows (q as bf16 pairs, ``pairs`` a row).
+inline void qk_rows(const uint32_t* q, int64_t pairs, const uint32_t* kp, float* scores) {
+  __m512 acc[kRowBlock][4];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh kv[4];
+    for (int i = 0; i < 4; ++i) kv[i] = as_bh(_mm512_load_si512(kp + (i * pairs + p) * kKeyBlock));
+    for (int r = 0; r < kRowBlock; ++r) {
+      const __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int32_t>(q[r * pairs + p])));
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], qb, kv[i]);
+    }
+  }
+  for (int r = 0; r < kRowBlock; ++r)
+    for (int i = 0; i < 4; ++i) _mm512_store_ps(scores + r * kKeyTile + i * kKeyBlock, acc[r][i]);
+}
+
+// O[r][d0 .. d0 + 16 NV) = alpha_r O[r] + P_r V over the first ``num_pairs`` key pairs of a tile (P as
+// bf16 key pairs), kRowBlock rows.
+template <int NV>
+inline void pv_rows(const uint32_t* p, const uint32_t* vp, int64_t num_pairs, int64_t dim, int64_t d0,
+                    const float* alpha, float* o) {
+  __m512 acc[kRowBlock][NV];
+  for (int r = 0; r < kRowBlock; ++r)
+    for (int i = 0; i < NV; ++i)
+      acc[r][i] = _mm512_mul_ps(_mm512_load_ps(o + r * dim + d0 + 16 * i), _mm512_set1_ps(alpha[r]));
+  for (int64_t j = 0; j < num_pairs; ++j) {
+    __m512bh vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = as_bh(_mm512_load_si512(vp + j * dim + d0 + 16 * i));
+    for (int r = 0; r < kRowBlock; ++r) {
+      const __m512bh pb = as_bh(_mm512_set1_epi32(static_cast<int32_t>(p[r * kKeyTile / 2 + j])));
+      for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], pb, vv[i]);
+    }
+  }
+  for (int r = 0; r < kRowBlock; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_store_ps(o + r * dim + d0 + 16 * i, acc[r][i]);
+}
+
+// Scratch of one thread, reused across its items.
+struct Scratch {
+  std::vector<uint32_t> q, p;            // [rows][D/2], [rows][kKeyTile/2] bf16 pairs
+  std::vector<float> s, o, m, l, alpha;  // [rows][kKeyTile], [rows][D], [rows] x 3
+  std::vector<int64_t> limit;         // [rows]: keys below this are visible to the row
+  explicit Scratch(int64_t rows, int64_t dim)
+      : q(rows * dim / 2 + 16), p(rows * kKeyTile / 2 + 16), s(rows * kKeyTile + 16), o(rows * dim + 16),
+        m(rows), l(rows), alpha(rows), limit(rows) {}
+};
+
+inline float* aligned(std::vector<float>& v) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63}); }
+inline uint32_t* aligned(std::vector<uint32_t>& v) {
+  return reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
+}
+
+// Online softmax over one key tile for rows [0, rows): scores -> P (bf16 pairs), m, l, alpha.
+// m is kept in raw score units; c = scale * log2(e) turns a score into base-2 softmax units.
+inline void softmax_tile(const float* s, uint32_t* p, int64_t rows, int64_t key0, bool masked, Scratch& w, float c) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scale = _mm512_set1_ps(c);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 x[kTileVectors];
+    for (int i = 0; i < kTileVectors; ++i) {
+      x[i] = _mm512_load_ps(s + r * kKeyTile + i * kKeyBlock);
+      if (masked) {
+        const int64_t seen = std::clamp<int64_t>(w.limit[r] - key0 - i * kKeyBlock, 0, kKeyBlock);
+        x[i] = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>((1u << seen) - 1u), x[i]);
+      }
+    }
+    __m512 xm = x[0];
+    for (int i = 1; i < kTileVectors; ++i) xm = _mm512_max_ps(xm, x[i]);
+    const float m_old = w.m[r], m_new = std::max(m_old, _mm512_reduce_max_ps(xm));
+    if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing seen yet: keep O and l at 0
+      w.alpha[r] = 1.f;
+      std::memset(p + r * kKeyTile / 2, 0, kKeyTile * 2);
+      continue;
+    }
+    const __m512 shift = _mm512_set1_ps(-m_new * c);
+    __m512 e[kTileVectors];
+    for (int i = 0; i < kTileVectors; ++i) e[i] = exp2_neg(_mm512_fmadd_ps(x[i], scale, shift));
+    __m512 sum = e[0];
+    for (int i = 1; i < kTileVectors; ++i) sum = _mm512_add_ps(sum, e[i]);
+    // exp2(0) is exactly 1, so skipping it when the max stands changes no bit
+    const float alpha = m_new == m_old ? 1.f : _mm512_cvtss_f32(exp2_neg(_mm512_set1_ps((m_old - m_new) * c)));
+    w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
+    w.m[r] = m_new;
+    w.alpha[r] = alpha;
+    for (int i = 0; i < kTileVectors; i += 2)
+      _mm512_store_si512(p + r * kKeyTile / 2 + i * 8, (__m512i)_mm512_cvtne2ps_pbh(e[i + 1], e[i]));
+  }
+}
+
+template <int NV>
+void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q, const uint32_t* kp,
+              const uint32_t* vp, uint16_t* out, Scratch& w) {
+  const int64_t dim = s.dim, pairs = dim / 2, real_rows = (it.t1 - it.t0) * s.group;
+  const int64_t rows = (real_rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int64_t prefix_len = L.ctx_len(it.b) - L.extend_len(it.b), q0 = L.q_starts[it.b];
+  uint32_t *qt = aligned(w.q), *pt = aligned(w.p);
+  float *st = aligned(w.s), *ot = aligned(w.o);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = it.t0 + std::min(r, real_rows - 1) / s.group, h = it.hkv * s.group + r % s.group;
+    if (r < real_rows)
+      std::memcpy(qt + r * pairs, q + (q0 + t) * s.q_token_stride + h * dim, dim * 2);
+    else
+      std::memset(qt + r * pairs, 0, dim * 2);
+    w.limit[r] = prefix_len + t + 1;
+    w.m[r] = -std::numeric_limits<float>::infinity();
+    w.l[r] = 0.f;
+  }
+  std::memset(ot, 0, rows * dim * sizeof(float));
+  const int64_t head_pairs = (it.hkv * L.packed_len() + L.packed_starts[it.b]) * pairs;
+  const float c = s.scale * 1.44269504f;  // softmax in base 2
+  // Rows see keys below their limits: from first_limit (the tile's first token) to last_limit. Keys at or
+  // past last_limit in the diagonal tile are masked for every row: their scores and P V are skipped.
+  const int64_t first_limit = prefix_len + it.t0 + 1, last_limit = prefix_len + it.t1;
+  for (int64_t tile = 0; tile < it.num_tiles; ++tile) {
+    const int64_t key0 = tile * kKeyTile, live = std::min(kKeyTile, last_limit - key0);
+    const uint32_t* kt = kp + head_pairs + key0 * pairs;
+    for (int64_t r = 0; r < rows; r += kRowBlock)
+      for (int64_t j = 0; j < live; j += 4 * kKeyBlock)
+        qk_rows(qt + r * pairs, pairs, kt + j * pairs, st + r * kKeyTile + j);
+    softmax_tile(st, pt, rows, key0, key0 + kKeyTile > first_limit, w, c);
+    const uint32_t* vt = vp + head_pairs + key0 * pairs;
+    for (int64_t r = 0; r < rows; r += kRowBlock)
+      for (int64_t d0 = 0; d0 < dim; d0 += 16 * NV)
+        pv_rows<NV>(pt + r * kKeyTile / 2, vt, (live + 1) / 2, dim, d0, w.alpha.data() + r, ot + r * dim);
+  }
+  for (int64_t r = 0; r < real_rows; ++r) {
+    const int64_t t = it.t0 + r / s.group, h = it.hkv * s.group + r % s.group;
+    const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);
+    uint16_t* dst = out + ((q0 + t) * s.num_heads + h) * dim;
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(ot + r * dim + d), inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)y);
+    }
+  }
+}
+
+// The work items, costliest first (they start first, so the threads finish together).
+inline std::vector<Item> plan_items(const Layout& L, int64_t num_kv_heads) {
+  std::vector<Item> items;
+  for (int64_t b = 0; b < L.batch; ++b) {
+    const int64_t extend_len = L.extend_len(b), prefix_len = L.ctx_len(b) - extend_len;
+    for (int64_t t0 = 0; t0 < extend_len; t0 += L.tokens_per_tile) {
+      const int64_t t1 = std::min(extend_len, t0 + L.tokens_per_tile);
+      const int64_t num_tiles = (prefix_len + t1 + kKeyTile - 1) / kKeyTile;  // the last row sees prefix + t1 keys
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({b, h, t0, t1, num_tiles});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.num_tiles > y.num_tiles; });
+  return items;
+}
+
+// The whole batch; parallel_for(n, fn) runs fn(begin, end) over [0, n) on the caller's threads.
+template <typename ParallelFor>
+void extend_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* slots,
+                      const int64_t* q_starts, const int64_t* ctx_starts, int64_t batch, const Shape& s,
+                      uint16_t* out, ParallelFor parallel_for) {
+  const Layout L(q_starts, ctx_starts, batch, s.group);
+  const int64_t packed_pairs = s.num_kv_heads * L.packed_len() * s.dim / 2;
+  // Not zeroed: packing writes every element, padding included (a zeroed vector cost a memset).
+  const std::unique_ptr<uint32_t[]> packed(new uint32_t[2 * packed_pairs + 16]);
+  uint32_t* kp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(packed.get()) + 63) & ~uintptr_t{63});
+  uint32_t* vp = kp + packed_pairs;
+  std::vector<int64_t> tile_starts(batch + 1, 0);  // pack items: (request, head, key tile)
+  for (int64_t b = 0; b < batch; ++b) tile_starts[b + 1] = tile_starts[b] + L.packed_starts[b + 1] / kKeyTile - L.packed_starts[b] / kKeyTile;
+  const int64_t num_pack = tile_starts[batch] * s.num_kv_heads;
+  parallel_for(num_pack, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i % s.num_kv_heads, tile = i / s.num_kv_heads;
+      const int64_t b = std::upper_bound(tile_starts.begin(), tile_starts.end(), tile) - tile_starts.begin() - 1;
+      pack_tile(L, s, k, v, slots, b, h, (tile - tile_starts[b]) * kKeyTile, kp, vp);
+    }
+  });
+  const std::vector<Item> items = plan_items(L, s.num_kv_heads);
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t max_rows = (L.tokens_per_tile * s.group + kRowBlock - 1) / kRowBlock * kRowBlock;
+  std::atomic<int64_t> next{0};
+  parallel_for(n, [&](int64_t, int64_t) {
+    Scratch w(max_rows, s.dim);
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      if (s.dim % 64 == 0)
+        run_item<4>(items[i], L, s, q, kp, vp, out, w);
+      else if (s.dim % 32 == 0)
+        run_item<2>(items[i], L, s, q, kp, vp, out, w);
+      else
+        run_item<1>(items[i], L, s, q, kp, vp, out, w);
+    }
+  });
+}
+
+#endif  // RADIXSERVE_EXTEND_BF16
+
+}  // namespace radixserve::extend
