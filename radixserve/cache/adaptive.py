@@ -79,7 +79,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic
 
-from radixserve.cache.class_heaps import ClassHeaps, T, best_head, hit_class, other_orders
+from radixserve.cache.class_heaps import ClassHeaps, T, group_best, hit_class
 from radixserve.cache.duels import Duels
 from radixserve.cache.ghosts import Ghosts
 
@@ -161,52 +161,53 @@ class AdaptiveCandidates(Generic[T]):
         if slot is not None:
             num_classes = self.num_classes
             if slot % num_classes != min(member.hit_count.bit_length(), num_classes - 1):
-                self._heaps.add(member)
-            self._heaps.touched(member, slot)
+                self._heaps.add(member)  # up a class
+            else:
+                self._heaps.touched(member, slot)
 
     def pop(self) -> T | None:
         """Evict by the learned order (module docstring), open the duels where other orders differ; remember it."""
         heaps, num_classes, shift = self._heaps, self.num_classes, self.shift
         heads = heaps.heads()
-        top, deep = best_head(heads, 0, num_classes, shift), best_head(heads, num_classes, num_classes, shift)
+        top, deep = group_best(heads, 0, num_classes, shift), group_best(heads, num_classes, num_classes, shift)
         oldest = heads[-1] if deep is not None else None
         by_age = False
         if deep is not None:
-            below = deep[1]
+            below = deep[0][1]
             if oldest is not None:
                 old_shifted = oldest[0] + min(oldest[2].hit_count.bit_length(), num_classes - 1) * shift
                 if old_shifted + self.depth_shift < below:
                     by_age, below = True, old_shifted
-            if top is not None and below >= top[1] + self.top_shift:
+            if top is not None and below >= top[0][1] + self.top_shift:
                 deep = None
         chosen = deep if deep is not None else top
         if chosen is None:
             return None
-        slot = chosen[3]
-        # The leaves other orders would have evicted: (leaf, direction, kind) of each duel to open.
-        kept: list[tuple[T, int, int]] = []
+        best, recency, frequency = chosen
+        slot, deepest = best[3], heads[best[3]][-1]  # type: ignore[index]
         if by_age and deep is not None:  # recency across depths decided, not the class shift: no class duel
-            kept.append((heads[slot][-1], +1, DEPTH))  # type: ignore[index]  # more depth shift would keep it
             slot = self._slot[oldest[2]]  # type: ignore[index]
             member = heaps.pop_recent()
         else:
-            by_recency, by_frequency = other_orders(heads, slot - slot % num_classes, num_classes, slot, shift)
-            if by_recency is not None:  # the victim was the less-reused: less shift would have kept it
-                kept.append((heads[by_recency][-1], -1, CLASS))  # type: ignore[index]
-            if by_frequency is not None:  # the victim was the more-reused: more shift would have kept it
-                kept.append((heads[by_frequency][-1], +1, CLASS))  # type: ignore[index]
-            if deep is not None and oldest is not None:  # deepest first and recency may disagree
-                kept.append((oldest[2], -1, DEPTH))
             member = heaps.pop(slot)
         ghost_key = self._ghost_key(member)
         # The victim is known by its ghost key (it comes back as a miss there); a kept leaf by itself while
         # cached (an access refreshes it, a match inside it splits and re-adds it: no key to compute on the
-        # hot path), and by its ghost key once it is evicted in turn.
+        # hot path), and by its ghost key once it is evicted in turn. Each duel names the leaf another order
+        # would have evicted and the way the order that would have kept the victim moves its shift.
+        duels = self._duels
         if member in self._dueling:
-            self._duels.rekey(member, ghost_key)
-        for leaf, direction, kind in kept:
-            if leaf is not member:
-                self._duels.open(ghost_key, leaf, direction, kind)
+            duels.rekey(member, ghost_key)
+        if by_age and deep is not None:
+            if deepest is not member:  # more depth shift would have kept it
+                duels.open(ghost_key, deepest, +1, DEPTH)
+        else:
+            if recency[3] != slot:  # the victim was the less-reused: less shift would have kept it
+                duels.open(ghost_key, recency[-1], -1, CLASS)
+            if frequency[3] != slot:  # the victim was the more-reused: more shift would have kept it
+                duels.open(ghost_key, frequency[-1], +1, CLASS)
+            if deep is not None and oldest is not None and oldest[2] is not member:  # recency across depths
+                duels.open(ghost_key, oldest[2], -1, DEPTH)  # would have kept the victim: less depth shift
         self._ghosts.remember(ghost_key, slot // num_classes, self._clock(), self._size(member), member.hit_count)
         return member
 
@@ -232,22 +233,24 @@ class AdaptiveCandidates(Generic[T]):
     def _settle(self, key: Hashable, now: float | None) -> None:
         """A request reached ``key``: the duels it decides move the shifts (``now`` None: read the clock if so)."""
         vote, depth_vote = self._duels.settle(key)
+        if not (vote or depth_vote):
+            return
+        now = self._clock() if now is None else now
+        horizon = self._ghosts.horizon(now, now)
         if vote:
-            now = self._clock() if now is None else now
             self.shift_horizons = self._scaled(self.shift_horizons, vote)
-            self.shift = self._in_clock(self.shift_horizons, now)
+            self.shift = self._in_clock(self.shift_horizons, horizon)
         if depth_vote:
-            now = self._clock() if now is None else now
             self.depth_shift_horizons = self._scaled(self.depth_shift_horizons, depth_vote)
-            self.depth_shift = self._in_clock(self.depth_shift_horizons, now)
+            self.depth_shift = self._in_clock(self.depth_shift_horizons, horizon)
 
     def _scaled(self, horizons: float, vote: int) -> float:
         """Each net vote scales a shift, in horizons, by 2**learning_rate, within [MIN_SHIFT, MAX_SHIFT]."""
         scaled: float = horizons * 2.0 ** (vote * self.learning_rate)
         return min(max(scaled, self.MIN_SHIFT), self.MAX_SHIFT)
 
-    def _in_clock(self, horizons: float, now: float) -> float:
-        return 0.0 if horizons <= self.MIN_SHIFT else horizons * self._ghosts.horizon(now, now)
+    def _in_clock(self, horizons: float, horizon: float) -> float:
+        return 0.0 if horizons <= self.MIN_SHIFT else horizons * horizon
 
     def check(self) -> None:
         self._heaps.check()

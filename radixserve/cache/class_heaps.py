@@ -53,6 +53,7 @@ class ClassHeaps(Generic[T]):
         self._heaps: list[list[Entry]] = [[] for _ in range(2 * num_classes)]
         self._entry: dict[T, Entry] = {}  # member -> its live class-heap entry
         self._size = 0  # entries in the class heaps, live or not
+        self._pushes = 0  # since the last look at whether compaction is due
         self._recent: list[Entry] = []
         self._recent_entry: dict[T, Entry] = {}  # member -> its live recency entry (group 1 only)
         # Each heap's head as last read (the recency heap's last), valid unless its index is in _stale.
@@ -64,11 +65,11 @@ class ClassHeaps(Generic[T]):
 
     def add(self, member: T) -> None:
         """``member`` is a candidate (new, back, or moved to another class or depth)."""
-        num_classes = self.num_classes
+        num_classes, stale, heads = self.num_classes, self._stale, self._heads
         slot = (member.depth > 0) * num_classes + min(member.hit_count.bit_length(), num_classes - 1)
         old = self.slot.get(member)
-        if old is not None and old != slot:
-            self._stale.add(old)  # it may have been that heap's head
+        if old is not None:
+            self.touched(member, old)  # its entry, which a split or a hit replaces, may be a head
         self.slot[member] = slot
         entry, time, neg_depth, tie = self._entry.get(member), member.last_access_time, -member.depth, None
         if entry is None or entry[3] != slot or entry[0] != neg_depth or entry[1] > time:
@@ -77,16 +78,21 @@ class ClassHeaps(Generic[T]):
             self._entry[member] = entry
             heapq.heappush(self._heaps[slot], entry)
             self._size += 1
-            self._stale.add(slot)
+            if slot not in stale and ((head := heads[slot]) is None or entry < head):
+                heads[slot] = entry  # a head that is known stays known: the new entry is live
         if slot >= num_classes and self.by_recency and member not in self._recent_entry:
             recent = (time, self._tie_break(member) if tie is None else tie, member)
             self._recent_entry[member] = recent
             heapq.heappush(self._recent, recent)
-            self._stale.add(2 * num_classes)
+            if 2 * num_classes not in stale and ((head := heads[-1]) is None or recent < head):
+                heads[-1] = recent
         elif tie is None:
             return  # nothing pushed
-        if self._size + len(self._recent) > 3 * len(self.slot) + 64:  # a member has at most 2 live entries
-            self._compact()
+        self._pushes += 1
+        if self._pushes > len(self.slot) + 64:  # check now and then: entries stay O(members) between checks
+            self._pushes = 0
+            if self._size + len(self._recent) > 3 * len(self.slot) + 64:  # a member has at most 2 live entries
+                self._compact()
 
     def touched(self, member: T, slot: int) -> None:
         """``member`` (in ``slot``) was accessed, or left ``slot`` (the caller removed it): the heads it was are
@@ -147,7 +153,8 @@ class ClassHeaps(Generic[T]):
         del self._entry[member], self.slot[member]
         self._size -= 1
         self._stale.add(slot)
-        self.touched(member, slot)
+        if (recent := self._heads[-1]) is not None and recent[-1] is member:
+            self._stale.add(len(self._heads) - 1)
         return member
 
     def pop_recent(self) -> T:
@@ -190,32 +197,22 @@ class ClassHeaps(Generic[T]):
             assert index in self._stale or fresh is head, f"heap {index}'s head went stale unmarked"
 
 
-def best_head(heads: list[Entry | None], first: int, num_classes: int, shift: float) -> Entry | None:
-    """The best head of a group's class heaps (slots ``first`` on): (-depth, shifted access, tie-break, slot)."""
-    best = None
-    for slot in range(first, first + num_classes):
-        head = heads[slot]
-        if head is not None:
-            key = (head[0], head[1] + (slot - first) * shift, head[2], slot)
-            if best is None or key < best:
-                best = key
-    return best
-
-
-def other_orders(
-    heads: list[Entry | None], first: int, num_classes: int, chosen: int, shift: float
-) -> tuple[int | None, int | None]:
-    """The slots of a group that plain recency and frequency by class alone would evict from, where they
-    differ from ``chosen`` (else None)."""
-    recency = frequency = None
+def group_best(heads: list[Entry | None], first: int, num_classes: int, shift: float) -> tuple[Entry, ...] | None:
+    """A group's (slots ``first`` on) best head by the shifted order, as (-depth, shifted access, tie-break,
+    slot), and the heads plain recency and frequency by class alone would evict; None when it has none."""
+    best: Entry | None = None
     for slot in range(first, first + num_classes):
         head = heads[slot]
         if head is None:
             continue
-        if shift and (recency is None or head[:3] < recency[:3]):  # at shift 0 it is the shifted order
+        key = (head[0], head[1] + (slot - first) * shift, head[2], slot)
+        if best is None:
+            best, recency, frequency = key, head, head
+            continue
+        if key < best:
+            best = key
+        if head < recency:  # tie-breaks are unique: (-depth, last access, tie-break) decides
             recency = head
-        if frequency is None or head[0] < frequency[0]:  # classes ascend: the lowest first
+        if head[0] < frequency[0]:  # classes ascend: the lowest of the deepest
             frequency = head
-    by_recency = recency[3] if recency is not None and recency[3] != chosen else None
-    by_frequency = frequency[3] if frequency is not None and frequency[3] != chosen else None
-    return by_recency, by_frequency
+    return None if best is None else (best, recency, frequency)

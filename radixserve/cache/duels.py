@@ -43,22 +43,33 @@ class Duels:
     def open(self, victim: Hashable, kept: Hashable, direction: int, kind: int = 0) -> None:
         """``victim`` was evicted where another order would have evicted ``kept``; ``direction`` +1 or -1."""
         self._next_id += 1
-        duel, duels = self._next_id * self.kinds + kind, self._open[kind]
+        duel, duels, index = self._next_id * self.kinds + kind, self._open[kind], self.index
         duels[duel] = (victim, kept, direction)
-        for key in (victim, kept):
-            if (ids := self.index.get(key)) is None:
-                self.index[key] = {duel}
-            else:
-                ids.add(duel)
+        if (ids := index.get(victim)) is None:
+            index[victim] = {duel}
+        else:
+            ids.add(duel)
+        if (ids := index.get(kept)) is None:
+            index[kept] = {duel}
+        else:
+            ids.add(duel)
         if len(duels) > self.capacity:
             self._close(next(iter(duels)))
 
     def settle(self, key: Hashable) -> list[int]:
         """A request reached ``key``: close the duels it decides; their net vote per kind (+1: more shift)."""
-        votes = [0] * self.kinds
-        for duel in list(self.index.get(key, ())):
-            victim, direction = self._close(duel)
-            votes[duel % self.kinds] += direction if victim == key else -direction
+        votes, kinds, index = [0] * self.kinds, self.kinds, self.index
+        for duel in index.pop(key, ()):
+            victim, kept, direction = self._open[duel % kinds].pop(duel)
+            if victim == key:  # the victim came back first: the order that would have kept it was right
+                other, vote = kept, direction
+            else:
+                other, vote = victim, -direction
+            votes[duel % kinds] += vote
+            if (ids := index.get(other)) is not None:  # None when victim == kept
+                ids.discard(duel)
+                if not ids:
+                    del index[other]
         return votes
 
     def rekey(self, kept: Hashable, key: Hashable) -> None:

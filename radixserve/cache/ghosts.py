@@ -54,7 +54,9 @@ class Ghosts:
         self.total_len += length
         self.group_len[group] += length
         while self.total_len > self.capacity_len and len(ghosts) > 1:
-            self._drop(ghosts.popitem(last=False)[1])
+            oldest = ghosts.popitem(last=False)[1]
+            self.total_len -= oldest.length
+            self.group_len[oldest.group] -= oldest.length
 
     def take(self, key: Hashable) -> tuple[Ghost, float] | None:
         """Forget the ghost at ``key`` (a lookup stopped there); it and its share of its group's ghost tokens."""
@@ -62,7 +64,8 @@ class Ghosts:
         if ghost is None:
             return None
         share = ghost.length / max(self.group_len[ghost.group], 1)
-        self._drop(ghost)
+        self.total_len -= ghost.length
+        self.group_len[ghost.group] -= ghost.length
         return ghost, share
 
     def horizon(self, now: float, fallback: float) -> float:
