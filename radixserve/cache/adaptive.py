@@ -79,7 +79,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic
 
-from radixserve.cache.class_heaps import ClassHeaps, T, group_best, hit_class
+from radixserve.cache.class_heaps import ClassHeaps, T, group_bests, hit_class
 from radixserve.cache.duels import Duels
 from radixserve.cache.ghosts import Ghosts
 
@@ -144,7 +144,7 @@ class AdaptiveCandidates(Generic[T]):
     def add(self, member: T) -> None:
         if self._revived and not member.hit_count:  # back where a missed ghost was: its count goes on
             member.hit_count = self._revived.pop(self._ghost_key(member), 0)
-        if member in self._dueling and member in self._slot:  # re-added: an access
+        if member in self._slot and member in self._dueling:  # re-added: an access
             self._settle(member, None)
         self._heaps.add(member)
 
@@ -169,7 +169,7 @@ class AdaptiveCandidates(Generic[T]):
         """Evict by the learned order (module docstring), open the duels where other orders differ; remember it."""
         heaps, num_classes, shift = self._heaps, self.num_classes, self.shift
         heads = heaps.heads()
-        top, deep = group_best(heads, 0, num_classes, shift), group_best(heads, num_classes, num_classes, shift)
+        top, deep = group_bests(heads, num_classes, shift)
         oldest = heads[-1] if deep is not None else None
         by_age = False
         if deep is not None:

@@ -197,22 +197,25 @@ class ClassHeaps(Generic[T]):
             assert index in self._stale or fresh is head, f"heap {index}'s head went stale unmarked"
 
 
-def group_best(heads: list[Entry | None], first: int, num_classes: int, shift: float) -> tuple[Entry, ...] | None:
-    """A group's (slots ``first`` on) best head by the shifted order, as (-depth, shifted access, tie-break,
-    slot), and the heads plain recency and frequency by class alone would evict; None when it has none."""
-    best: Entry | None = None
-    for slot in range(first, first + num_classes):
-        head = heads[slot]
-        if head is None:
-            continue
-        key = (head[0], head[1] + (slot - first) * shift, head[2], slot)
-        if best is None:
-            best, recency, frequency = key, head, head
-            continue
-        if key < best:
-            best = key
-        if head < recency:  # tie-breaks are unique: (-depth, last access, tie-break) decides
-            recency = head
-        if head[0] < frequency[0]:  # classes ascend: the lowest of the deepest
-            frequency = head
-    return None if best is None else (best, recency, frequency)
+def group_bests(heads: list[Entry | None], num_classes: int, shift: float) -> list[tuple[Entry, ...] | None]:
+    """Per group (the top level, below it): its best head by the shifted order, as (-depth, shifted access,
+    tie-break, slot), and the heads plain recency and frequency by class alone would evict; None if it has none."""
+    bests: list[tuple[Entry, ...] | None] = []
+    for first in (0, num_classes):
+        best: Entry | None = None
+        for slot in range(first, first + num_classes):
+            head = heads[slot]
+            if head is None:
+                continue
+            key = (head[0], head[1] + (slot - first) * shift, head[2], slot)
+            if best is None:
+                best, recency, frequency = key, head, head
+                continue
+            if key < best:
+                best = key
+            if head < recency:  # tie-breaks are unique: (-depth, last access, tie-break) decides
+                recency = head
+            if head[0] < frequency[0]:  # classes ascend: the lowest of the deepest
+                frequency = head
+        bests.append(None if best is None else (best, recency, frequency))
+    return bests
