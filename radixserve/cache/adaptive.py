@@ -149,21 +149,19 @@ class AdaptiveCandidates(Generic[T]):
         self._heaps.add(member)
 
     def discard(self, member: T) -> None:
-        slot = self._slot.pop(member, None)  # most calls (a lock walk's ancestors) end here: no candidate
-        if slot is not None:
-            self._heaps.touched(member, slot)  # its heap entries wait to be dropped or reused
+        if member in self._slot:  # most calls (a lock walk's ancestors) end here: no candidate
+            self._heaps.touched(member, self._slot.pop(member))  # its heap entries wait to be dropped or reused
 
     def refresh(self, member: T) -> None:
         """An access settles the duels ``member`` was kept in; a hit may move it up a class."""
         if member in self._dueling:
             self._settle(member, None)
-        slot = self._slot.get(member)
-        if slot is not None:
-            num_classes = self.num_classes
-            if slot % num_classes != min(member.hit_count.bit_length(), num_classes - 1):
-                self._heaps.add(member)  # up a class
+        if member in self._slot:
+            slot, heaps, hits = self._slot[member], self._heaps, member.hit_count
+            if slot % self.num_classes != (heaps.classes[hits] if hits < heaps.top_class_hits else heaps.top_class):
+                heaps.add(member)  # up a class
             else:
-                self._heaps.touched(member, slot)
+                heaps.touched(member, slot)
 
     def pop(self) -> T | None:
         """Evict by the learned order (module docstring), open the duels where other orders differ; remember it."""
@@ -175,7 +173,10 @@ class AdaptiveCandidates(Generic[T]):
         if deep is not None:
             below = deep[0][1]
             if oldest is not None:
-                old_shifted = oldest[0] + min(oldest[2].hit_count.bit_length(), num_classes - 1) * shift
+                hits = oldest[2].hit_count
+                old_shifted = (
+                    oldest[0] + (heaps.classes[hits] if hits < heaps.top_class_hits else num_classes - 1) * shift
+                )
                 if old_shifted + self.depth_shift < below:
                     by_age, below = True, old_shifted
             if top is not None and below >= top[0][1] + self.top_shift:
@@ -231,26 +232,21 @@ class AdaptiveCandidates(Generic[T]):
             self.top_shift = min(self.top_shift + step, self.MAX_TOP_SHIFT * horizon)
 
     def _settle(self, key: Hashable, now: float | None) -> None:
-        """A request reached ``key``: the duels it decides move the shifts (``now`` None: read the clock if so)."""
+        """A request reached ``key``: the duels it decides move the shifts (``now`` None: read the clock if so).
+
+        Each net vote scales a shift, counted in ghost horizons, by 2**learning_rate within [MIN_SHIFT,
+        MAX_SHIFT]; at the floor the shift is 0."""
         vote, depth_vote = self._duels.settle(key)
         if not (vote or depth_vote):
             return
         now = self._clock() if now is None else now
-        horizon = self._ghosts.horizon(now, now)
+        horizon, low, high = self._ghosts.horizon(now, now), self.MIN_SHIFT, self.MAX_SHIFT
         if vote:
-            self.shift_horizons = self._scaled(self.shift_horizons, vote)
-            self.shift = self._in_clock(self.shift_horizons, horizon)
+            scaled = min(max(self.shift_horizons * 2.0 ** (vote * self.learning_rate), low), high)
+            self.shift_horizons, self.shift = scaled, 0.0 if scaled <= low else scaled * horizon
         if depth_vote:
-            self.depth_shift_horizons = self._scaled(self.depth_shift_horizons, depth_vote)
-            self.depth_shift = self._in_clock(self.depth_shift_horizons, horizon)
-
-    def _scaled(self, horizons: float, vote: int) -> float:
-        """Each net vote scales a shift, in horizons, by 2**learning_rate, within [MIN_SHIFT, MAX_SHIFT]."""
-        scaled: float = horizons * 2.0 ** (vote * self.learning_rate)
-        return min(max(scaled, self.MIN_SHIFT), self.MAX_SHIFT)
-
-    def _in_clock(self, horizons: float, horizon: float) -> float:
-        return 0.0 if horizons <= self.MIN_SHIFT else horizons * horizon
+            scaled = min(max(self.depth_shift_horizons * 2.0 ** (depth_vote * self.learning_rate), low), high)
+            self.depth_shift_horizons, self.depth_shift = scaled, 0.0 if scaled <= low else scaled * horizon
 
     def check(self) -> None:
         self._heaps.check()

@@ -48,6 +48,9 @@ def hit_class(hit_count: int, num_classes: int) -> int:
 class ClassHeaps(Generic[T]):
     def __init__(self, num_classes: int, tie_break: Callable[[T], int], by_recency: bool) -> None:
         self.num_classes, self.by_recency = num_classes, by_recency
+        # hit_class without a call on the hot paths: classes[hit_count] below top_class_hits, else top_class.
+        self.top_class, self.top_class_hits = num_classes - 1, 1 << (num_classes - 2)
+        self.classes = tuple(hit_class(hits, num_classes) for hits in range(self.top_class_hits))
         self._tie_break = tie_break
         self.slot: dict[T, int] = {}  # member -> its class heap; the policy reads it, and discards, directly
         self._heaps: list[list[Entry]] = [[] for _ in range(2 * num_classes)]
@@ -58,6 +61,7 @@ class ClassHeaps(Generic[T]):
         self._recent_entry: dict[T, Entry] = {}  # member -> its live recency entry (group 1 only)
         # Each heap's head as last read (the recency heap's last), valid unless its index is in _stale.
         self._heads: list[Entry | None] = [None] * (2 * num_classes + 1)
+        self._recent_index = 2 * num_classes
         self._stale = set(range(2 * num_classes + 1))
 
     def slot_of(self, member: T) -> int:
@@ -65,11 +69,10 @@ class ClassHeaps(Generic[T]):
 
     def add(self, member: T) -> None:
         """``member`` is a candidate (new, back, or moved to another class or depth)."""
-        num_classes, stale, heads = self.num_classes, self._stale, self._heads
-        slot = (member.depth > 0) * num_classes + min(member.hit_count.bit_length(), num_classes - 1)
-        old = self.slot.get(member)
-        if old is not None:
-            self.touched(member, old)  # its entry, which a split or a hit replaces, may be a head
+        num_classes, stale, heads, hits = self.num_classes, self._stale, self._heads, member.hit_count
+        slot = (member.depth > 0) * num_classes + (self.classes[hits] if hits < self.top_class_hits else self.top_class)
+        if member in self.slot:
+            self.touched(member, self.slot[member])  # its entry, which a split or a hit replaces, may be a head
         self.slot[member] = slot
         entry, time, neg_depth, tie = self._entry.get(member), member.last_access_time, -member.depth, None
         if entry is None or entry[3] != slot or entry[0] != neg_depth or entry[1] > time:
@@ -84,7 +87,7 @@ class ClassHeaps(Generic[T]):
             recent = (time, self._tie_break(member) if tie is None else tie, member)
             self._recent_entry[member] = recent
             heapq.heappush(self._recent, recent)
-            if 2 * num_classes not in stale and ((head := heads[-1]) is None or recent < head):
+            if self._recent_index not in stale and ((head := heads[-1]) is None or recent < head):
                 heads[-1] = recent
         elif tie is None:
             return  # nothing pushed
@@ -101,7 +104,7 @@ class ClassHeaps(Generic[T]):
         if head is not None and head[-1] is member:
             self._stale.add(slot)
         if recent is not None and recent[-1] is member:
-            self._stale.add(len(self._heads) - 1)
+            self._stale.add(self._recent_index)
 
     def heads(self) -> list[Entry | None]:
         """Each class heap's best live entry (index = slot), then the recency heap's; None where empty.
@@ -109,7 +112,7 @@ class ClassHeaps(Generic[T]):
         stale, heads = self._stale, self._heads
         if stale:
             for index in stale:
-                heads[index] = self._head(index) if index < len(heads) - 1 else self._recent_head()
+                heads[index] = self._head(index) if index != self._recent_index else self._recent_head()
             stale.clear()
         return heads
 
@@ -154,7 +157,7 @@ class ClassHeaps(Generic[T]):
         self._size -= 1
         self._stale.add(slot)
         if (recent := self._heads[-1]) is not None and recent[-1] is member:
-            self._stale.add(len(self._heads) - 1)
+            self._stale.add(self._recent_index)
         return member
 
     def pop_recent(self) -> T:
@@ -162,7 +165,7 @@ class ClassHeaps(Generic[T]):
         member: T = heapq.heappop(self._recent)[2]
         del self._recent_entry[member]
         self.touched(member, self.slot.pop(member))
-        self._stale.add(len(self._heads) - 1)
+        self._stale.add(self._recent_index)
         return member
 
     def _compact(self) -> None:
@@ -193,29 +196,32 @@ class ClassHeaps(Generic[T]):
         assert self._size == sum(map(len, self._heaps)) and len(self._recent) == len(self._recent_entry), "drifted"
         assert all(id(e) in in_heaps[e[3]] for e in self._entry.values()), "a live entry left its heap"
         for index, head in enumerate(self._heads):  # a fresh read only drops dead entries and re-ranks lazily
-            fresh = self._head(index) if index < len(self._heads) - 1 else self._recent_head()
+            fresh = self._head(index) if index != self._recent_index else self._recent_head()
             assert index in self._stale or fresh is head, f"heap {index}'s head went stale unmarked"
 
 
-def group_bests(heads: list[Entry | None], num_classes: int, shift: float) -> list[tuple[Entry, ...] | None]:
+def group_bests(
+    heads: list[Entry | None], num_classes: int, shift: float
+) -> tuple[tuple[Entry, ...] | None, tuple[Entry, ...] | None]:
     """Per group (the top level, below it): its best head by the shifted order, as (-depth, shifted access,
     tie-break, slot), and the heads plain recency and frequency by class alone would evict; None if it has none."""
-    bests: list[tuple[Entry, ...] | None] = []
-    for first in (0, num_classes):
-        best: Entry | None = None
-        for slot in range(first, first + num_classes):
-            head = heads[slot]
-            if head is None:
-                continue
-            key = (head[0], head[1] + (slot - first) * shift, head[2], slot)
-            if best is None:
-                best, recency, frequency = key, head, head
-                continue
-            if key < best:
-                best = key
-            if head < recency:  # tie-breaks are unique: (-depth, last access, tie-break) decides
-                recency = head
-            if head[0] < frequency[0]:  # classes ascend: the lowest of the deepest
-                frequency = head
-        bests.append(None if best is None else (best, recency, frequency))
-    return bests
+    return _group_best(heads, 0, num_classes, shift), _group_best(heads, num_classes, num_classes, shift)
+
+
+def _group_best(heads: list[Entry | None], first: int, num_classes: int, shift: float) -> tuple[Entry, ...] | None:
+    best: Entry | None = None
+    for slot in range(first, first + num_classes):
+        head = heads[slot]
+        if head is None:
+            continue
+        key = (head[0], head[1] + (slot - first) * shift, head[2], slot)
+        if best is None:
+            best, recency, frequency = key, head, head
+            continue
+        if key < best:
+            best = key
+        if head < recency:  # tie-breaks are unique: (-depth, last access, tie-break) decides
+            recency = head
+        if head[0] < frequency[0]:  # classes ascend: the lowest of the deepest
+            frequency = head
+    return None if best is None else (best, recency, frequency)

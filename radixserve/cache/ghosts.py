@@ -71,7 +71,7 @@ class Ghosts:
     def horizon(self, now: float, fallback: float) -> float:
         """How long ago the oldest remembered ghost was evicted (``fallback`` when none is left)."""
         oldest = next(iter(self._ghosts.values())).evicted_at if self._ghosts else fallback
-        return max(now - oldest, 0.0)
+        return now - oldest if now > oldest else 0.0
 
     def check(self) -> None:
         ghosts = self._ghosts.values()

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from radixserve.cache import RadixCache, RadixKey, TreeNode
 from radixserve.cache.adaptive import AdaptiveCandidates, hit_class
+from radixserve.cache.class_heaps import ClassHeaps
 from radixserve.memory import TokenAllocator
 from tests.cache.helpers import serve, start
 
@@ -251,6 +252,11 @@ def test_a_ghost_hit_restores_the_count_the_node_had_when_evicted() -> None:
 
 def test_hit_classes_are_log2_buckets() -> None:
     assert [hit_class(h, 4) for h in (0, 1, 2, 3, 4, 7, 8, 1000)] == [0, 1, 2, 2, 3, 3, 3, 3]
+    for num_classes in range(2, 7):  # the heaps' table (no call on the hot path) says the same
+        heaps: ClassHeaps[TreeNode] = ClassHeaps(num_classes, lambda n: n.id, True)
+        for hits in range(300):
+            table = heaps.classes[hits] if hits < heaps.top_class_hits else heaps.top_class
+            assert table == hit_class(hits, num_classes)
     with pytest.raises(ValueError, match="num_classes"):
         AdaptiveCandidates(lambda n: 0, lambda n: n, lambda n: 1, lambda: 0.0, 16, num_classes=1)
 
