@@ -16,7 +16,11 @@ live entry in each structure is the tuple its entry dict names: a class or
 depth change pushes a new one (depth only grows, at a split), and the old one
 is dropped when it surfaces. So an access costs nothing here, a head is one
 dict lookup and one float compare, and evicting k leaves costs O(k log n)
-amortised. Dead entries are compacted away when they outnumber live ones.
+amortised. Heads are kept as last read and read again only where a push, a
+pop, or an access to or discard of the head's member can have moved them
+(most evictions re-read one heap). Dead entries (and those of members that
+left) are compacted away past 3 per member, looked at every len(members) + 64
+pushes: memory stays O(members).
 """
 
 from __future__ import annotations
