@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 import numpy as np
 
@@ -41,6 +41,7 @@ class TreeNode:
         "hit_count",
         "priority",
         "depth",
+        "child_key",
     )
 
     def __init__(self, node_id: int, key: RadixKey, value: IndexArray, parent: TreeNode | None, now: float) -> None:
@@ -55,6 +56,9 @@ class TreeNode:
         self.hit_count = 0  # finished requests that reused this node's tokens
         self.priority = 0  # max request priority among the inserts that passed through
         self.depth: int = parent.depth + len(parent.key) if parent is not None else 0  # tokens above key[0]
+        # Where the parent keeps it (``key.child_key``), set when it is linked: deleting it and its ghost
+        # key (the adaptive policy's, on every eviction and new leaf) need no recomputation.
+        self.child_key: Hashable = None
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -86,7 +90,7 @@ class RadixCache(BasePrefixCache[TreeNode]):
         self.root.lock_ref = 1  # permanently locked: never a candidate, ends every lock walk
         self._evictable_size = 0
         self._protected_size = 0
-        hooks = CandidateHooks(self._ghost_key, lambda node: len(node.key), self.clock, self.allocator.size)
+        hooks = CandidateHooks(_ghost_key, _node_len, self.clock, self.allocator.size)
         self.candidates: CandidateSet[TreeNode] = self.strategy.candidate_set(lambda node: node.id, hooks)
 
     # ---- match / insert ---------------------------------------------------------------------
@@ -286,13 +290,15 @@ class RadixCache(BasePrefixCache[TreeNode]):
         new.lock_ref, new.hit_count, new.priority = child.lock_ref, child.hit_count, child.priority
         new.last_access_time, new.creation_time = child.last_access_time, child.creation_time
         new.depth = child.depth
-        parent.children[new.key.child_key(self.page_size)] = new
+        new.child_key = child.child_key  # the same first page
+        parent.children[new.child_key] = new
         child.key = child.key[split_len:]
         child.key.token_ids = child.key.token_ids.copy()
         child.value = child.value[split_len:].copy()
         child.parent = new
         child.depth += split_len
-        new.children[child.key.child_key(self.page_size)] = child
+        child.child_key = child.key.child_key(self.page_size)
+        new.children[child.child_key] = child
         if child in self.candidates:  # it now starts deeper: a policy ranking by depth re-ranks it
             self.candidates.add(child)
         return new
@@ -301,7 +307,8 @@ class RadixCache(BasePrefixCache[TreeNode]):
         key.token_ids = key.token_ids.copy()  # never alias the caller's token buffer
         leaf = TreeNode(next(self._ids), key, value, parent, now)
         leaf.priority = priority
-        parent.children[key.child_key(self.page_size)] = leaf
+        leaf.child_key = key.child_key(self.page_size)
+        parent.children[leaf.child_key] = leaf
         self._evictable_size += len(key)
         self.candidates.discard(parent)
         self._update_candidate(leaf)
@@ -310,7 +317,7 @@ class RadixCache(BasePrefixCache[TreeNode]):
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
-        del parent.children[node.key.child_key(self.page_size)]
+        del parent.children[node.child_key]
         self._evictable_size -= len(node.key)
         self.candidates.discard(node)
         self._update_candidate(parent)
@@ -325,11 +332,6 @@ class RadixCache(BasePrefixCache[TreeNode]):
     def _touch(self, node: TreeNode, now: float) -> None:
         node.last_access_time = now
         self.candidates.refresh(node)
-
-    def _ghost_key(self, node: TreeNode) -> tuple[int, object]:
-        """Where ``node`` hangs: what ``match_prefix`` passes to ``note_miss`` when it stops there."""
-        assert node.parent is not None
-        return (node.parent.id, node.key.child_key(self.page_size))
 
     def _depth(self, node: TreeNode | None) -> int:
         depth = 0
@@ -358,3 +360,12 @@ class RadixCache(BasePrefixCache[TreeNode]):
             edges.append(cursor.key)
             cursor = cursor.parent
         return RadixKey.join(edges[::-1])
+
+
+def _ghost_key(node: TreeNode) -> tuple[int, Hashable]:
+    """Where ``node`` hangs: what ``match_prefix`` passes to ``note_miss`` when it stops there."""
+    return (node.parent.id, node.child_key)  # type: ignore[union-attr]  # candidates are never the root
+
+
+def _node_len(node: TreeNode) -> int:
+    return len(node.value)  # an ndarray: no Python-level __len__ (RadixKey's) per call
