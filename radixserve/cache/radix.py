@@ -219,7 +219,8 @@ class RadixCache(BasePrefixCache[TreeNode]):
                 self._evictable_size -= len(cursor.key)
                 self._protected_size += len(cursor.key)
                 delta -= len(cursor.key)
-                self.candidates.discard(cursor)
+                if not cursor.children:  # only a leaf can be a candidate: no call for the path above it
+                    self.candidates.discard(cursor)
             cursor.lock_ref += 1
             cursor = cursor.parent
         return delta
@@ -236,7 +237,8 @@ class RadixCache(BasePrefixCache[TreeNode]):
                 self._evictable_size += len(cursor.key)
                 self._protected_size -= len(cursor.key)
                 delta += len(cursor.key)
-                self._update_candidate(cursor)
+                if not cursor.children:  # an unlocked leaf: a candidate again (an interior node never is)
+                    self.candidates.add(cursor)
             cursor = cursor.parent
         return delta
 
@@ -267,6 +269,8 @@ class RadixCache(BasePrefixCache[TreeNode]):
         from radixserve.cache.radix_check import check_radix_invariants
 
         check_radix_invariants(self)
+        for node in self.nodes():
+            assert node.parent is not None and node.parent.children.get(node.child_key) is node, f"{node!r}: child_key"
 
     def pretty_print(self) -> str:
         from radixserve.cache.radix_check import format_tree
@@ -310,24 +314,19 @@ class RadixCache(BasePrefixCache[TreeNode]):
         leaf.child_key = key.child_key(self.page_size)
         parent.children[leaf.child_key] = leaf
         self._evictable_size += len(key)
-        self.candidates.discard(parent)
-        self._update_candidate(leaf)
+        if len(parent.children) == 1:  # the parent was a leaf (a candidate if unlocked)
+            self.candidates.discard(parent)
+        self.candidates.add(leaf)  # unlocked and childless
         return leaf
 
     def _delete_leaf(self, node: TreeNode) -> None:
+        """Unlink a leaf the candidates just popped; its parent becomes a candidate if now an unlocked leaf."""
         parent = node.parent
-        assert parent is not None and not node.children and node.lock_ref == 0
+        assert parent is not None and not node.children and node.lock_ref == 0  # and no longer a candidate
         del parent.children[node.child_key]
         self._evictable_size -= len(node.key)
-        self.candidates.discard(node)
-        self._update_candidate(parent)
-
-    def _update_candidate(self, node: TreeNode) -> None:
-        """Make ``node`` a candidate iff it is an unlocked, non-root leaf."""
-        if node.lock_ref == 0 and not node.children and node is not self.root:
-            self.candidates.add(node)
-        else:
-            self.candidates.discard(node)
+        if not parent.children and parent.lock_ref == 0 and parent is not self.root:
+            self.candidates.add(parent)
 
     def _touch(self, node: TreeNode, now: float) -> None:
         node.last_access_time = now
