@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Hashable, Iterator
+from operator import attrgetter
 
 import numpy as np
 
@@ -91,7 +92,8 @@ class RadixCache(BasePrefixCache[TreeNode]):
         self._evictable_size = 0
         self._protected_size = 0
         hooks = CandidateHooks(_ghost_key, _node_len, self.clock, self.allocator.size)
-        self.candidates: CandidateSet[TreeNode] = self.strategy.candidate_set(lambda node: node.id, hooks)
+        tie_break = attrgetter("id")  # a C-level getter: no Python frame per heap push
+        self.candidates: CandidateSet[TreeNode] = self.strategy.candidate_set(tie_break, hooks)
 
     # ---- match / insert ---------------------------------------------------------------------
 
