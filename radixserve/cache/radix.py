@@ -316,7 +316,7 @@ class RadixCache(BasePrefixCache[TreeNode]):
         leaf.child_key = key.child_key(self.page_size)
         parent.children[leaf.child_key] = leaf
         self._evictable_size += len(key)
-        if len(parent.children) == 1:  # the parent was a leaf (a candidate if unlocked)
+        if len(parent.children) == 1 and not parent.lock_ref:  # the parent was an unlocked leaf: a candidate
             self.candidates.discard(parent)
         self.candidates.add(leaf)  # unlocked and childless
         return leaf
