@@ -16,7 +16,7 @@ documents below one system prompt) recency or frequency decides:
 
 Leaves fall into classes by how often finished requests reused them: class 0
 never (seen once), class c >= 1 about 2**(c-1) times (log2 buckets, capped).
-Each class is an LRU heap (``CandidateHeap``) ordered by (-depth, last access),
+Each class is an LRU heap (class_heaps.py) ordered by (-depth, last access),
 one set of them for the top level and one below it. The best leaf of a group
 is its smallest ``(-depth, last_access_time + c * shift)``: a reused leaf
 survives ``shift`` clock units longer per class than a cold one of the same
@@ -56,28 +56,20 @@ first vote. In the replays (seed 0, 25% of the working set) it settles at
 the least recent leaf come from one heap per class ordered by (-depth, last
 access) and one recency heap for every leaf below the top level.
 
-Ghosts: every evicted leaf leaves a ghost (its heap, hit count, eviction
-time and length) under its place in the tree (parent id, first page); ghosts
-hold at most ``ghost_capacity_len`` tokens (the pool's size), oldest
-forgotten first. A lookup that stops exactly where a ghost would have
-continued moves ``top_shift`` by ``TOP_LEARNING_RATE`` x the horizon x the
-ghost's share of its group's ghost tokens (ARC's ratio), within [0, 16
-horizons].
+Ghosts (ghosts.py): a lookup that stops exactly where an evicted leaf's
+ghost would have continued moves ``top_shift`` by ``TOP_LEARNING_RATE`` x
+the horizon x the ghost's share of its group's ghost tokens (ARC's ratio),
+within [0, 16 horizons], and the node its request inserts there starts with
+the ghost's hit count (frequency outlives eviction: ghosts.py says why).
 
-Frequency outlives eviction: the node a missed ghost's request inserts at the
-ghost's place starts with the ghost's hit count instead of 0 (the "perfect
-LFU" of the literature, which beats in-cache counts on Zipf popularity): a
-popular document evicted in a burst of other traffic is protected again as
-soon as it is back, instead of having to earn its reuses anew. The restored
-count is the node's ``hit_count`` (a radix split copies it to both halves).
-
-Costs: a leaf below the top level sits in two heaps (by depth, by recency);
-``add``/``discard``/``refresh`` O(log n) at worst; a pop compares
-``2 * num_classes + 1`` heads (a constant), pops one heap and opens at most three
-duels: evicting k leaves stays O(k log n). ``note_miss`` and a ``refresh``
-while duels are open are two dict lookups (plus the duels they settle). The
-tree keeps each node's depth (O(1) per insert or split; a split leaf is
-re-added at its new depth).
+Costs: the heaps (class_heaps.py) make ``add``/``refresh`` O(log n) at
+worst and an access that changes no class O(1); a pop reads
+``2 * num_classes + 1`` cached heads (re-reading only those that changed),
+pops one heap and opens at most three duels: evicting k leaves stays
+O(k log n). ``note_miss``, and ``refresh`` of a leaf, are one dict lookup
+each in the duels' index (plus the duels they settle). The tree keeps each
+node's depth (O(1) per insert or split; a split leaf is re-added at its new
+depth).
 """
 
 from __future__ import annotations
@@ -85,38 +77,26 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, Protocol, TypeVar, cast
+from typing import Generic
 
-from radixserve.cache.candidates import CandidateHeap
+from radixserve.cache.class_heaps import ClassHeaps, T, group_bests, hit_class
 from radixserve.cache.duels import Duels
-from radixserve.cache.ghosts import Ghost, Ghosts
+from radixserve.cache.ghosts import Ghosts
 
+__all__ = ["AdaptiveCandidates", "hit_class"]
 
-class _Ranked(Protocol):
-    last_access_time: float
-    hit_count: int
-    depth: int
-
-    def __hash__(self) -> int: ...
-
-
-T = TypeVar("T", bound=_Ranked)
-
-
-def hit_class(hit_count: int, num_classes: int) -> int:
-    """0 for a never-reused leaf, else 1 + floor(log2(hit_count)), capped at ``num_classes - 1``."""
-    return min(hit_count.bit_length(), num_classes - 1)
+CLASS, DEPTH = 0, 1  # the two kinds of duels: for the class shift, for the depth shift
 
 
 class AdaptiveCandidates(Generic[T]):
-    """Unlocked leaves for the ``adaptive`` policy; the interface of ``CandidateHeap`` plus the two shifts."""
+    """Unlocked leaves for the ``adaptive`` policy; the interface of ``CandidateHeap`` plus the learned shifts."""
 
     MIN_SHIFT, MAX_SHIFT = 1 / 64, 16.0  # horizons; at the floor the shift is 0 (LRU within a depth)
     MAX_TOP_SHIFT = 16.0  # horizons: tree roots are reused across long gaps (thought trees)
     TOP_LEARNING_RATE = 10.0  # top-level ghosts are few and far between: each must move the top shift further
     MAX_REVIVED = 1024  # missed ghosts awaiting their node's return (about one per request in flight)
     INITIAL_DEPTH_SHIFT = 1.0
-    MAX_DUELS = 4096  # open duels (two per eviction at most); the oldest are dropped undecided
+    MAX_DUELS = 4096  # open duels of each kind (two per eviction at most); the oldest are dropped undecided
 
     def __init__(
         self,
@@ -131,20 +111,17 @@ class AdaptiveCandidates(Generic[T]):
     ) -> None:
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
-        # Heap group * num_classes + class: group 0 the top level (depth 0), group 1 below a cached prefix.
-        # Last (depth learning only): every leaf below the top level again, by recency alone.
-        self._heaps = [CandidateHeap(_depth_then_recency, tie_break, True) for _ in range(2 * num_classes)]
-        self._heaps += [CandidateHeap(_recency, tie_break, True) for _ in range(depth_learning)]
-        self._slot: dict[T, int] = {}  # member -> the heap it is in
+        self._heaps: ClassHeaps[T] = ClassHeaps(num_classes, tie_break, depth_learning)
+        self._slot = self._heaps.slot  # member -> its class heap: group * num_classes + class
         self._ghost_key, self._size, self._clock = ghost_key, size, clock
         self._ghosts = Ghosts(ghost_capacity_len)
         self._revived: OrderedDict[Hashable, int] = OrderedDict()  # a missed ghost's hit count, until re-inserted
         self.num_classes, self.learning_rate = num_classes, learning_rate
-        self._duels = Duels(self.MAX_DUELS)
+        self._duels = Duels(self.MAX_DUELS, kinds=2)
+        self._dueling = self._duels.index  # every key in an open duel: looked up on every access
         self.shift_horizons = 1.0  # the shift in ghost horizons, learned from duels
         self.shift = 0.0  # clock units a leaf outlives one a class below it (shift_horizons x the horizon)
         self.top_shift = 0.0  # clock units a top-level leaf outlives the deepest leaf below
-        self._depth_duels = Duels(self.MAX_DUELS)
         self.depth_learning = depth_learning
         self.depth_shift_horizons = self.INITIAL_DEPTH_SHIFT
         self.depth_shift = math.inf  # clock units the deepest leaf below outlives an older, shallower one
@@ -162,108 +139,83 @@ class AdaptiveCandidates(Generic[T]):
         return hit_class(member.hit_count, self.num_classes)
 
     def slot_of(self, member: T) -> int:
-        return (member.depth > 0) * self.num_classes + self.class_of(member)
+        return self._heaps.slot_of(member)
 
     def add(self, member: T) -> None:
         if self._revived and not member.hit_count:  # back where a missed ghost was: its count goes on
             member.hit_count = self._revived.pop(self._ghost_key(member), 0)
-        slot = self.slot_of(member)
-        old = self._slot.get(member)
-        if old is not None and (self._duels.pending or self._depth_duels.pending):  # re-added: an access
+        if member in self._slot and member in self._dueling:  # re-added: an access
             self._settle(member, None)
-        if old is not None and old != slot:
-            self._discard_from(member, old)
-        self._slot[member] = slot
-        self._heaps[slot].add(member)
-        if slot >= self.num_classes and self.depth_learning:
-            self._heaps[-1].add(member)
+        self._heaps.add(member)
 
     def discard(self, member: T) -> None:
-        slot = self._slot.pop(member, None)
-        if slot is not None:
-            self._discard_from(member, slot)
-
-    def _discard_from(self, member: T, slot: int) -> None:
-        self._heaps[slot].discard(member)
-        if slot >= self.num_classes and self.depth_learning:
-            self._heaps[-1].discard(member)
+        if member in self._slot:  # most calls (a lock walk's ancestors) end here: no candidate
+            self._heaps.touched(member, self._slot.pop(member))  # its heap entries wait to be dropped or reused
 
     def refresh(self, member: T) -> None:
         """An access settles the duels ``member`` was kept in; a hit may move it up a class."""
-        if self._duels.pending or self._depth_duels.pending:
+        if member in self._dueling:
             self._settle(member, None)
-        if member in self._slot and self._slot[member] != self.slot_of(member):
-            self.add(member)
-
-    def _scan(self, first: int) -> tuple[float, int, int | None, int | None] | None:
-        """The best head of the class heaps from slot ``first`` on: its shifted access time and slot, and the
-        slots plain recency and frequency by class alone would evict from where they differ (else None)."""
-        best = recency = frequency = None
-        shift, heaps = self.shift, self._heaps
-        for slot in range(first, first + self.num_classes):
-            heap = heaps[slot]
-            if heap.peek() is None:
-                continue
-            neg_depth, last_access, tie = cast(tuple[float, float, int], heap.peek_key())
-            key = (neg_depth, last_access + (slot - first) * shift, tie, slot)
-            if best is None or key < best:
-                best = key
-            if shift and (recency is None or (neg_depth, last_access, tie, slot) < recency):
-                recency = (neg_depth, last_access, tie, slot)  # at shift 0 it is the shifted order
-            if frequency is None or neg_depth < frequency[0]:  # classes ascend: the lowest first
-                frequency = (neg_depth, slot)
-        if best is None:
-            return None
-        by_recency = recency[3] if recency is not None and recency[3] != best[3] else None
-        by_frequency = frequency[1] if frequency is not None and frequency[1] != best[3] else None
-        return best[1], best[3], by_recency, by_frequency
+        if member in self._slot:
+            slot, heaps, hits = self._slot[member], self._heaps, member.hit_count
+            if slot % self.num_classes != (heaps.classes[hits] if hits < heaps.top_class_hits else heaps.top_class):
+                heaps.add(member)  # up a class
+            else:
+                heaps.touched(member, slot)
 
     def pop(self) -> T | None:
         """Evict by the learned order (module docstring), open the duels where other orders differ; remember it."""
-        top, deep = self._scan(0), self._scan(self.num_classes)
-        oldest, old_shifted = None, math.inf  # the least recently used leaf below the top level
-        if deep is not None and self.depth_learning:
-            oldest = self._heaps[-1].peek()
-            old_shifted = cast(float, self._heaps[-1].peek_key()[1]) + self.class_of(cast(T, oldest)) * self.shift
-        by_age = deep is not None and old_shifted + self.depth_shift < deep[0]
-        below = old_shifted if by_age else deep[0] if deep is not None else math.inf
-        chosen = deep if deep is not None and (top is None or below < top[0] + self.top_shift) else top
+        heaps, num_classes, shift = self._heaps, self.num_classes, self.shift
+        heads = heaps.heads()
+        top, deep = group_bests(heads, num_classes, shift)
+        oldest = heads[-1] if deep is not None else None
+        by_age = False
+        if deep is not None:
+            below = deep[0][1]
+            if oldest is not None:
+                hits = oldest[2].hit_count
+                old_shifted = (
+                    oldest[0] + (heaps.classes[hits] if hits < heaps.top_class_hits else num_classes - 1) * shift
+                )
+                if old_shifted + self.depth_shift < below:
+                    by_age, below = True, old_shifted
+            if top is not None and below >= top[0][1] + self.top_shift:
+                deep = None
+        chosen = deep if deep is not None else top
         if chosen is None:
             return None
-        _, slot, by_recency, by_frequency = chosen
-        heaps, kept_by_recency, kept_by_frequency = self._heaps, None, None
-        if by_age and chosen is deep:  # recency across depths decided, not the class shift: no class duel
-            member, kept_by_depth = cast(T, heaps[-1].pop()), heaps[slot].peek()
+        best, recency, frequency = chosen
+        slot, deepest = best[3], heads[best[3]][-1]  # type: ignore[index]
+        if by_age and deep is not None:  # recency across depths decided, not the class shift: no class duel
+            slot = self._slot[oldest[2]]  # type: ignore[index]
+            member = heaps.pop_recent()
         else:
-            if by_recency is not None:
-                kept_by_recency = heaps[by_recency].peek()
-            if by_frequency is not None:
-                kept_by_frequency = heaps[by_frequency].peek()
-            member, kept_by_depth = cast(T, heaps[slot].pop()), oldest if chosen is deep else None
-        slot = self._slot[member]
-        self.discard(member)
+            member = heaps.pop(slot)
         ghost_key = self._ghost_key(member)
         # The victim is known by its ghost key (it comes back as a miss there); a kept leaf by itself while
         # cached (an access refreshes it, a match inside it splits and re-adds it: no key to compute on the
-        # hot path), and by its ghost key once it is evicted in turn.
-        if self._duels.pending:
-            self._duels.rekey(member, ghost_key)
-        if self._depth_duels.pending:
-            self._depth_duels.rekey(member, ghost_key)
-        if kept_by_recency is not None:  # the victim was the less-reused: less shift would have kept it
-            self._duels.open(ghost_key, kept_by_recency, -1)
-        if kept_by_frequency is not None:  # the victim was the more-reused: more shift would have kept it
-            self._duels.open(ghost_key, kept_by_frequency, +1)
-        if kept_by_depth is not None and kept_by_depth is not member:  # deepest first and recency disagreed
-            self._depth_duels.open(ghost_key, kept_by_depth, +1 if by_age else -1)  # +1: more depth shift keeps it
-        self._ghosts.remember(
-            ghost_key, Ghost(slot // self.num_classes, self._clock(), self._size(member), member.hit_count)
-        )
+        # hot path), and by its ghost key once it is evicted in turn. Each duel names the leaf another order
+        # would have evicted and the way the order that would have kept the victim moves its shift.
+        duels = self._duels
+        if member in self._dueling:
+            duels.rekey(member, ghost_key)
+        if by_age and deep is not None:
+            if deepest is not member:  # more depth shift would have kept it
+                duels.open(ghost_key, deepest, +1, DEPTH)
+        else:
+            if recency[3] != slot:  # the victim was the less-reused: less shift would have kept it
+                duels.open(ghost_key, recency[-1], -1, CLASS)
+            if frequency[3] != slot:  # the victim was the more-reused: more shift would have kept it
+                duels.open(ghost_key, frequency[-1], +1, CLASS)
+            if deep is not None and oldest is not None and oldest[2] is not member:  # recency across depths
+                duels.open(ghost_key, oldest[2], -1, DEPTH)  # would have kept the victim: less depth shift
+        self._ghosts.remember(ghost_key, slot // num_classes, self._clock(), self._size(member), member.hit_count)
         return member
 
     def note_miss(self, ghost_key: Hashable, now: float) -> None:
         """A lookup stopped where an evicted leaf would have continued: settle its duels, learn the top shift."""
-        self._settle(ghost_key, now)
+        if ghost_key in self._dueling:
+            self._settle(ghost_key, now)
         taken = self._ghosts.take(ghost_key)
         if taken is None:
             return
@@ -280,43 +232,27 @@ class AdaptiveCandidates(Generic[T]):
             self.top_shift = min(self.top_shift + step, self.MAX_TOP_SHIFT * horizon)
 
     def _settle(self, key: Hashable, now: float | None) -> None:
-        """A request reached ``key``: the duels it decides move the shifts (``now`` None: read the clock if so)."""
-        if self._duels.pending and (vote := self._duels.settle(key)):
-            now = self._clock() if now is None else now
-            self.shift_horizons = self._scaled(self.shift_horizons, vote)
-            self.shift = self._in_clock(self.shift_horizons, now)
-        if self._depth_duels.pending and (vote := self._depth_duels.settle(key)):
-            now = self._clock() if now is None else now
-            self.depth_shift_horizons = self._scaled(self.depth_shift_horizons, vote)
-            self.depth_shift = self._in_clock(self.depth_shift_horizons, now)
+        """A request reached ``key``: the duels it decides move the shifts (``now`` None: read the clock if so).
 
-    def _scaled(self, horizons: float, vote: int) -> float:
-        """Each net vote scales a shift, in horizons, by 2**learning_rate, within [MIN_SHIFT, MAX_SHIFT]."""
-        scaled: float = horizons * 2.0 ** (vote * self.learning_rate)
-        return min(max(scaled, self.MIN_SHIFT), self.MAX_SHIFT)
-
-    def _in_clock(self, horizons: float, now: float) -> float:
-        return 0.0 if horizons <= self.MIN_SHIFT else horizons * self._ghosts.horizon(now, now)
+        Each net vote scales a shift, counted in ghost horizons, by 2**learning_rate within [MIN_SHIFT,
+        MAX_SHIFT]; at the floor the shift is 0."""
+        vote, depth_vote = self._duels.settle(key)
+        if not (vote or depth_vote):
+            return
+        now = self._clock() if now is None else now
+        horizon, low, high = self._ghosts.horizon(now, now), self.MIN_SHIFT, self.MAX_SHIFT
+        if vote:
+            scaled = min(max(self.shift_horizons * 2.0 ** (vote * self.learning_rate), low), high)
+            self.shift_horizons, self.shift = scaled, 0.0 if scaled <= low else scaled * horizon
+        if depth_vote:
+            scaled = min(max(self.depth_shift_horizons * 2.0 ** (depth_vote * self.learning_rate), low), high)
+            self.depth_shift_horizons, self.depth_shift = scaled, 0.0 if scaled <= low else scaled * horizon
 
     def check(self) -> None:
-        for slot, heap in enumerate(self._heaps):
-            heap.check()
-            below = slot == 2 * self.num_classes  # the recency heap of depth learning
-            members = {m for m, s in self._slot.items() if (s >= self.num_classes if below else s == slot)}
-            assert set(heap) == members, f"heap {slot} != its members"
-        assert all(s == self.slot_of(m) for m, s in self._slot.items()), "a member sits in a stale heap"
+        self._heaps.check()
         self._ghosts.check()
         assert self.shift >= 0.0 and self.top_shift >= 0.0 and self.depth_shift >= 0.0
         assert len(self._revived) <= self.MAX_REVIVED and all(self._revived.values()), "revived counts"
         assert self.MIN_SHIFT <= self.shift_horizons <= self.MAX_SHIFT
         assert self.MIN_SHIFT <= self.depth_shift_horizons <= self.MAX_SHIFT
         self._duels.check()
-        self._depth_duels.check()
-
-
-def _depth_then_recency(member: _Ranked) -> tuple[float, ...]:
-    return (-member.depth, member.last_access_time)
-
-
-def _recency(member: _Ranked) -> tuple[float, ...]:
-    return (0.0, member.last_access_time)

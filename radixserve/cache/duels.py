@@ -12,11 +12,15 @@ place do, so stale counts are unlearned as fast as a new popularity shows.
 
 A duel is direction +1 when v is the more-reused leaf (more shift would have
 kept it) and -1 when v is the less-reused one (less shift would have kept it).
-``settle(key)`` returns the net vote of every duel ``key`` settles: +1 for
-more shift, -1 for less. Keys are any hashables: the caller names a cached
-leaf by itself and an evicted one by its ghost key, and ``rekey`` moves a
-kept leaf's duels to its ghost key when it is evicted in turn. Memory is bounded: the oldest open duel is dropped
-first. Every operation is O(1) per duel touched.
+Duels come in ``kinds`` (the policy's: the class shift and the depth shift),
+each with its own ``capacity`` (the oldest open duel of a kind is dropped
+first), and one index over every key of every kind: the policy asks
+``key in duels.index`` on every access, one dict lookup however many kinds
+are open. ``settle(key)`` closes every duel ``key`` decides and returns the
+net vote per kind: +1 for more shift, -1 for less. Keys are any hashables:
+the caller names a cached leaf by itself and an evicted one by its ghost key,
+and ``rekey`` moves a kept leaf's duels to its ghost key when it is evicted
+in turn. Every operation is O(1) per duel touched.
 """
 
 from __future__ import annotations
@@ -26,60 +30,75 @@ from collections.abc import Hashable
 
 
 class Duels:
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._open: OrderedDict[int, tuple[Hashable, Hashable, int]] = OrderedDict()  # id -> (victim, kept, dir)
-        self._by_victim: dict[Hashable, set[int]] = {}
-        self._by_kept: dict[Hashable, set[int]] = {}
+    def __init__(self, capacity: int, kinds: int = 1) -> None:
+        self.capacity, self.kinds = capacity, kinds
+        # Per kind, oldest first: id -> (victim, kept, direction); an id's kind is id % kinds.
+        self._open: list[OrderedDict[int, tuple[Hashable, Hashable, int]]] = [OrderedDict() for _ in range(kinds)]
+        self.index: dict[Hashable, set[int]] = {}  # every victim and kept key -> its open duels
         self._next_id = 0
-        self.pending = 0  # open duels; a plain attribute: the policy checks it on every access
 
     def __len__(self) -> int:
-        return len(self._open)
+        return sum(map(len, self._open))
 
-    def open(self, victim: Hashable, kept: Hashable, direction: int) -> None:
+    def open(self, victim: Hashable, kept: Hashable, direction: int, kind: int = 0) -> None:
         """``victim`` was evicted where another order would have evicted ``kept``; ``direction`` +1 or -1."""
         self._next_id += 1
-        self._open[self._next_id] = (victim, kept, direction)
-        self._by_victim.setdefault(victim, set()).add(self._next_id)
-        self._by_kept.setdefault(kept, set()).add(self._next_id)
-        self.pending += 1
-        if len(self._open) > self.capacity:
-            self._close(next(iter(self._open)))
+        duel, duels, index = self._next_id * self.kinds + kind, self._open[kind], self.index
+        duels[duel] = (victim, kept, direction)
+        if (ids := index.get(victim)) is None:
+            index[victim] = {duel}
+        else:
+            ids.add(duel)
+        if (ids := index.get(kept)) is None:
+            index[kept] = {duel}
+        else:
+            ids.add(duel)
+        if len(duels) > self.capacity:
+            self._close(next(iter(duels)))
 
-    def settle(self, key: Hashable) -> int:
-        """A request reached ``key``: close the duels it decides; their net vote (+1: more shift)."""
-        vote = 0
-        if (ids := self._by_victim.get(key)) is not None:
-            for duel in list(ids):
-                vote += self._close(duel)
-        if (ids := self._by_kept.get(key)) is not None:
-            for duel in list(ids):
-                vote -= self._close(duel)
-        return vote
+    def settle(self, key: Hashable) -> list[int]:
+        """A request reached ``key``: close the duels it decides; their net vote per kind (+1: more shift)."""
+        votes, kinds, index = [0] * self.kinds, self.kinds, self.index
+        for duel in index.pop(key, ()):
+            victim, kept, direction = self._open[duel % kinds].pop(duel)
+            if victim == key:  # the victim came back first: the order that would have kept it was right
+                other, vote = kept, direction
+            else:
+                other, vote = victim, -direction
+            votes[duel % kinds] += vote
+            if (ids := index.get(other)) is not None:  # None when victim == kept
+                ids.discard(duel)
+                if not ids:
+                    del index[other]
+        return votes
 
     def rekey(self, kept: Hashable, key: Hashable) -> None:
         """The leaf ``kept`` stands for is now known as ``key`` (it was evicted: its ghost key)."""
-        ids = self._by_kept.pop(kept, None)
+        ids = self.index.pop(kept, None)
         if ids is None:
             return
         for duel in ids:
-            victim, _, direction = self._open[duel]
-            self._open[duel] = (victim, key, direction)
-        self._by_kept.setdefault(key, set()).update(ids)
+            duels = self._open[duel % self.kinds]
+            victim, _, direction = duels[duel]
+            duels[duel] = (victim, key, direction)
+        self.index.setdefault(key, set()).update(ids)
 
-    def _close(self, duel: int) -> int:
-        victim, kept, direction = self._open.pop(duel)
-        self.pending -= 1
-        for index, key in ((self._by_victim, victim), (self._by_kept, kept)):
-            ids = index[key]
-            ids.discard(duel)
-            if not ids:
-                del index[key]
-        return direction
+    def _close(self, duel: int) -> tuple[Hashable, int]:
+        victim, kept, direction = self._open[duel % self.kinds].pop(duel)
+        for key in (victim, kept):
+            ids = self.index.get(key)
+            if ids is not None:  # victim == kept: one entry for both
+                ids.discard(duel)
+                if not ids:
+                    del self.index[key]
+        return victim, direction
 
     def check(self) -> None:
-        assert len(self._open) <= self.capacity and self.pending == len(self._open), "duels over capacity"
-        for index, role in ((self._by_victim, 0), (self._by_kept, 1)):
-            assert sum(len(ids) for ids in index.values()) == len(self._open), "duel index drifted"
-            assert all(self._open[d][role] == key for key, ids in index.items() for d in ids), "duel index drifted"
+        assert all(len(duels) <= self.capacity for duels in self._open), "duels over capacity"
+        records = {duel: record for duels in self._open for duel, record in duels.items()}
+        assert all(duel % self.kinds == kind for kind, duels in enumerate(self._open) for duel in duels)
+        expected: dict[Hashable, set[int]] = {}
+        for duel, (victim, kept, _) in records.items():
+            expected.setdefault(victim, set()).add(duel)
+            expected.setdefault(kept, set()).add(duel)
+        assert self.index == expected, "duel index drifted"

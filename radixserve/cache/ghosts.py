@@ -6,6 +6,13 @@ lookup that stops there passes to ``note_miss``. Ghosts hold at most
 ``capacity_len`` tokens (the pool's size), oldest forgotten first, so the age
 of the oldest ghost is the cache's turnover: the ``horizon`` the adaptive
 policy counts every learned shift in. Each operation is O(1).
+
+Frequency outlives eviction: the node a missed ghost's request inserts at the
+ghost's place starts with the ghost's hit count instead of 0 (the "perfect
+LFU" of the literature, which beats in-cache counts on Zipf popularity): a
+popular document evicted in a burst of other traffic is protected again as
+soon as it is back, instead of having to earn its reuses anew. The restored
+count is the node's ``hit_count`` (a radix split copies it to both halves).
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ class Ghost(NamedTuple):
     hit_count: int
 
 
+_new_ghost = tuple.__new__  # a NamedTuple's generated __new__ is Python code; tuple's builds the same object
+
+
 class Ghosts:
     def __init__(self, capacity_len: int) -> None:
         self.capacity_len = capacity_len
@@ -35,14 +45,18 @@ class Ghosts:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._ghosts
 
-    def remember(self, key: Hashable, ghost: Ghost) -> None:
+    def remember(self, key: Hashable, group: int, evicted_at: float, length: int, hit_count: int) -> None:
         """A leaf was evicted from ``key``'s place; the oldest ghosts go while over capacity (never the newest)."""
-        self._drop(self._ghosts.pop(key, None))
-        self._ghosts[key] = ghost
-        self.total_len += ghost.length
-        self.group_len[ghost.group] += ghost.length
-        while self.total_len > self.capacity_len and len(self._ghosts) > 1:
-            self._drop(self._ghosts.popitem(last=False)[1])
+        ghosts = self._ghosts
+        if key in ghosts:
+            self._drop(ghosts.pop(key))
+        ghosts[key] = _new_ghost(Ghost, (group, evicted_at, length, hit_count))  # once per eviction: skip __new__
+        self.total_len += length
+        self.group_len[group] += length
+        while self.total_len > self.capacity_len and len(ghosts) > 1:
+            oldest = ghosts.popitem(last=False)[1]
+            self.total_len -= oldest.length
+            self.group_len[oldest.group] -= oldest.length
 
     def take(self, key: Hashable) -> tuple[Ghost, float] | None:
         """Forget the ghost at ``key`` (a lookup stopped there); it and its share of its group's ghost tokens."""
@@ -50,13 +64,14 @@ class Ghosts:
         if ghost is None:
             return None
         share = ghost.length / max(self.group_len[ghost.group], 1)
-        self._drop(ghost)
+        self.total_len -= ghost.length
+        self.group_len[ghost.group] -= ghost.length
         return ghost, share
 
     def horizon(self, now: float, fallback: float) -> float:
         """How long ago the oldest remembered ghost was evicted (``fallback`` when none is left)."""
         oldest = next(iter(self._ghosts.values())).evicted_at if self._ghosts else fallback
-        return max(now - oldest, 0.0)
+        return now - oldest if now > oldest else 0.0
 
     def check(self) -> None:
         ghosts = self._ghosts.values()

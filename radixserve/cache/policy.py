@@ -124,7 +124,7 @@ class AdaptiveStrategy(EvictionStrategy):
 
     NUM_CLASSES = 3  # hits 0, 1, 2+ (a fourth class, 4+, protected stale counts too long in the replays)
     DEPTH_LEARNING = True  # False: always the deepest leaf below the top level first (issue 16's fourth pass)
-    LEARNING_RATE = 0.25  # each duel's vote scales the shift by 2**0.25 (AdaptiveCandidates._learn)
+    LEARNING_RATE = 0.25  # each duel's vote scales the shift by 2**0.25 (AdaptiveCandidates._settle)
 
     def rank(self, node: NodeStats) -> Rank:
         return (-node.depth, node.last_access_time)  # within a class; across classes the candidate set adds the shift

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from operator import attrgetter
 
 import numpy as np
 
@@ -41,6 +42,7 @@ class TreeNode:
         "hit_count",
         "priority",
         "depth",
+        "child_key",
     )
 
     def __init__(self, node_id: int, key: RadixKey, value: IndexArray, parent: TreeNode | None, now: float) -> None:
@@ -55,6 +57,9 @@ class TreeNode:
         self.hit_count = 0  # finished requests that reused this node's tokens
         self.priority = 0  # max request priority among the inserts that passed through
         self.depth: int = parent.depth + len(parent.key) if parent is not None else 0  # tokens above key[0]
+        # Where the parent keeps it (``key.child_key``), set when it is linked: deleting it and its ghost
+        # key (the adaptive policy's, on every eviction and new leaf) need no recomputation.
+        self.child_key: Hashable = None
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -86,8 +91,9 @@ class RadixCache(BasePrefixCache[TreeNode]):
         self.root.lock_ref = 1  # permanently locked: never a candidate, ends every lock walk
         self._evictable_size = 0
         self._protected_size = 0
-        hooks = CandidateHooks(self._ghost_key, lambda node: len(node.key), self.clock, self.allocator.size)
-        self.candidates: CandidateSet[TreeNode] = self.strategy.candidate_set(lambda node: node.id, hooks)
+        hooks = CandidateHooks(_ghost_key, _node_len, self.clock, self.allocator.size)
+        tie_break = attrgetter("id")  # a C-level getter: no Python frame per heap push
+        self.candidates: CandidateSet[TreeNode] = self.strategy.candidate_set(tie_break, hooks)
 
     # ---- match / insert ---------------------------------------------------------------------
 
@@ -215,7 +221,8 @@ class RadixCache(BasePrefixCache[TreeNode]):
                 self._evictable_size -= len(cursor.key)
                 self._protected_size += len(cursor.key)
                 delta -= len(cursor.key)
-                self.candidates.discard(cursor)
+                if not cursor.children:  # only a leaf can be a candidate: no call for the path above it
+                    self.candidates.discard(cursor)
             cursor.lock_ref += 1
             cursor = cursor.parent
         return delta
@@ -232,7 +239,8 @@ class RadixCache(BasePrefixCache[TreeNode]):
                 self._evictable_size += len(cursor.key)
                 self._protected_size -= len(cursor.key)
                 delta += len(cursor.key)
-                self._update_candidate(cursor)
+                if not cursor.children:  # an unlocked leaf: a candidate again (an interior node never is)
+                    self.candidates.add(cursor)
             cursor = cursor.parent
         return delta
 
@@ -263,6 +271,8 @@ class RadixCache(BasePrefixCache[TreeNode]):
         from radixserve.cache.radix_check import check_radix_invariants
 
         check_radix_invariants(self)
+        for node in self.nodes():
+            assert node.parent is not None and node.parent.children.get(node.child_key) is node, f"{node!r}: child_key"
 
     def pretty_print(self) -> str:
         from radixserve.cache.radix_check import format_tree
@@ -286,13 +296,15 @@ class RadixCache(BasePrefixCache[TreeNode]):
         new.lock_ref, new.hit_count, new.priority = child.lock_ref, child.hit_count, child.priority
         new.last_access_time, new.creation_time = child.last_access_time, child.creation_time
         new.depth = child.depth
-        parent.children[new.key.child_key(self.page_size)] = new
+        new.child_key = child.child_key  # the same first page
+        parent.children[new.child_key] = new
         child.key = child.key[split_len:]
         child.key.token_ids = child.key.token_ids.copy()
         child.value = child.value[split_len:].copy()
         child.parent = new
         child.depth += split_len
-        new.children[child.key.child_key(self.page_size)] = child
+        child.child_key = child.key.child_key(self.page_size)
+        new.children[child.child_key] = child
         if child in self.candidates:  # it now starts deeper: a policy ranking by depth re-ranks it
             self.candidates.add(child)
         return new
@@ -301,35 +313,26 @@ class RadixCache(BasePrefixCache[TreeNode]):
         key.token_ids = key.token_ids.copy()  # never alias the caller's token buffer
         leaf = TreeNode(next(self._ids), key, value, parent, now)
         leaf.priority = priority
-        parent.children[key.child_key(self.page_size)] = leaf
+        leaf.child_key = key.child_key(self.page_size)
+        parent.children[leaf.child_key] = leaf
         self._evictable_size += len(key)
-        self.candidates.discard(parent)
-        self._update_candidate(leaf)
+        if len(parent.children) == 1 and not parent.lock_ref:  # the parent was an unlocked leaf: a candidate
+            self.candidates.discard(parent)
+        self.candidates.add(leaf)  # unlocked and childless
         return leaf
 
     def _delete_leaf(self, node: TreeNode) -> None:
+        """Unlink a leaf the candidates just popped; its parent becomes a candidate if now an unlocked leaf."""
         parent = node.parent
-        assert parent is not None and not node.children and node.lock_ref == 0
-        del parent.children[node.key.child_key(self.page_size)]
+        assert parent is not None and not node.children and node.lock_ref == 0  # and no longer a candidate
+        del parent.children[node.child_key]
         self._evictable_size -= len(node.key)
-        self.candidates.discard(node)
-        self._update_candidate(parent)
-
-    def _update_candidate(self, node: TreeNode) -> None:
-        """Make ``node`` a candidate iff it is an unlocked, non-root leaf."""
-        if node.lock_ref == 0 and not node.children and node is not self.root:
-            self.candidates.add(node)
-        else:
-            self.candidates.discard(node)
+        if not parent.children and parent.lock_ref == 0 and parent is not self.root:
+            self.candidates.add(parent)
 
     def _touch(self, node: TreeNode, now: float) -> None:
         node.last_access_time = now
         self.candidates.refresh(node)
-
-    def _ghost_key(self, node: TreeNode) -> tuple[int, object]:
-        """Where ``node`` hangs: what ``match_prefix`` passes to ``note_miss`` when it stops there."""
-        assert node.parent is not None
-        return (node.parent.id, node.key.child_key(self.page_size))
 
     def _depth(self, node: TreeNode | None) -> int:
         depth = 0
@@ -358,3 +361,12 @@ class RadixCache(BasePrefixCache[TreeNode]):
             edges.append(cursor.key)
             cursor = cursor.parent
         return RadixKey.join(edges[::-1])
+
+
+def _ghost_key(node: TreeNode) -> tuple[int, Hashable]:
+    """Where ``node`` hangs: what ``match_prefix`` passes to ``note_miss`` when it stops there."""
+    return (node.parent.id, node.child_key)  # type: ignore[union-attr]  # candidates are never the root
+
+
+def _node_len(node: TreeNode) -> int:
+    return len(node.value)  # an ndarray: no Python-level __len__ (RadixKey's) per call

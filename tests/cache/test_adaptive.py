@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from radixserve.cache import RadixCache, RadixKey, TreeNode
 from radixserve.cache.adaptive import AdaptiveCandidates, hit_class
+from radixserve.cache.class_heaps import ClassHeaps
 from radixserve.memory import TokenAllocator
 from tests.cache.helpers import serve, start
 
@@ -249,8 +250,31 @@ def test_a_ghost_hit_restores_the_count_the_node_had_when_evicted() -> None:
     assert node.hit_count == 2 and candidates(cache).class_of(node) == 2  # protected as before, not class 0
 
 
+def test_a_split_tail_leaves_its_ghost_below_the_split() -> None:
+    """A split hangs the tail below the new node under a new child key: its ghost is where a later lookup stops."""
+    cache, clock = make_cache(8)
+    for t in range(3):
+        clock.now = float(t)
+        serve(cache, [1, 2, 3, 4], "tenant")  # two reuses
+    clock.now = 3.0
+    req = start(cache, [1, 2, 5, 6], "tenant")  # splits [1..4] at 2 and locks [1, 2]: [3, 4] is the only candidate
+    (tail,) = [n for n in cache.nodes() if n.key.token_ids[0] == 3]
+    assert cache.evict(2) == 2 and tail.hit_count == 2
+    cache.cache_finished_req(req)
+    cache.check_invariants()
+    clock.now = 4.0
+    serve(cache, [1, 2, 3, 4], "tenant")  # misses below [1, 2], where the ghost is, then comes back
+    (node,) = [n for n in cache.nodes() if n.key.token_ids[0] == 3]
+    assert node.hit_count == 2  # the ghost was found under the split node and the tail's first token
+
+
 def test_hit_classes_are_log2_buckets() -> None:
     assert [hit_class(h, 4) for h in (0, 1, 2, 3, 4, 7, 8, 1000)] == [0, 1, 2, 2, 3, 3, 3, 3]
+    for num_classes in range(2, 7):  # the heaps' table (no call on the hot path) says the same
+        heaps: ClassHeaps[TreeNode] = ClassHeaps(num_classes, lambda n: n.id, True)
+        for hits in range(300):
+            table = heaps.classes[hits] if hits < heaps.top_class_hits else heaps.top_class
+            assert table == hit_class(hits, num_classes)
     with pytest.raises(ValueError, match="num_classes"):
         AdaptiveCandidates(lambda n: 0, lambda n: n, lambda n: 1, lambda: 0.0, 16, num_classes=1)
 
