@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -293,7 +294,10 @@ def test_tiered_cache_matches_reference(page_size: int, write_policy: str, unbou
     attrs = {"page_size": page_size, "write_policy": write_policy, "unbounded": unbounded}
     loaded = {"host": 0, "disk": 0, "prefetched": 0, "restored": 0}
     machine = type("Machine", (TierMachine,), {**attrs, "loaded": loaded})
-    run_state_machine_as_test(machine, settings=machine_settings(20, 30))
+    # Derandomized: the checks below ask that the examples, together, reached every tier (a restart's disk page read
+    # included); with a fresh seed each run, some runs' 20 examples never did (about one run in four for page 4,
+    # write-back, bounded). One fixed set of examples keeps that a property of the code, not of the seed.
+    run_state_machine_as_test(machine, settings=settings(machine_settings(20, 30), derandomize=True))
     disk_read = machine.loaded["disk"] + machine.loaded["prefetched"]  # a prefetch turns a disk hit into a host hit
     assert machine.loaded["host"] > 0 and (unbounded or disk_read > 0), machine.loaded
     assert unbounded or machine.loaded["restored"] > 0, machine.loaded
