@@ -188,10 +188,8 @@ class BlockLinear(_BlockModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or not paged_kernel.load():
             return self._torch_forward(x)
-        if x.shape[0] <= (INT8_KERNEL_MAX_ROWS if self.int8_activations else KERNEL_MAX_ROWS):
-            op = torch.ops.radixserve.block_linear_q8 if self.int8_activations else torch.ops.radixserve.block_linear
-            out: torch.Tensor = op(x, self.qs, self.d, self.m)
-            return out if self.bias is None else out + self.bias
+        if x.shape[0] <= self._kernel_rows():
+            return self._kernel(x, None)
         # Many rows (prefill): the dtype's own GEMM, a cache-sized tile of dequantized weights at a time; each
         # row's result depends on that row alone (with float rows, bit for bit F.linear on the float weights).
         rows = torch.ops.radixserve.dequantized_rows_q8(x).to(x.dtype) if self.int8_activations else x
@@ -200,16 +198,32 @@ class BlockLinear(_BlockModule):
         return tiled
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + self(x); on the tiled path inside the GEMM (addmm), as the float model adds it: MKL adds C
-        before its last pass over K, so residual + mm would differ from float32 in the last bit (K >= 576)."""
-        tiled = x.device.type == "cpu" and x.shape[0] > KERNEL_MAX_ROWS and paged_kernel.load()
-        if not tiled or self.int8_activations or self.bias is not None:
+        """residual + self(x) with the add inside the matmul: the kernel adds bias and residual to each float32
+        sum before its one rounding to x's dtype (no pass over [T, N] per add); the tiled path adds the residual
+        inside the GEMM (addmm) as the float model does: MKL adds C before its last pass over K, so
+        residual + mm would differ from float32 in the last bit (K >= 576)."""
+        if x.device.type != "cpu" or not paged_kernel.load():
             out: torch.Tensor = residual + self(x)
+            return out
+        if x.shape[0] <= self._kernel_rows():
+            return self._kernel(x, residual.contiguous())
+        if self.int8_activations or self.bias is not None:
+            out = residual + self(x)
             return out
         added: torch.Tensor = torch.ops.radixserve.block_linear_tiled(
             x, self.qs, self.d, self.m, residual, tile_columns(self.in_features)
         )
         return added
+
+    def _kernel_rows(self) -> int:
+        return INT8_KERNEL_MAX_ROWS if self.int8_activations else KERNEL_MAX_ROWS
+
+    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The decode kernel: x @ W.T + bias (+ residual) in x's dtype, summed in float32 and rounded once."""
+        op = torch.ops.radixserve.block_linear_q8 if self.int8_activations else torch.ops.radixserve.block_linear
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        out: torch.Tensor = op(x, self.qs, self.d, self.m, bias, residual)
+        return out
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         """No kernel (no compiler), or CUDA: dequantize with torch ops, then the dtype's GEMM."""

@@ -35,9 +35,10 @@ using radixserve::padded;
 constexpr int kRowTile = 8;
 
 // Activations as int8 blocks: codes [rows, K]; per block its scale and (Q4_1 min term) scale * sum of codes,
-// [rows, padded(blocks)].
+// [rows, padded(blocks)] (zeros past the last block).
 struct Q8Rows {
-  at::Tensor codes, scales, sums;
+  at::Tensor codes;
+  std::vector<float> scales, sums;
 };
 
 // One block of 32: its codes, returns its scale; *sum = scale * the sum of the codes.
@@ -78,17 +79,29 @@ inline float quantize_block(const float* x, int8_t* q, float* sum) {
   return scale;
 }
 
+template <typename T>
+inline void convert(const T* x, float* out) {
+  for (int j = 0; j < kBlock; ++j) out[j] = static_cast<float>(x[j]);
+}
+
+// x [rows, K] float32, bfloat16 or float16 (each block converted to float32 on the way).
 Q8Rows quantize_rows(const at::Tensor& x) {
-  const int64_t rows = x.size(0), blocks = x.size(1) / kBlock;
-  Q8Rows out{at::empty(x.sizes(), x.options().dtype(at::kChar)), at::zeros({rows, padded(blocks)}, x.options()),
-             at::zeros({rows, padded(blocks)}, x.options())};
-  const float* xp = x.data_ptr<float>();
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = x.size(0), blocks = x.size(1) / kBlock, ld = padded(blocks);
+  Q8Rows out{at::empty(x.sizes(), x.options().dtype(at::kChar)), std::vector<float>(rows * ld, 0.f),
+             std::vector<float>(rows * ld, 0.f)};
   int8_t* qp = out.codes.data_ptr<int8_t>();
+  const void* xp = xc.data_ptr();
+  float converted[kBlock];
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = r * padded(blocks) + b;
-      out.scales.data_ptr<float>()[at] = quantize_block(xp + (r * blocks + b) * kBlock, qp + (r * blocks + b) * kBlock,
-                                                        out.sums.data_ptr<float>() + at);
+      const int64_t block = r * blocks + b;
+      const float* xb = converted;
+      if (x.scalar_type() == at::kFloat) xb = static_cast<const float*>(xp) + block * kBlock;
+      else if (x.scalar_type() == at::kBFloat16)
+        convert(static_cast<const at::BFloat16*>(xp) + block * kBlock, converted);
+      else convert(static_cast<const at::Half*>(xp) + block * kBlock, converted);
+      out.scales[r * ld + b] = quantize_block(xb, qp + block * kBlock, &out.sums[r * ld + b]);
     }
   return out;
 }
@@ -193,13 +206,12 @@ void tile_rows(int rows, const int8_t* xq, int64_t ldx, const float* scale, cons
 // Output channels n0..n1 of every row: a chunk of channels' weights (a few KiB, kept in L1/L2) is read
 // once per tile of rows, so a tile's codes stay in L1.
 template <bool Q4>
-void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t n1, int64_t out_features,
-                     float* out) {
+void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t n1, const radixserve::Epilogue& out) {
   constexpr int64_t kChunk = 16;
   const int64_t rows = x.codes.size(0), in_features = x.codes.size(1), ldxs = padded(w.blocks);
   const int8_t* xq = x.codes.data_ptr<int8_t>();
-  const float* xs = x.scales.data_ptr<float>();
-  const float* xsum = x.sums.data_ptr<float>();
+  const float* xs = x.scales.data();
+  const float* xsum = x.sums.data();
   std::vector<float> d(kChunk * ldxs), m(kChunk * ldxs), scale(kRowTile * ldxs);
   float sums[kRowTile];
   for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
@@ -215,34 +227,42 @@ void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t
           for (int64_t b = 0; b < ldxs; ++b) scale[r * ldxs + b] = dn[b] * xs[(r0 + r) * ldxs + b];
         tile_rows<Q4>(tile, xq + r0 * in_features, in_features, scale.data(), xsum + r0 * ldxs, ldxs,
                       w.qs + n * w.qs_row_bytes, m.data() + (n - c0) * ldxs, w.blocks, sums);
-        for (int r = 0; r < tile; ++r) out[(r0 + r) * out_features + n] = sums[r];
+        for (int r = 0; r < tile; ++r) out.store(r0 + r, n, sums[r]);
       }
     }
   }
 }
 
+// x [M, K] @ W.T for the blocks W [N, K] with x's rows as int8 blocks, in x's dtype: + bias, then rounded, + residual
+// (each optional): the residual's rounding as the GEMM path's `residual + linear(x)` (radixserve::Epilogue).
 at::Tensor block_linear_q8_op(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                              const std::optional<at::Tensor>& m) {
+                              const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& residual) {
   const bool q4 = check_blocks(qs, d, m);
   const int64_t out_features = qs.size(0), blocks = d.size(1);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == blocks * kBlock, "x [M, K] against weights [N, K]");
-  const Q8Rows xq = quantize_rows(x.to(at::kFloat).contiguous());
-  at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+  at::Tensor out;
+  const radixserve::Epilogue epilogue =
+      radixserve::make_epilogue(x, out_features, out, std::nullopt, bias, residual, /*round_before_residual=*/true);
+  const Q8Rows xq = quantize_rows(x);
   const BlockWeights w{static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
                        q4 ? m->data_ptr<at::Half>() : nullptr, blocks, qs.size(1)};
-  float* op = out.data_ptr<float>();
   at::parallel_for(0, out_features, 16, [&](int64_t n0, int64_t n1) {
-    if (q4) linear_channels<true>(xq, w, n0, n1, out_features, op);
-    else linear_channels<false>(xq, w, n0, n1, out_features, op);
+    if (q4) linear_channels<true>(xq, w, n0, n1, epilogue);
+    else linear_channels<false>(xq, w, n0, n1, epilogue);
   });
-  return out.to(x.scalar_type());
+  return out;
 }
 
 // The activation codes alone, for tests: (codes int8 [M, K], scales float32 [M, K / 32]).
 std::tuple<at::Tensor, at::Tensor> quantize_rows_q8_op(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x [M, K], K a multiple of 32");
-  const Q8Rows q = quantize_rows(x.to(at::kFloat).contiguous());
-  return {q.codes, q.scales.narrow(1, 0, x.size(1) / kBlock).contiguous()};
+  const Q8Rows q = quantize_rows(x);
+  const int64_t blocks = x.size(1) / kBlock, ld = padded(blocks);
+  at::Tensor scales = at::empty({x.size(0), blocks}, x.options().dtype(at::kFloat));
+  for (int64_t r = 0; r < x.size(0); ++r)
+    std::copy_n(q.scales.data() + r * ld, blocks, scales.data_ptr<float>() + r * blocks);
+  return {q.codes, scales};
 }
 
 // x's rows as the values of their int8 codes (codes * scale, exact in float32), float32 [M, K], in one
@@ -268,7 +288,8 @@ at::Tensor dequantized_rows_q8_op(const at::Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
-  m.def("block_linear_q8(Tensor x, Tensor qs, Tensor d, Tensor? m) -> Tensor");
+  m.def(
+      "block_linear_q8(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias=None, Tensor? residual=None) -> Tensor");
   m.def("quantize_rows_q8(Tensor x) -> (Tensor, Tensor)");
   m.def("dequantized_rows_q8(Tensor x) -> Tensor");
 }
