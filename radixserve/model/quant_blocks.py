@@ -4,9 +4,11 @@ Q4_1 stores per block a float16 scale d and min m and 32 4-bit codes (w = d * q 
 0.625 bytes per weight); Q8_0 a float16 scale and 32 int8 codes (w = d * q; 1.0625 bytes).
 A GGUF file's own Q4_1 / Q8_0 blocks are kept exactly as they are (their float32 values
 are what the float path runs, so keeping them loses nothing); other weights are
-quantized here with gguf's own quantizer. Activations stay float32 in the kernel and
-each row's result depends on that row only, so batch composition and cache hits
-change nothing. Three matmuls, by what the machine offers:
+quantized here with gguf's own quantizer. The kernels take and return the model's dtype:
+float32 rows multiply by the exact float32 weights, bfloat16 rows (AVX512-BF16) by those
+weights rounded to bfloat16, as the GEMM path and the bfloat16 float model round them. Each
+row's result depends on that row only, so batch composition and cache hits change nothing.
+Three matmuls, by what the machine offers:
 
 - CPU, up to 16 rows (decode; 48 with int8 activations): our kernel (csrc/block_linear.cpp) reads the blocks;
 - CPU, more rows (prefill): csrc/block_gemm.cpp dequantizes a cache-sized tile of output channels at a

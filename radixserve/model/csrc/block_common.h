@@ -50,11 +50,10 @@ inline void row_scales(const at::Half* h, int64_t count, float* out) {
   for (; i < padded(count); ++i) out[i] = 0.f;
 }
 
-// The scales (and Q4_1's mins) of output channels c0..c1 as float32, each row padded(blocks) apart: a chunk
+// The scales (and Q4_1's mins) of output channels c0..c1 as float32, each row ld >= padded(blocks) apart: a chunk
 // of channels is converted once, then read once per tile of activation rows.
 template <bool Q4>
-inline void chunk_scales(const BlockWeights& w, int64_t c0, int64_t c1, float* d, float* m) {
-  const int64_t ld = padded(w.blocks);
+inline void chunk_scales(const BlockWeights& w, int64_t c0, int64_t c1, float* d, float* m, int64_t ld) {
   for (int64_t n = c0; n < c1; ++n) {
     row_scales(w.d + n * w.blocks, w.blocks, d + (n - c0) * ld);
     if constexpr (Q4) row_scales(w.m + n * w.blocks, w.blocks, m + (n - c0) * ld);

@@ -152,7 +152,7 @@ void linear_channels(const float* x, int64_t rows, int64_t in_features, const fl
   float sums[kRowTile];
   for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
     const int64_t c1 = std::min(n1, c0 + kChunk);
-    chunk_scales<Q4>(w, c0, c1, d.data(), m.data());
+    chunk_scales<Q4>(w, c0, c1, d.data(), m.data(), ldxs);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
       for (int64_t n = c0; n < c1; ++n) {
