@@ -65,8 +65,8 @@ class Int8Linear(nn.Module):
         return self._forward(x, None)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + self(x); in the block kernel (decode rows) scales, bias and residual are applied to each
-        float32 sum before its one rounding to x's dtype."""
+        """residual + self(x); in the block kernel (decode rows) scales and bias apply to each float32 sum, which
+        is rounded to x's dtype, then the residual added and rounded again (as the GEMM path's residual + out)."""
         return self._forward(x, residual)
 
     def _forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

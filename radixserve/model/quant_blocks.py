@@ -200,10 +200,11 @@ class BlockLinear(_BlockModule):
         return tiled
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + self(x) with the add inside the matmul: the kernel adds bias and residual to each float32
-        sum before its one rounding to x's dtype (no pass over [T, N] per add); the tiled path adds the residual
-        inside the GEMM (addmm) as the float model does: MKL adds C before its last pass over K, so
-        residual + mm would differ from float32 in the last bit (K >= 576)."""
+        """residual + self(x) with the add inside the matmul. The tiled path adds the residual inside the GEMM
+        (addmm) as the float model does: MKL adds C before its last pass over K, so residual + mm would differ
+        from float32 in the last bit (K >= 576). The kernel adds it to each float32 sum (no pass over [T, N])
+        as its many-row path adds it: before the one rounding to x's dtype, or with int8 activations (whose
+        tiled path runs residual + self(x)) after rounding, then rounded again."""
         if x.device.type != "cpu" or not paged_kernel.load():
             out: torch.Tensor = residual + self(x)
             return out
@@ -221,7 +222,7 @@ class BlockLinear(_BlockModule):
         return INT8_KERNEL_MAX_ROWS if self.int8_activations else KERNEL_MAX_ROWS
 
     def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """The decode kernel: x @ W.T + bias (+ residual) in x's dtype, summed in float32 and rounded once."""
+        """The decode kernel: x @ W.T + bias (+ residual) in x's dtype, summed in float32 (see forward_add)."""
         op = torch.ops.radixserve.block_linear_q8 if self.int8_activations else torch.ops.radixserve.block_linear
         bias = None if self.bias is None else self.bias.to(x.dtype)
         out: torch.Tensor = op(x, self.qs, self.d, self.m, bias, residual)

@@ -196,7 +196,7 @@ inline void codes_f32(const uint8_t* qs, int64_t b, __m512& lo, __m512& hi) {
 
 // R rows of x (float32, or bfloat16 when BF16) against C weight rows (codes, d, m each ldq / blocks apart):
 // float32, sums[r * C + c] = sum_b d_cb * (x_rb . q_cb) [+ m_c . xsum_r]; BF16, x_r . bf16(w_c) with the weights
-// w = d * q + m (Q8_0: d * q * wscale_c where wscale is given). Each x block is loaded once for the C channels;
+// w = d * q + m (Q8_0: (d * wscale_c) * q where wscale is given). Each x block is loaded once for the C channels;
 // scales are converted from float16 16 blocks at a time (min term: those 16 blocks' m . xsum, one FMA).
 template <int R, int C, bool Q4, bool BF16>
 void dot_tile(const void* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* qs, int64_t ldq,
@@ -223,13 +223,7 @@ void dot_tile(const void* x, int64_t ldx, const float* xsum, int64_t ldxs, const
         } else {
           __m512 lo, hi;
           codes_f32<false>(qs + c * ldq, b, lo, hi);
-          lo = _mm512_mul_ps(scale[c], lo);  // d * q: exact
-          hi = _mm512_mul_ps(scale[c], hi);
-          if (wscale != nullptr) {
-            lo = _mm512_mul_ps(lo, _mm512_set1_ps(wscale[c]));
-            hi = _mm512_mul_ps(hi, _mm512_set1_ps(wscale[c]));
-          }
-          w[c] = _mm512_cvtne2ps_pbh(hi, lo);
+          w[c] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(scale[c], hi), _mm512_mul_ps(scale[c], lo));
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -264,7 +258,9 @@ void dot_tile(const void* x, int64_t ldx, const float* xsum, int64_t ldxs, const
       _mm_prefetch(reinterpret_cast<const char*>(d + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
       if constexpr (Q4)
         _mm_prefetch(reinterpret_cast<const char*>(m + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
-      _mm512_store_ps(scales[c], half16(d + c * blocks));
+      // With wscale (int8 weight-only, whose block scales d are 1) the block's scale is d * wscale_c.
+      const __m512 dc = half16(d + c * blocks);
+      _mm512_store_ps(scales[c], wscale == nullptr ? dc : _mm512_mul_ps(dc, _mm512_set1_ps(wscale[c])));
       if constexpr (Q4 && BF16) _mm512_store_ps(mins[c], half16(m + c * blocks));
       if constexpr (Q4 && !BF16) {
         const __m512 mc = half16(m + c * blocks);
