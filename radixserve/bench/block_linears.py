@@ -5,7 +5,7 @@ them (q|k|v, o, gate|up, down), each path timed over ``--layers`` layers and sca
 layer count: ms per forward. Paths, interleaved round by round in one process (each cell the best round):
 
 - ``dequant``: every weight dequantized whole (C++), once per call: what more than 16 rows paid before;
-- ``gemm``: the dtype's GEMM on those float weights (the float32 model's own linears);
+- ``gemm``: the dtype's GEMM on those float weights (the float model's own linears; ``--dtype``: x's and theirs);
 - ``whole``: the two together, the many-row path before block_gemm.cpp;
 - ``tiled``: block_gemm.cpp, a cache-sized tile of dequantized weights at a time (``tiled@K`` for K KiB tiles);
 - ``kernel``: block_linear.cpp (float activations) over all rows;
@@ -47,7 +47,7 @@ def tiled(tile_kib: int | None) -> Path:
 PATHS: dict[str, Path] = {
     "dequant": lambda w, wf, x: w.dequantize_fast(),
     "gemm": lambda w, wf, x: F.linear(x, wf),
-    "whole": lambda w, wf, x: F.linear(x, w.dequantize_fast()),
+    "whole": lambda w, wf, x: F.linear(x, w.dequantize_fast().to(x.dtype)),
     "tiled": tiled(None),
     "kernel": lambda w, wf, x: ops.block_linear(x, w.qs, w.d, w.m),
     "kernel-q8": lambda w, wf, x: ops.block_linear_q8(x, w.qs, w.d, w.m),
@@ -86,26 +86,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=30, help="layers timed (scaled to the model's count)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of x (and gemm's weights)")
     args = parser.parse_args(argv)
     if not paged_kernel.load():
         raise SystemExit("the block kernels did not build (see the log)")
     torch.set_num_threads(args.num_threads)
     model_path = args.model_path or default_model_path()
     num_layers = read_gguf_config(model_path).num_layers
-    weights = layer_weights(model_path, min(args.layers, num_layers))
+    dtype = getattr(torch, args.dtype)
+    weights = [(w, wf.to(dtype)) for w, wf in layer_weights(model_path, min(args.layers, num_layers))]
     scale = num_layers / min(args.layers, num_layers)
     paths = {name: tiled(int(name[6:])) if name.startswith("tiled@") else PATHS[name] for name in args.paths.split(",")}
     generator = torch.Generator().manual_seed(0)
     best: dict[tuple[int, str], float] = {}
     for rows in (int(r) for r in args.rows.split(",")):
-        inputs = {k: torch.randn(rows, k, generator=generator) for k in {w.shape[1] for w, _ in weights}}
+        inputs = {k: torch.randn(rows, k, generator=generator).to(dtype) for k in {w.shape[1] for w, _ in weights}}
         for round_ in range(args.rounds):
             order = list(paths.items())
             for name, path in order if round_ % 2 == 0 else order[::-1]:
                 ms = forward_ms(path, weights, inputs, scale)
                 best[rows, name] = min(best.get((rows, name), float("inf")), ms)
     clock = "CPU" if args.num_threads == 1 else "wall"
-    print(f"{clock} ms per forward, {num_layers} layers' linears, {args.num_threads} thread(s), best of {args.rounds}")
+    print(
+        f"{clock} ms per forward, {num_layers} layers' linears, {args.dtype} x, {args.num_threads} thread(s), "
+        f"best of {args.rounds}"
+    )
     print(f"{'rows':>6}" + "".join(f"{name:>12}" for name in paths))
     for rows in dict.fromkeys(r for r, _ in best):
         print(f"{rows:>6}" + "".join(f"{best[rows, name]:>12.1f}" for name in paths))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model.config import ModelConfig
+from radixserve.model.quant import Int8Linear
 from radixserve.model.quant_blocks import BlockLinear
 
 M = TypeVar("M", bound=nn.Module)
@@ -68,7 +69,7 @@ def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> to
     """residual + linear(x); a plain bias-free linear adds inside the GEMM (addmm), saving a pass over [T, N]."""
     if type(linear) is nn.Linear and linear.bias is None and x.dim() == 2:
         return torch.addmm(residual, x, linear.weight.t())
-    if isinstance(linear, BlockLinear):  # blocks add inside their GEMM too, with float32's bits
+    if isinstance(linear, (BlockLinear, Int8Linear)):  # quantized linears add inside their kernel or GEMM
         return linear.forward_add(x, residual)
     out: torch.Tensor = residual + linear(x)
     return out

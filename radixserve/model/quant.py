@@ -62,16 +62,31 @@ class Int8Linear(nn.Module):
         self.register_buffer("unit_scales", units if weight.shape[1] % 32 == 0 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._matmul(x)
-        return out if self.bias is None else out + self.bias
+        return self._forward(x, None)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and paged_kernel.load():
-            if x.shape[0] <= OWN_KERNEL_MAX_ROWS and self.unit_scales is not None:
-                out: torch.Tensor = torch.ops.radixserve.block_linear(x, self.weight_int8, self.unit_scales, None)
-                return out * self.scales
-            if x.shape[0] <= OWN_KERNEL_MAX_ROWS:
-                out = torch.ops.radixserve.int8_linear(x, self.weight_int8, self.scales)
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x); in the block kernel (decode rows) scales and bias apply to each float32 sum, which
+        is rounded to x's dtype, then the residual added and rounded again (as the GEMM path's residual + out)."""
+        return self._forward(x, residual)
+
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        kernel = x.device.type == "cpu" and paged_kernel.load()
+        if kernel and x.shape[0] <= OWN_KERNEL_MAX_ROWS and self.unit_scales is not None:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            residual = None if residual is None else residual.contiguous()
+            scales = self.scales.to(x.dtype)
+            op = torch.ops.radixserve.block_linear
+            # The residual after rounding, as the GEMM path (prefill) adds it: decode and prefill round alike.
+            fused: torch.Tensor = op(x, self.weight_int8, self.unit_scales, None, bias, residual, scales, True)
+            return fused
+        out = self._matmul(x, kernel)
+        out = out if self.bias is None else out + self.bias
+        return out if residual is None else residual + out
+
+    def _matmul(self, x: torch.Tensor, kernel: bool) -> torch.Tensor:
+        if kernel:
+            if x.shape[0] <= OWN_KERNEL_MAX_ROWS:  # in_features not a multiple of 32: no blocks
+                out: torch.Tensor = torch.ops.radixserve.int8_linear(x, self.weight_int8, self.scales)
                 return out
             # Many rows (prefill): dequantize once, then the dtype's own GEMM; the conversion is
             # amortised over the rows and each row's result still depends on that row alone.

@@ -4,9 +4,11 @@ Q4_1 stores per block a float16 scale d and min m and 32 4-bit codes (w = d * q 
 0.625 bytes per weight); Q8_0 a float16 scale and 32 int8 codes (w = d * q; 1.0625 bytes).
 A GGUF file's own Q4_1 / Q8_0 blocks are kept exactly as they are (their float32 values
 are what the float path runs, so keeping them loses nothing); other weights are
-quantized here with gguf's own quantizer. Activations stay float32 in the kernel and
-each row's result depends on that row only, so batch composition and cache hits
-change nothing. Three matmuls, by what the machine offers:
+quantized here with gguf's own quantizer. The kernels take and return the model's dtype:
+float32 rows multiply by the exact float32 weights, bfloat16 rows (AVX512-BF16) by those
+weights rounded to bfloat16, as the GEMM path and the bfloat16 float model round them. Each
+row's result depends on that row only, so batch composition and cache hits change nothing.
+Three matmuls, by what the machine offers:
 
 - CPU, up to 16 rows (decode; 48 with int8 activations): our kernel (csrc/block_linear.cpp) reads the blocks;
 - CPU, more rows (prefill): csrc/block_gemm.cpp dequantizes a cache-sized tile of output channels at a
@@ -188,10 +190,8 @@ class BlockLinear(_BlockModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or not paged_kernel.load():
             return self._torch_forward(x)
-        if x.shape[0] <= (INT8_KERNEL_MAX_ROWS if self.int8_activations else KERNEL_MAX_ROWS):
-            op = torch.ops.radixserve.block_linear_q8 if self.int8_activations else torch.ops.radixserve.block_linear
-            out: torch.Tensor = op(x, self.qs, self.d, self.m)
-            return out if self.bias is None else out + self.bias
+        if x.shape[0] <= self._kernel_rows():
+            return self._kernel(x, None)
         # Many rows (prefill): the dtype's own GEMM, a cache-sized tile of dequantized weights at a time; each
         # row's result depends on that row alone (with float rows, bit for bit F.linear on the float weights).
         rows = torch.ops.radixserve.dequantized_rows_q8(x).to(x.dtype) if self.int8_activations else x
@@ -200,16 +200,33 @@ class BlockLinear(_BlockModule):
         return tiled
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + self(x); on the tiled path inside the GEMM (addmm), as the float model adds it: MKL adds C
-        before its last pass over K, so residual + mm would differ from float32 in the last bit (K >= 576)."""
-        tiled = x.device.type == "cpu" and x.shape[0] > KERNEL_MAX_ROWS and paged_kernel.load()
-        if not tiled or self.int8_activations or self.bias is not None:
+        """residual + self(x) with the add inside the matmul. The tiled path adds the residual inside the GEMM
+        (addmm) as the float model does: MKL adds C before its last pass over K, so residual + mm would differ
+        from float32 in the last bit (K >= 576). The kernel adds it to each float32 sum (no pass over [T, N])
+        as its many-row path adds it: before the one rounding to x's dtype, or with int8 activations (whose
+        tiled path runs residual + self(x)) after rounding, then rounded again."""
+        if x.device.type != "cpu" or not paged_kernel.load():
             out: torch.Tensor = residual + self(x)
+            return out
+        if x.shape[0] <= self._kernel_rows():
+            return self._kernel(x, residual.contiguous())
+        if self.int8_activations or self.bias is not None:
+            out = residual + self(x)
             return out
         added: torch.Tensor = torch.ops.radixserve.block_linear_tiled(
             x, self.qs, self.d, self.m, residual, tile_columns(self.in_features)
         )
         return added
+
+    def _kernel_rows(self) -> int:
+        return INT8_KERNEL_MAX_ROWS if self.int8_activations else KERNEL_MAX_ROWS
+
+    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The decode kernel: x @ W.T + bias (+ residual) in x's dtype, summed in float32 (see forward_add)."""
+        op = torch.ops.radixserve.block_linear_q8 if self.int8_activations else torch.ops.radixserve.block_linear
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        out: torch.Tensor = op(x, self.qs, self.d, self.m, bias, residual)
+        return out
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         """No kernel (no compiler), or CUDA: dequantize with torch ops, then the dtype's GEMM."""

@@ -12,6 +12,14 @@
 #include <immintrin.h>
 #define RADIXSERVE_BLOCK_AVX2 1
 #endif
+// AVX512 (Zen 4/5, Intel since Skylake-SP): 16 floats a register, a block of 32 weights in two; with
+// AVX512-BF16 a bfloat16 dot product of a whole block in one instruction (vdpbf16ps).
+#if defined(RADIXSERVE_BLOCK_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RADIXSERVE_BLOCK_AVX512 1
+#if defined(__AVX512BF16__)
+#define RADIXSERVE_BLOCK_AVX512BF16 1
+#endif
+#endif
 
 namespace radixserve {
 
@@ -42,11 +50,10 @@ inline void row_scales(const at::Half* h, int64_t count, float* out) {
   for (; i < padded(count); ++i) out[i] = 0.f;
 }
 
-// The scales (and Q4_1's mins) of output channels c0..c1 as float32, each row padded(blocks) apart: a chunk
+// The scales (and Q4_1's mins) of output channels c0..c1 as float32, each row ld >= padded(blocks) apart: a chunk
 // of channels is converted once, then read once per tile of activation rows.
 template <bool Q4>
-inline void chunk_scales(const BlockWeights& w, int64_t c0, int64_t c1, float* d, float* m) {
-  const int64_t ld = padded(w.blocks);
+inline void chunk_scales(const BlockWeights& w, int64_t c0, int64_t c1, float* d, float* m, int64_t ld) {
   for (int64_t n = c0; n < c1; ++n) {
     row_scales(w.d + n * w.blocks, w.blocks, d + (n - c0) * ld);
     if constexpr (Q4) row_scales(w.m + n * w.blocks, w.blocks, m + (n - c0) * ld);
@@ -61,6 +68,65 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 #endif
+
+// What a kernel does with a row's float32 sum for output channel n before storing it in out's dtype (float32,
+// bfloat16 or float16, rounded to nearest even as at::Tensor::to rounds): times the channel's scale (int8
+// weight-only: per-channel scales), plus the bias, plus the residual row (residual + linear(x) in one pass).
+// The residual is added before the one rounding (as addmm adds it: the float model's and q4_1-exact's GEMM
+// path), or with round_before_residual after rounding the product, then rounded again: the bits of
+// `residual + linear(x)` in torch ops, as the paths whose prefill adds that way (int8 weights or activations)
+// do, so a row's decode and prefill round alike. bias, scales [N] and residual [M, N] are in out's dtype.
+struct Epilogue {
+  void* out;
+  at::ScalarType dtype;
+  int64_t out_features;
+  const void* scales = nullptr;
+  const void* bias = nullptr;
+  const void* residual = nullptr;
+  bool round_before_residual = false;
+
+  template <typename T>
+  void store_as(int64_t row, int64_t n, float v) const {
+    const int64_t at = row * out_features + n;
+    if (scales != nullptr) v *= static_cast<float>(static_cast<const T*>(scales)[n]);
+    if (bias != nullptr) v += static_cast<float>(static_cast<const T*>(bias)[n]);
+    if (residual != nullptr && round_before_residual) v = static_cast<float>(static_cast<T>(v));
+    if (residual != nullptr) v += static_cast<float>(static_cast<const T*>(residual)[at]);
+    static_cast<T*>(out)[at] = static_cast<T>(v);
+  }
+
+  void store(int64_t row, int64_t n, float v) const {
+    switch (dtype) {
+      case at::kBFloat16: return store_as<at::BFloat16>(row, n, v);
+      case at::kHalf: return store_as<at::Half>(row, n, v);
+      default: return store_as<float>(row, n, v);
+    }
+  }
+};
+
+// An epilogue writing into a new [rows, N] tensor of x's dtype (float32, bfloat16 or float16), with
+// optional scales, bias and residual in that dtype. The tensors it points into must outlive the kernel.
+inline Epilogue make_epilogue(const at::Tensor& x, int64_t out_features, at::Tensor& out,
+                              const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& residual, bool round_before_residual) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "x: float32, bfloat16 or float16");
+  const auto vector_ok = [&](const std::optional<at::Tensor>& t) {
+    return !t.has_value() || (t->scalar_type() == dtype && t->is_contiguous() && t->numel() == out_features);
+  };
+  TORCH_CHECK(vector_ok(scales), "scales: contiguous [N] in x's dtype");
+  TORCH_CHECK(vector_ok(bias), "bias: contiguous [N] in x's dtype");
+  TORCH_CHECK(!residual.has_value() || (residual->scalar_type() == dtype && residual->is_contiguous() &&
+                                        residual->dim() == 2 && residual->size(0) == x.size(0) &&
+                                        residual->size(1) == out_features),
+              "residual: contiguous [M, N] in x's dtype");
+  out = at::empty({x.size(0), out_features}, x.options());
+  const auto ptr = [](const std::optional<at::Tensor>& t) -> const void* {
+    return t.has_value() ? t->data_ptr() : nullptr;
+  };
+  return {out.data_ptr(), dtype, out_features, ptr(scales), ptr(bias), ptr(residual), round_before_residual};
+}
 
 // Checks shapes and dtypes; true for Q4_1 (qs uint8 [N, K/2]), false for Q8_0 (qs int8 [N, K]).
 inline bool check_blocks(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m) {

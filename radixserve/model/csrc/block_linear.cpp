@@ -145,63 +145,274 @@ void tile_rows(int rows, const float* x, int64_t ldx, const float* xsum, int64_t
 // x rows stay in L1; reading all rows' x per channel spilled L1 at 16 rows of 1,536 features.
 template <bool Q4>
 void linear_channels(const float* x, int64_t rows, int64_t in_features, const float* xsum, const BlockWeights& w,
-                     int64_t n0, int64_t n1, int64_t out_features, float* out) {
+                     int64_t n0, int64_t n1, const radixserve::Epilogue& out) {
   constexpr int64_t kChunk = 16;
   const int64_t ldxs = padded(w.blocks);
   std::vector<float> d(kChunk * ldxs), m(kChunk * ldxs);
   float sums[kRowTile];
   for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
     const int64_t c1 = std::min(n1, c0 + kChunk);
-    chunk_scales<Q4>(w, c0, c1, d.data(), m.data());
+    chunk_scales<Q4>(w, c0, c1, d.data(), m.data(), ldxs);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
       for (int64_t n = c0; n < c1; ++n) {
         tile_rows<Q4>(tile, x + r0 * in_features, in_features, xsum + r0 * ldxs, ldxs, w.qs + n * w.qs_row_bytes,
                       d.data() + (n - c0) * ldxs, m.data() + (n - c0) * ldxs, w.blocks, sums);
-        for (int r = 0; r < tile; ++r) out[(r0 + r) * out_features + n] = sums[r];
+        for (int r = 0; r < tile; ++r) out.store(r0 + r, n, sums[r]);
       }
     }
   }
 }
 
-at::Tensor block_linear_op(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                           const std::optional<at::Tensor>& m) {
-  const bool q4 = check_blocks(qs, d, m);
-  const int64_t out_features = qs.size(0), blocks = d.size(1), in_features = blocks * kBlock;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "x [M, K] against weights [N, K]");
+#ifdef RADIXSERVE_BLOCK_AVX512
+// AVX512, 16 lanes a register, a block's codes in their own order (weights 0..15, then 16..31: no permuted x).
+// Float32 activations: the same math as above (the min folded out of the block loop). Bfloat16 activations
+// (AVX512-BF16): the weights the GEMM path (prefill, block_gemm.cpp) multiplies by, i.e. each float32 weight
+// d * q + m (times the channel's scale, int8 weight-only) rounded to bfloat16; a table of the 16 values of
+// a Q4_1 block, looked up by code, and one vdpbf16ps per block and row, summed in float32. Decode and prefill
+// then differ only in the order of the float32 sums. Each (row, channel) has one accumulator, its blocks added
+// in order: a row's bits never depend on its tile or batch.
+namespace avx512 {
+
+constexpr int kRowTile = 8;  // rows sharing one decode of a weight block
+constexpr int64_t kChunk = 16;
+constexpr int64_t kPrefetch = 4096;  // bytes ahead in the codes (an eighth of that in the scales)
+
+inline int64_t padded16(int64_t blocks) { return (blocks + 15) / 16 * 16; }
+
+// Block b's codes as float32: weights 0..15 in lo, 16..31 in hi.
+template <bool Q4>
+inline void codes_f32(const uint8_t* qs, int64_t b, __m512& lo, __m512& hi) {
+  if constexpr (Q4) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(0x0F)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
+  } else {
+    const __m128i* q = reinterpret_cast<const __m128i*>(qs + b * kBlock);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+  }
+}
+
+// R rows of x (float32, or bfloat16 when BF16) against C weight rows (codes, d, m each ldq / blocks apart):
+// float32, sums[r * C + c] = sum_b d_cb * (x_rb . q_cb) [+ m_c . xsum_r]; BF16, x_r . bf16(w_c) with the weights
+// w = d * q + m (Q8_0: (d * wscale_c) * q where wscale is given). Each x block is loaded once for the C channels;
+// scales are converted from float16 16 blocks at a time (min term: those 16 blocks' m . xsum, one FMA).
+template <int R, int C, bool Q4, bool BF16>
+void dot_tile(const void* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* qs, int64_t ldq,
+              const at::Half* d, const at::Half* m, const float* wscale, int64_t blocks, float* sums) {
+  __m512 acc[R][C];  // R * C >= 8 chains in flight: FMA latency is no bound
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  alignas(64) float scales[C][16];
+  alignas(64) float mins[C][16];  // BF16: Q4_1's m, for the table
+  const auto block = [&](int64_t b) {
+    __m512 scale[C];
+    for (int c = 0; c < C; ++c) scale[c] = _mm512_set1_ps(scales[c][b % 16]);
+    if constexpr (BF16) {
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+      __m512bh w[C];
+      for (int c = 0; c < C; ++c) {
+        if constexpr (Q4) {
+          const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+          const __m512 values = _mm512_fmadd_ps(scale[c], iota, _mm512_set1_ps(mins[c][b % 16]));
+          const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + c * ldq + b * 16));
+          const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+          w[c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
+        } else {
+          __m512 lo, hi;
+          codes_f32<false>(qs + c * ldq, b, lo, hi);
+          w[c] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(scale[c], hi), _mm512_mul_ps(scale[c], lo));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_loadu_si512(static_cast<const uint16_t*>(x) + r * ldx + b * kBlock);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
+      }
+#endif
+    } else {
+      __m512 lo[C], hi[C];
+      for (int c = 0; c < C; ++c) codes_f32<Q4>(qs + c * ldq, b, lo[c], hi[c]);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = static_cast<const float*>(x) + r * ldx + b * kBlock;
+        const __m512 xlo = _mm512_loadu_ps(xb), xhi = _mm512_loadu_ps(xb + 16);
+        for (int c = 0; c < C; ++c) {
+          const __m512 p = _mm512_fmadd_ps(xhi, hi[c], _mm512_mul_ps(xlo, lo[c]));
+          acc[r][c] = _mm512_fmadd_ps(scale[c], p, acc[r][c]);
+        }
+      }
+    }
+  };
+  for (int64_t g = 0; g < blocks; g += 16) {
+    const int64_t count = std::min<int64_t>(16, blocks - g);
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+    const auto half16 = [&](const at::Half* h) {
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, h + g));  // zeros past the last block
+    };
+    for (int c = 0; c < C; ++c) {
+      // The hardware prefetcher alone left SmolLM2's batch-1 linears at ~9 GB/s from DRAM (2.2 ns a block, 0.9
+      // in cache): fetch kPrefetch bytes ahead of each channel's codes and scales (rows lie one after another).
+      const char* ahead = reinterpret_cast<const char*>(qs + c * ldq + g * (Q4 ? 16 : kBlock)) + kPrefetch;
+      for (int line = 0; line < (Q4 ? 4 : 8); ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(d + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
+      if constexpr (Q4)
+        _mm_prefetch(reinterpret_cast<const char*>(m + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
+      // With wscale (int8 weight-only, whose block scales d are 1) the block's scale is d * wscale_c.
+      const __m512 dc = half16(d + c * blocks);
+      _mm512_store_ps(scales[c], wscale == nullptr ? dc : _mm512_mul_ps(dc, _mm512_set1_ps(wscale[c])));
+      if constexpr (Q4 && BF16) _mm512_store_ps(mins[c], half16(m + c * blocks));
+      if constexpr (Q4 && !BF16) {
+        const __m512 mc = half16(m + c * blocks);
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm512_fmadd_ps(mc, _mm512_loadu_ps(xsum + r * ldxs + g), acc[r][c]);
+      }
+    }
+    for (int64_t b = g; b < g + count; ++b) block(b);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r * C + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+// Channels per tile by rows: 8-16 accumulators, and each x block loaded once for C channels (measured on
+// SmolLM2 at 4 rows, bfloat16: C = 4 with one accumulator each took 0.6x the time of C = 2 with two).
+// Every (row, channel) runs the same operations whatever its tile.
+constexpr int channels_for(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : 2; }
+
+// rows (1..kRowTile) of x against channels n..n + channels_for(rows) (or just n when `single`) of the chunk.
+template <bool Q4, bool BF16>
+int tile_rows(int rows, bool single, const void* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* qs,
+              int64_t ldq, const at::Half* d, const at::Half* m, const float* wscale, int64_t blocks, float* sums) {
+  switch (rows) {
+#define RADIXSERVE_TILE(R)                                                                            \
+  case R:                                                                                             \
+    if (single) return dot_tile<R, 1, Q4, BF16>(x, ldx, xsum, ldxs, qs, ldq, d, m, wscale, blocks, sums), 1; \
+    dot_tile<R, channels_for(R), Q4, BF16>(x, ldx, xsum, ldxs, qs, ldq, d, m, wscale, blocks, sums);          \
+    return channels_for(R);
+    RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4)
+    RADIXSERVE_TILE(5) RADIXSERVE_TILE(6) RADIXSERVE_TILE(7)
+#undef RADIXSERVE_TILE
+    default:
+      if (single) return dot_tile<kRowTile, 1, Q4, BF16>(x, ldx, xsum, ldxs, qs, ldq, d, m, wscale, blocks, sums), 1;
+      dot_tile<kRowTile, channels_for(kRowTile), Q4, BF16>(x, ldx, xsum, ldxs, qs, ldq, d, m, wscale, blocks, sums);
+      return channels_for(kRowTile);
+  }
+}
+
+// Output channels n0..n1 of every row of x ([rows, K], float32, or bfloat16 when BF16); xsum [rows, padded16].
+template <bool Q4, bool BF16>
+void linear_channels(const at::Tensor& x, const float* xsum, const float* wscale, const BlockWeights& w, int64_t n0,
+                     int64_t n1, const radixserve::Epilogue& out) {
+  const int64_t rows = x.size(0), in_features = x.size(1), ldxs = padded16(w.blocks);
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const int64_t row_bytes = in_features * (BF16 ? 2 : 4);
+  float sums[kRowTile * 8];
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+    const int64_t c1 = std::min(n1, c0 + kChunk);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+      for (int64_t n = c0; n < c1;) {
+        const bool single = n + channels_for(tile) > c1;
+        const int channels =
+            tile_rows<Q4, BF16>(tile, single, xp + r0 * row_bytes, in_features, xsum + r0 * ldxs, ldxs,
+                                w.qs + n * w.qs_row_bytes, w.qs_row_bytes, w.d + n * w.blocks,
+                                Q4 ? w.m + n * w.blocks : nullptr, wscale == nullptr ? nullptr : wscale + n,
+                                w.blocks, sums);
+        for (int r = 0; r < tile; ++r)
+          for (int c = 0; c < channels; ++c) out.store(r0 + r, n + c, sums[r * channels + c]);
+        n += channels;
+      }
+    }
+  }
+}
+
+// x [rows, K] contiguous, float32 or (BF16) bfloat16; wscale: BF16's per-channel weight scales [N] or nullptr.
+template <bool BF16>
+void linear(const at::Tensor& x, const BlockWeights& w, bool q4, const float* wscale,
+            const radixserve::Epilogue& epilogue) {
+  const int64_t rows = x.size(0), blocks = w.blocks, ld = padded16(blocks);
+  // Q4_1's min term with float32 x: each block's sum of x, once per call, in the same order for every row.
+  std::vector<float> xsum(q4 && !BF16 ? rows * ld : 0, 0.f);
+  if constexpr (!BF16)
+    for (int64_t r = 0; q4 && r < rows; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* xb = x.data_ptr<float>() + (r * blocks + b) * kBlock;
+        float s = 0.f;
+        for (int64_t j = 0; j < kBlock; ++j) s += xb[j];
+        xsum[r * ld + b] = s;
+      }
+  at::parallel_for(0, epilogue.out_features, 16, [&](int64_t n0, int64_t n1) {
+    if (q4) linear_channels<true, BF16>(x, xsum.data(), wscale, w, n0, n1, epilogue);
+    else linear_channels<false, BF16>(x, xsum.data(), wscale, w, n0, n1, epilogue);
+  });
+}
+
+}  // namespace avx512
+#endif
+
+// The AVX2 (or portable) path: float32 activations, the min term folded out of the block loop.
+void block_linear_fold(const at::Tensor& x, const BlockWeights& w, bool q4, const radixserve::Epilogue& epilogue) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t rows = xf.size(0);
+  const int64_t rows = xf.size(0), blocks = w.blocks, in_features = blocks * kBlock;
   // Q4_1's min term: each block's sum of x, once per call, added in the same order for every row.
-  at::Tensor xsum = at::zeros({q4 ? rows : 0, padded(blocks)}, xf.options());
-  for (int64_t r = 0; r < xsum.size(0); ++r)
+  std::vector<float> xsum(q4 ? rows * padded(blocks) : 0, 0.f);
+  for (int64_t r = 0; q4 && r < rows; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = xf.data_ptr<float>() + r * in_features + b * kBlock;
       float s = 0.f;
       for (int64_t j = 0; j < kBlock; ++j) s += xb[j];
-      xsum.data_ptr<float>()[r * padded(blocks) + b] = s;
+      xsum[r * padded(blocks) + b] = s;
     }
-  at::Tensor out = at::empty({rows, out_features}, xf.options());
 #ifdef RADIXSERVE_BLOCK_AVX2
   const at::Tensor xk = q4 ? q4_lane_order(xf) : xf;
 #else
   const at::Tensor& xk = xf;
 #endif
+  const float* xp = xk.data_ptr<float>();
+  at::parallel_for(0, epilogue.out_features, 16, [&](int64_t n0, int64_t n1) {
+    if (q4) linear_channels<true>(xp, rows, in_features, xsum.data(), w, n0, n1, epilogue);
+    else linear_channels<false>(xp, rows, in_features, xsum.data(), w, n0, n1, epilogue);
+  });
+}
+
+// x [M, K] @ W.T for the blocks W [N, K], in x's dtype: (x @ W.T) * scales + bias + residual, each optional
+// (radixserve::Epilogue).
+at::Tensor block_linear_op(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                           const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& scales,
+                           bool round_before_residual) {
+  const bool q4 = check_blocks(qs, d, m);
+  const int64_t out_features = qs.size(0), blocks = d.size(1), in_features = blocks * kBlock;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "x [M, K] against weights [N, K]");
+  TORCH_CHECK(!q4 || !scales.has_value(), "scales: for Q8_0 blocks (int8 weights) only");
+  at::Tensor out;
+  const radixserve::Epilogue epilogue =
+      radixserve::make_epilogue(x, out_features, out, scales, bias, residual, round_before_residual);
   const BlockWeights w{static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
                        q4 ? m->data_ptr<at::Half>() : nullptr, blocks, qs.size(1)};
-  const float* xp = xk.data_ptr<float>();
-  const float* sp = xsum.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, out_features, 16, [&](int64_t n0, int64_t n1) {
-    if (q4) linear_channels<true>(xp, rows, in_features, sp, w, n0, n1, out_features, op);
-    else linear_channels<false>(xp, rows, in_features, sp, w, n0, n1, out_features, op);
-  });
-  return out.to(x.scalar_type());
+#ifdef RADIXSERVE_BLOCK_AVX512
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+  if (x.scalar_type() == at::kBFloat16) {  // the scales go into the weights, as the GEMM path's weights
+    const at::Tensor wscale = scales.has_value() ? scales->to(at::kFloat) : at::Tensor();
+    radixserve::Epilogue rest = epilogue;
+    rest.scales = nullptr;
+    avx512::linear<true>(x.contiguous(), w, q4, scales.has_value() ? wscale.data_ptr<float>() : nullptr, rest);
+    return out;
+  }
+#endif
+  avx512::linear<false>(x.to(at::kFloat).contiguous(), w, q4, nullptr, epilogue);
+#else
+  block_linear_fold(x, w, q4, epilogue);
+#endif
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
-  m.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor? m) -> Tensor");
+  m.def(
+      "block_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias=None, Tensor? residual=None, "
+      "Tensor? scales=None, bool round_before_residual=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {

@@ -35,10 +35,14 @@ using radixserve::padded;
 constexpr int kRowTile = 8;
 
 // Activations as int8 blocks: codes [rows, K]; per block its scale and (Q4_1 min term) scale * sum of codes,
-// [rows, padded(blocks)].
+// [rows, ld] with ld = blocks padded to a multiple of 16 (zeros past the last block).
 struct Q8Rows {
-  at::Tensor codes, scales, sums;
+  at::Tensor codes;
+  std::vector<float> scales, sums;
+  int64_t ld;
 };
+
+inline int64_t padded16(int64_t blocks) { return (blocks + 15) / 16 * 16; }
 
 // One block of 32: its codes, returns its scale; *sum = scale * the sum of the codes.
 inline float quantize_block(const float* x, int8_t* q, float* sum) {
@@ -78,17 +82,29 @@ inline float quantize_block(const float* x, int8_t* q, float* sum) {
   return scale;
 }
 
+template <typename T>
+inline void convert(const T* x, float* out) {
+  for (int j = 0; j < kBlock; ++j) out[j] = static_cast<float>(x[j]);
+}
+
+// x [rows, K] float32, bfloat16 or float16 (each block converted to float32 on the way).
 Q8Rows quantize_rows(const at::Tensor& x) {
-  const int64_t rows = x.size(0), blocks = x.size(1) / kBlock;
-  Q8Rows out{at::empty(x.sizes(), x.options().dtype(at::kChar)), at::zeros({rows, padded(blocks)}, x.options()),
-             at::zeros({rows, padded(blocks)}, x.options())};
-  const float* xp = x.data_ptr<float>();
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = x.size(0), blocks = x.size(1) / kBlock, ld = padded16(blocks);
+  Q8Rows out{at::empty(x.sizes(), x.options().dtype(at::kChar)), std::vector<float>(rows * ld, 0.f),
+             std::vector<float>(rows * ld, 0.f), ld};
   int8_t* qp = out.codes.data_ptr<int8_t>();
+  const void* xp = xc.data_ptr();
+  float converted[kBlock];
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = r * padded(blocks) + b;
-      out.scales.data_ptr<float>()[at] = quantize_block(xp + (r * blocks + b) * kBlock, qp + (r * blocks + b) * kBlock,
-                                                        out.sums.data_ptr<float>() + at);
+      const int64_t block = r * blocks + b;
+      const float* xb = converted;
+      if (x.scalar_type() == at::kFloat) xb = static_cast<const float*>(xp) + block * kBlock;
+      else if (x.scalar_type() == at::kBFloat16)
+        convert(static_cast<const at::BFloat16*>(xp) + block * kBlock, converted);
+      else convert(static_cast<const at::Half*>(xp) + block * kBlock, converted);
+      out.scales[r * ld + b] = quantize_block(xb, qp + block * kBlock, &out.sums[r * ld + b]);
     }
   return out;
 }
@@ -193,18 +209,17 @@ void tile_rows(int rows, const int8_t* xq, int64_t ldx, const float* scale, cons
 // Output channels n0..n1 of every row: a chunk of channels' weights (a few KiB, kept in L1/L2) is read
 // once per tile of rows, so a tile's codes stay in L1.
 template <bool Q4>
-void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t n1, int64_t out_features,
-                     float* out) {
+void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t n1, const radixserve::Epilogue& out) {
   constexpr int64_t kChunk = 16;
-  const int64_t rows = x.codes.size(0), in_features = x.codes.size(1), ldxs = padded(w.blocks);
+  const int64_t rows = x.codes.size(0), in_features = x.codes.size(1), ldxs = x.ld;
   const int8_t* xq = x.codes.data_ptr<int8_t>();
-  const float* xs = x.scales.data_ptr<float>();
-  const float* xsum = x.sums.data_ptr<float>();
+  const float* xs = x.scales.data();
+  const float* xsum = x.sums.data();
   std::vector<float> d(kChunk * ldxs), m(kChunk * ldxs), scale(kRowTile * ldxs);
   float sums[kRowTile];
   for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
     const int64_t c1 = std::min(n1, c0 + kChunk);
-    chunk_scales<Q4>(w, c0, c1, d.data(), m.data());
+    chunk_scales<Q4>(w, c0, c1, d.data(), m.data(), ldxs);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
       for (int64_t n = c0; n < c1; ++n) {
@@ -212,37 +227,161 @@ void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t
         const float* dn = d.data() + (n - c0) * ldxs;
         for (int r = 0; r < tile; ++r)
 #pragma omp simd
-          for (int64_t b = 0; b < ldxs; ++b) scale[r * ldxs + b] = dn[b] * xs[(r0 + r) * ldxs + b];
+          for (int64_t b = 0; b < padded(w.blocks); ++b) scale[r * ldxs + b] = dn[b] * xs[(r0 + r) * ldxs + b];
         tile_rows<Q4>(tile, xq + r0 * in_features, in_features, scale.data(), xsum + r0 * ldxs, ldxs,
                       w.qs + n * w.qs_row_bytes, m.data() + (n - c0) * ldxs, w.blocks, sums);
-        for (int r = 0; r < tile; ++r) out[(r0 + r) * out_features + n] = sums[r];
+        for (int r = 0; r < tile; ++r) out.store(r0 + r, n, sums[r]);
       }
     }
   }
 }
 
+#if defined(RADIXSERVE_BLOCK_AVX512) && defined(__AVX512VNNI__)
+#define RADIXSERVE_Q8_AVX512 1
+// AVX512-VNNI, Q4_1 weights: two blocks per instruction (one vpdpbusd over 64 codes gives 8 lanes per block),
+// each lane's int32 converted and scaled by its block's d * s (a permute of 16 blocks' products), several
+// output channels per tile sharing each load of x's codes, scales converted 16 blocks at a time and the codes
+// prefetched ahead (as block_linear.cpp's AVX512 path). The same per-block terms as above, one accumulator per
+// (row, channel) in block order: a row's bits never depend on its tile or batch.
+namespace avx512 {
+
+constexpr int kRowTile = 8;
+constexpr int64_t kChunk = 16;
+constexpr int64_t kPrefetch = 4096;
+
+// Blocks b and b + 1 of a Q4_1 row (b alone when !both) as 64 unsigned bytes, each block's codes in weight order.
+inline __m512i codes_pair(const uint8_t* qs, int64_t b, bool both) {
+  const __m256i v = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * 16))
+                         : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16)));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mask)),
+                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);
+  return _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));  // [lo b, lo b+1, hi b, hi b+1] -> [b, b+1]
+}
+
+// R rows of codes against C Q4_1 weight rows: sums[r * C + c] = sum_b (d_cb s_rb) (q_cb . xq_rb) + m_c . xsum_r.
+template <int R, int C>
+void dot_tile(const int8_t* xq, int64_t ldx, const float* xs, const float* xsum, int64_t ldxs, const uint8_t* qs,
+              int64_t ldq, const at::Half* d, const at::Half* m, int64_t blocks, float* sums) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  alignas(64) float scale[R][C][16];  // d_cb * s_rb of the group's 16 blocks
+  const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int64_t g = 0; g < blocks; g += 16) {
+    const int64_t count = std::min<int64_t>(16, blocks - g);
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+    for (int c = 0; c < C; ++c) {
+      const char* ahead = reinterpret_cast<const char*>(qs + c * ldq + g * 16) + kPrefetch;
+      for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(d + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(m + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
+      const __m512 dc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, d + c * blocks + g));
+      const __m512 mc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, m + c * blocks + g));
+      for (int r = 0; r < R; ++r) {
+        _mm512_store_ps(scale[r][c], _mm512_mul_ps(dc, _mm512_loadu_ps(xs + r * ldxs + g)));
+        acc[r][c] = _mm512_fmadd_ps(mc, _mm512_loadu_ps(xsum + r * ldxs + g), acc[r][c]);
+      }
+    }
+    for (int64_t k = 0; 2 * k < count; ++k) {
+      const int64_t b = g + 2 * k;
+      const bool both = 2 * k + 1 < count;
+      __m512i w[C];
+      for (int c = 0; c < C; ++c) w[c] = codes_pair(qs + c * ldq, b, both);
+      const __m512i pair = _mm512_add_epi32(first, _mm512_set1_epi32(static_cast<int>(2 * k)));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xb = xq + r * ldx + b * kBlock;
+        const __m512i x = both ? _mm512_loadu_si512(xb)
+                               : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+        for (int c = 0; c < C; ++c) {
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], x));
+          acc[r][c] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(pair, _mm512_load_ps(scale[r][c])), acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r * C + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+constexpr int channels_for(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : 2; }
+
+int tile_rows(int rows, bool single, const int8_t* xq, int64_t ldx, const float* xs, const float* xsum, int64_t ldxs,
+              const uint8_t* qs, int64_t ldq, const at::Half* d, const at::Half* m, int64_t blocks, float* sums) {
+  switch (rows) {
+#define RADIXSERVE_TILE(R)                                                                     \
+  case R:                                                                                      \
+    if (single) return dot_tile<R, 1>(xq, ldx, xs, xsum, ldxs, qs, ldq, d, m, blocks, sums), 1; \
+    dot_tile<R, channels_for(R)>(xq, ldx, xs, xsum, ldxs, qs, ldq, d, m, blocks, sums);          \
+    return channels_for(R);
+    RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4)
+    RADIXSERVE_TILE(5) RADIXSERVE_TILE(6) RADIXSERVE_TILE(7)
+#undef RADIXSERVE_TILE
+    default:
+      if (single) return dot_tile<kRowTile, 1>(xq, ldx, xs, xsum, ldxs, qs, ldq, d, m, blocks, sums), 1;
+      dot_tile<kRowTile, channels_for(kRowTile)>(xq, ldx, xs, xsum, ldxs, qs, ldq, d, m, blocks, sums);
+      return channels_for(kRowTile);
+  }
+}
+
+// Output channels n0..n1 of every row, Q4_1 weights.
+void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t n1, const radixserve::Epilogue& out) {
+  const int64_t rows = x.codes.size(0), in_features = x.codes.size(1);
+  const int8_t* xq = x.codes.data_ptr<int8_t>();
+  float sums[kRowTile * 8];
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+    const int64_t c1 = std::min(n1, c0 + kChunk);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+      for (int64_t n = c0; n < c1;) {
+        const int channels =
+            tile_rows(tile, n + channels_for(tile) > c1, xq + r0 * in_features, in_features,
+                      x.scales.data() + r0 * x.ld, x.sums.data() + r0 * x.ld, x.ld, w.qs + n * w.qs_row_bytes,
+                      w.qs_row_bytes, w.d + n * w.blocks, w.m + n * w.blocks, w.blocks, sums);
+        for (int r = 0; r < tile; ++r)
+          for (int c = 0; c < channels; ++c) out.store(r0 + r, n + c, sums[r * channels + c]);
+        n += channels;
+      }
+    }
+  }
+}
+
+}  // namespace avx512
+#endif
+
+// x [M, K] @ W.T for the blocks W [N, K] with x's rows as int8 blocks, in x's dtype: + bias, then rounded, + residual
+// (each optional): the residual's rounding as the GEMM path's `residual + linear(x)` (radixserve::Epilogue).
 at::Tensor block_linear_q8_op(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                              const std::optional<at::Tensor>& m) {
+                              const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& residual) {
   const bool q4 = check_blocks(qs, d, m);
   const int64_t out_features = qs.size(0), blocks = d.size(1);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == blocks * kBlock, "x [M, K] against weights [N, K]");
-  const Q8Rows xq = quantize_rows(x.to(at::kFloat).contiguous());
-  at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+  at::Tensor out;
+  const radixserve::Epilogue epilogue =
+      radixserve::make_epilogue(x, out_features, out, std::nullopt, bias, residual, /*round_before_residual=*/true);
+  const Q8Rows xq = quantize_rows(x);
   const BlockWeights w{static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
                        q4 ? m->data_ptr<at::Half>() : nullptr, blocks, qs.size(1)};
-  float* op = out.data_ptr<float>();
   at::parallel_for(0, out_features, 16, [&](int64_t n0, int64_t n1) {
-    if (q4) linear_channels<true>(xq, w, n0, n1, out_features, op);
-    else linear_channels<false>(xq, w, n0, n1, out_features, op);
+#ifdef RADIXSERVE_Q8_AVX512
+    if (q4) return avx512::linear_channels(xq, w, n0, n1, epilogue);
+#endif
+    if (q4) linear_channels<true>(xq, w, n0, n1, epilogue);
+    else linear_channels<false>(xq, w, n0, n1, epilogue);
   });
-  return out.to(x.scalar_type());
+  return out;
 }
 
 // The activation codes alone, for tests: (codes int8 [M, K], scales float32 [M, K / 32]).
 std::tuple<at::Tensor, at::Tensor> quantize_rows_q8_op(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x [M, K], K a multiple of 32");
-  const Q8Rows q = quantize_rows(x.to(at::kFloat).contiguous());
-  return {q.codes, q.scales.narrow(1, 0, x.size(1) / kBlock).contiguous()};
+  const Q8Rows q = quantize_rows(x);
+  const int64_t blocks = x.size(1) / kBlock, ld = q.ld;
+  at::Tensor scales = at::empty({x.size(0), blocks}, x.options().dtype(at::kFloat));
+  for (int64_t r = 0; r < x.size(0); ++r)
+    std::copy_n(q.scales.data() + r * ld, blocks, scales.data_ptr<float>() + r * blocks);
+  return {q.codes, scales};
 }
 
 // x's rows as the values of their int8 codes (codes * scale, exact in float32), float32 [M, K], in one
@@ -268,7 +407,8 @@ at::Tensor dequantized_rows_q8_op(const at::Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
-  m.def("block_linear_q8(Tensor x, Tensor qs, Tensor d, Tensor? m) -> Tensor");
+  m.def(
+      "block_linear_q8(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias=None, Tensor? residual=None) -> Tensor");
   m.def("quantize_rows_q8(Tensor x) -> (Tensor, Tensor)");
   m.def("dequantized_rows_q8(Tensor x) -> Tensor");
 }
