@@ -140,7 +140,9 @@ def test_paged_backend_equals_reference_through_the_model(folder: Path) -> None:
     [
         {"dtype": "float32"},
         {"quantization": "int8"},
-        {"quantization": "q4_1"},
+        # q4_1 in float32 only: past 48 rows its prefill multiplies the int8 rows' values by dequantized weight tiles
+        # in a GEMM, the same math within the dtype's rounding; in bfloat16 that rounding flips near-ties (README).
+        {"quantization": "q4_1", "dtype": "float32"},
         {"quantization": "q4_1-exact"},
         {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
     ],
