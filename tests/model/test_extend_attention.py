@@ -23,7 +23,7 @@ from radixserve.model import attention
 from radixserve.model.attention import Routes, extend_kernel_usable
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.paged_kernel import PagedIndex, extend_attention
-from tests.model.test_paged_attention import fragmented_allocator, reference
+from tests.model.test_paged_attention import reference, slot_taker
 from tests.model.tiny import alloc, build_hf_model, load_ours, make_batch, make_pool
 
 needs_kernel = pytest.mark.skipif(
@@ -36,12 +36,7 @@ TOLERANCE = 2e-2
 def random_layout(page_size: int, seed: int) -> tuple[list[torch.Tensor], list[int], int]:
     """Contexts and extend lengths of one batch: cold prefills and extends on cached prefixes, odd lengths."""
     rng = np.random.default_rng(seed)
-    allocator = fragmented_allocator(8192, page_size, rng)
-
-    def take(n: int) -> torch.Tensor:
-        slots = allocator.alloc(-(-n // page_size) * page_size)
-        assert slots is not None
-        return torch.from_numpy(slots[:n])
+    take = slot_taker(8192, page_size, rng)
 
     contexts, lens = [], []
     for _ in range(int(rng.integers(1, 5))):

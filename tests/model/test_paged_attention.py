@@ -8,6 +8,8 @@ cached prefix, and decode rows next to extend rows in one call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -49,15 +51,22 @@ def fragmented_allocator(size: int, page_size: int, rng: np.random.Generator) ->
     return allocator
 
 
-def layout(page_size: int, seed: int) -> tuple[list[torch.Tensor], list[int], int]:
-    """Contexts (slot lists) and extend lengths: a shared prefix, decode rows, chunked extends, odd lengths."""
-    rng = np.random.default_rng(seed)
-    allocator = fragmented_allocator(4096, page_size, rng)
+def slot_taker(size: int, page_size: int, rng: np.random.Generator) -> Callable[[int], torch.Tensor]:
+    """``take(n)``: n slots of a fragmented pool, allocated in whole pages as a request's are."""
+    allocator = fragmented_allocator(size, page_size, rng)
 
     def take(n: int) -> torch.Tensor:
         slots = allocator.alloc(-(-n // page_size) * page_size)
         assert slots is not None
         return torch.from_numpy(slots[:n])
+
+    return take
+
+
+def layout(page_size: int, seed: int) -> tuple[list[torch.Tensor], list[int], int]:
+    """Contexts (slot lists) and extend lengths: a shared prefix, decode rows, chunked extends, odd lengths."""
+    rng = np.random.default_rng(seed)
+    take = slot_taker(4096, page_size, rng)
 
     shared = take(int(rng.integers(100, 700)))  # two requests share these slots, as a radix hit does
     contexts, lens = [], []

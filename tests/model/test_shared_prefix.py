@@ -16,7 +16,7 @@ import torch
 from radixserve.model import paged_kernel
 from radixserve.model.paged_kernel import PagedIndex, paged_attention
 from radixserve.model.shared_prefix import MIN_SHARED_PREFIX_LEN, find_shared_prefixes
-from tests.model.test_paged_attention import HEAD_DIM, HEADS, KV_HEADS, TOLERANCE, fragmented_allocator, reference
+from tests.model.test_paged_attention import HEAD_DIM, HEADS, KV_HEADS, TOLERANCE, reference, slot_taker
 
 pytestmark = pytest.mark.skipif(not paged_kernel.load(), reason="no C++ compiler: the paged kernel cannot build")
 
@@ -60,12 +60,7 @@ def cascade_layout(page_size: int, seed: int) -> tuple[list[torch.Tensor], list[
     """Three prefixes (~1,000, ~300 and 40 slots: below the threshold), members decoding or extending on
     them, a member that is its prefix alone, and requests of their own; shuffled."""
     rng = np.random.default_rng(seed)
-    allocator = fragmented_allocator(8192, page_size, rng)
-
-    def take(n: int) -> torch.Tensor:
-        slots = allocator.alloc(-(-n // page_size) * page_size)
-        assert slots is not None
-        return torch.from_numpy(slots[:n])
+    take = slot_taker(8192, page_size, rng)
 
     prefixes = [take(int(rng.integers(900, 1100))), take(int(rng.integers(200, 400))), take(40)]
     items = [(prefixes[1], 1)]  # its whole context is the prefix its group shares
