@@ -22,12 +22,14 @@ import socket
 import threading
 from collections.abc import Callable, Generator
 from types import FrameType
+from typing import TypeVar
 
 import uvicorn
 
 from radixserve.server.args import ServerArgs
 
 logger = logging.getLogger("radixserve.server")
+T = TypeVar("T")
 GRACE_LEAD_S = 0.5  # abort in-flight requests this long before the grace limit (at most half of it)
 
 
@@ -93,6 +95,32 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def off_the_main_thread(build: Callable[[], T]) -> T:
+    """``build()`` run on a thread of its own that then ends, so the main thread never runs torch's parallel work.
+
+    libgomp (torch's OpenMP) keeps a pool of worker threads for each thread that has run a parallel region, until
+    that thread exits. Loaded on the main thread, which lives on to serve HTTP, the model would leave the main
+    thread's pool behind; the scheduler thread then makes a second one, and with more OpenMP threads than cores
+    libgomp stops spinning at its barriers (each wake-up a futex call): at ``--num-threads 2`` on 2 cores a
+    SmolLM2 decode step took 17 ms instead of 9, slower than one thread (BENCHMARKS.md §12). Built here, that
+    pool ends with the thread. A daemon thread, joined: Ctrl-C during the load still stops the server at once."""
+    done: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(build())
+        except BaseException as exc:  # re-raised on the main thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="radixserve-load", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return done[0]
+
+
 def serve(args: ServerArgs) -> None:
     configure_logging(args.log_level)
     logger.info("resolved server args: %s", json.dumps(args.resolved(), sort_keys=True))
@@ -100,7 +128,7 @@ def serve(args: ServerArgs) -> None:
     from radixserve.engine import Engine
     from radixserve.server.app import create_app
 
-    engine = Engine(args.engine)
+    engine = off_the_main_thread(lambda: Engine(args.engine))
     logger.info("engine: %s", json.dumps(engine.describe(), sort_keys=True))
     app = create_app(engine, args)
     config = uvicorn.Config(
