@@ -75,6 +75,7 @@ class EngineReplica:
     async def __init__(self, args: ServerArgs, publish_kv_events: bool = True) -> None:  # type: ignore[misc]
         from radixserve.engine import Engine
         from radixserve.server.app import create_app
+        from radixserve.server.launch import off_the_main_thread
 
         if publish_kv_events:  # any free port on this node's address; the bound one is reported below
             args = dataclasses.replace(
@@ -83,7 +84,8 @@ class EngineReplica:
                 kv_events_replay_endpoint=None,
                 engine=dataclasses.replace(args.engine, enable_kv_events=True),
             )
-        engine = Engine(args.engine)
+        # Loaded as `serve` loads it: this thread keeps no OpenMP pool beside the scheduler thread's (launch.py).
+        engine = off_the_main_thread(lambda: Engine(args.engine))
         self.app = create_app(engine, args)
         self.state = self.app.state.radixserve
         self.bridge = ASGIBridge(self.app)
