@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -143,6 +144,26 @@ inline bool check_blocks(const at::Tensor& qs, const at::Tensor& d, const std::o
   TORCH_CHECK(q4 == m.has_value(), "m is given for Q4_1 and only for Q4_1");
   TORCH_CHECK(!q4 || scales_ok(*m), "m: contiguous float16 [N, K / 32]");
   return q4;
+}
+
+// The decode kernels' walk over their output: chunks of kChunk channels (whose weights stay in cache across the
+// row tiles), tiles of up to kRowTile rows, and within a tile as many channels per call as
+// `tile(r0, rows, n, c1, sums)` computed (it returns that count and leaves rows x channels sums, row-major).
+template <int kRowTile, int64_t kChunk, typename Tile>
+void walk_decode_tiles(int64_t rows, int64_t n0, int64_t n1, const Epilogue& out, const Tile& tile) {
+  float sums[kRowTile * 8];
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+    const int64_t c1 = std::min(n1, c0 + kChunk);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+      for (int64_t n = c0; n < c1;) {
+        const int channels = tile(r0, tile_rows, n, c1, sums);
+        for (int r = 0; r < tile_rows; ++r)
+          for (int c = 0; c < channels; ++c) out.store(r0 + r, n + c, sums[r * channels + c]);
+        n += channels;
+      }
+    }
+  }
 }
 
 }  // namespace radixserve

@@ -306,24 +306,13 @@ void linear_channels(const at::Tensor& x, const float* xsum, const float* wscale
   const int64_t rows = x.size(0), in_features = x.size(1), ldxs = padded16(w.blocks);
   const char* xp = static_cast<const char*>(x.data_ptr());
   const int64_t row_bytes = in_features * (BF16 ? 2 : 4);
-  float sums[kRowTile * 8];
-  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
-    const int64_t c1 = std::min(n1, c0 + kChunk);
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
-      for (int64_t n = c0; n < c1;) {
-        const bool single = n + channels_for(tile) > c1;
-        const int channels =
-            tile_rows<Q4, BF16>(tile, single, xp + r0 * row_bytes, in_features, xsum + r0 * ldxs, ldxs,
-                                w.qs + n * w.qs_row_bytes, w.qs_row_bytes, w.d + n * w.blocks,
-                                Q4 ? w.m + n * w.blocks : nullptr, wscale == nullptr ? nullptr : wscale + n,
-                                w.blocks, sums);
-        for (int r = 0; r < tile; ++r)
-          for (int c = 0; c < channels; ++c) out.store(r0 + r, n + c, sums[r * channels + c]);
-        n += channels;
-      }
-    }
-  }
+  radixserve::walk_decode_tiles<kRowTile, kChunk>(rows, n0, n1, out, [&](int64_t r0, int tile, int64_t n, int64_t c1,
+                                                                         float* sums) {
+    return tile_rows<Q4, BF16>(tile, n + channels_for(tile) > c1, xp + r0 * row_bytes, in_features, xsum + r0 * ldxs,
+                               ldxs, w.qs + n * w.qs_row_bytes, w.qs_row_bytes, w.d + n * w.blocks,
+                               Q4 ? w.m + n * w.blocks : nullptr, wscale == nullptr ? nullptr : wscale + n, w.blocks,
+                               sums);
+  });
 }
 
 // x [rows, K] contiguous, float32 or (BF16) bfloat16; wscale: BF16's per-channel weight scales [N] or nullptr.

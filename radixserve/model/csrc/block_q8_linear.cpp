@@ -328,22 +328,12 @@ int tile_rows(int rows, bool single, const int8_t* xq, int64_t ldx, const float*
 void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t n1, const radixserve::Epilogue& out) {
   const int64_t rows = x.codes.size(0), in_features = x.codes.size(1);
   const int8_t* xq = x.codes.data_ptr<int8_t>();
-  float sums[kRowTile * 8];
-  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
-    const int64_t c1 = std::min(n1, c0 + kChunk);
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
-      for (int64_t n = c0; n < c1;) {
-        const int channels =
-            tile_rows(tile, n + channels_for(tile) > c1, xq + r0 * in_features, in_features,
-                      x.scales.data() + r0 * x.ld, x.sums.data() + r0 * x.ld, x.ld, w.qs + n * w.qs_row_bytes,
-                      w.qs_row_bytes, w.d + n * w.blocks, w.m + n * w.blocks, w.blocks, sums);
-        for (int r = 0; r < tile; ++r)
-          for (int c = 0; c < channels; ++c) out.store(r0 + r, n + c, sums[r * channels + c]);
-        n += channels;
-      }
-    }
-  }
+  radixserve::walk_decode_tiles<kRowTile, kChunk>(rows, n0, n1, out, [&](int64_t r0, int tile, int64_t n, int64_t c1,
+                                                                         float* sums) {
+    return tile_rows(tile, n + channels_for(tile) > c1, xq + r0 * in_features, in_features,
+                     x.scales.data() + r0 * x.ld, x.sums.data() + r0 * x.ld, x.ld, w.qs + n * w.qs_row_bytes,
+                     w.qs_row_bytes, w.d + n * w.blocks, w.m + n * w.blocks, w.blocks, sums);
+  });
 }
 
 }  // namespace avx512
