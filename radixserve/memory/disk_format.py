@@ -39,8 +39,13 @@ def fingerprint_digest(fingerprint: dict[str, Any]) -> bytes:
 
 def page_path(directory: Path, page_hash: bytes) -> Path:
     """Where a page lives: fanned out over 256 subdirectories by its hash's first byte."""
+    return directory / "pages" / page_name(page_hash)
+
+
+def page_name(page_hash: bytes) -> str:
+    """A page file's path under ``<dir>/pages`` (a string: a start joins 10,000s, and ``Path`` joins cost µs)."""
     name = page_hash.hex()
-    return directory / "pages" / name[:2] / f"{name}{PAGE_SUFFIX}"
+    return f"{name[:2]}/{name}{PAGE_SUFFIX}"
 
 
 def _checksum(data: bytes) -> bytes:
@@ -89,18 +94,21 @@ def decode_page(page_hash: bytes, digest: bytes, data: bytes) -> bytes | None:
     return payload if _checksum(payload) == layout.payload_sum else None
 
 
-def read_label(path: Path, page_hash: bytes, digest: bytes) -> bytes | None:
+def read_label(path: str | Path, page_hash: bytes, digest: bytes) -> bytes | None:
     """The label a page file holds (b"": none, a version 1 file), reading its header and label, never its
     payload; None if the header is not this page's or does not account for the file's size, or the label
     fails its checksum. Raises ``FileNotFoundError`` if the file is gone."""
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        head = file.read(HEAD_READ)
+    fd = os.open(path, os.O_RDONLY)  # unbuffered: one read of the head, no buffer to fill
+    try:
+        size = os.fstat(fd).st_size
+        head = os.read(fd, HEAD_READ)
         layout = parse_header(page_hash, digest, head, size)
         if layout is None:
             return None
         if layout.label.stop > len(head):  # a label longer than the first read: read the rest of it
-            head += file.read(layout.label.stop - len(head))
+            head += os.pread(fd, layout.label.stop - len(head), len(head))
+    finally:
+        os.close(fd)
     label = head[layout.label]
     if layout.label_sum is not None and _checksum(label) != layout.label_sum:
         return None

@@ -32,6 +32,7 @@ from radixserve.memory.disk_format import (
     decode_page,
     encode_page,
     fingerprint_digest,
+    page_name,
     page_path,
     read_label,
     write_atomic,
@@ -124,10 +125,10 @@ class DiskPageStore:
         with self._mutex:
             on_disk = list(self._index)
             queued = [(page_hash, label) for page_hash, (_, label) in self._pending.items()]
-        found = []
+        found, pages = [], os.path.join(self.directory, "pages")
         for page_hash in on_disk:
             try:
-                label = read_label(self._path(page_hash), page_hash, self.digest)
+                label = read_label(os.path.join(pages, page_name(page_hash)), page_hash, self.digest)
             except FileNotFoundError:
                 self._count(missing=1)
                 self._forget(page_hash, unlink=False)

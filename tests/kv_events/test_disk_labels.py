@@ -180,3 +180,47 @@ def test_a_restarted_engine_announces_its_disk_in_full_to_a_peer_decoder(tiny_mo
         assert {wire_hash(e.page_hash) for e in again if e.page_hash}.isdisjoint(by_hash)  # none announced twice
     finally:
         engine.close(30)
+
+
+def test_flush_cache_clears_the_pool_then_the_host_tier_announces_its_drops_and_the_disk_stays(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``/flush_cache`` as SGLang's decoder reads it: ``AllBlocksCleared`` (the pool's, as vLLM's block pool sends
+    it), then a ``CPU_PINNED`` removal per host page (SGLang reads the clear as device and host: redundant there,
+    needed by a reader of the pool's alone), and nothing about the disk, which a flush keeps."""
+    import msgspec
+
+    from radixserve import Engine
+    from radixserve.kv_events.mirror import BlockMirror
+    from radixserve.kv_events.wire import decode_batch
+
+    engine = Engine.create(
+        model_path=str(tiny_model_dir),
+        max_total_tokens=256,
+        enable_kv_events=True,
+        hicache_size=0.01,
+        hicache_write_policy="write_through",
+        cache_dir=str(tmp_path / "kv"),
+    )
+    events, tiers = engine.cache.events, engine.cache.tiers
+    assert events is not None and tiers is not None and tiers.disk is not None and tiers.host is not None
+    peer = sglang_kv_events()
+    mirror = BlockMirror()
+    try:
+        engine.generate(input_ids=[int(t) for t in np.arange(10, 60)], sampling_params={"max_new_tokens": 2})
+        assert tiers.disk.flush(30)
+        records = [r for r in (event_record(e, 16) for e in events.drain()) if r is not None]
+        mirror.apply(0, decode_batch(encode_batch(records)))
+        host, disk = _tier_blocks(tiers)["cpu"], _tier_blocks(tiers)["disk"]
+        assert host and disk and mirror.blocks and mirror.media == {"cpu": host, "disk": disk}
+        engine.flush_cache()
+        records = [r for r in (event_record(e, 16) for e in events.drain()) if r is not None]
+        batch = msgspec.msgpack.Decoder(peer.KVEventBatch).decode(encode_batch(records))
+        assert isinstance(batch.events[0], peer.AllBlocksCleared)
+        removed = batch.events[1:]
+        assert all(isinstance(e, peer.BlockRemoved) and e.medium == "CPU_PINNED" for e in removed)
+        assert {h for e in removed for h in e.block_hashes} == host
+        mirror.apply(1, decode_batch(encode_batch(records)))
+        assert mirror.blocks == set() and mirror.media == {"cpu": set(), "disk": disk} == _tier_blocks(tiers)
+    finally:
+        engine.close(30)
