@@ -15,6 +15,7 @@ were just written, so they sit in the page cache: a cold disk adds its reads.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -65,10 +66,11 @@ def measure(directory: Path) -> dict[str, float]:
     began = time.perf_counter()
     tiers.events = cache.events
     attach = time.perf_counter() - began
-    began = time.perf_counter()
+    full_gcs, began = gc.get_stats()[2]["collections"], time.perf_counter()
     records = [r for r in (event_record(e, PAGE_TOKENS) for e in cache.events.drain()) if r is not None]
     data = encode_batch(records)
     publish = time.perf_counter() - began
+    full_gcs = gc.get_stats()[2]["collections"] - full_gcs  # a full collection in there costs ~0.1 s here
     full = sum(isinstance(r, BlockStored) and len(r.token_ids) > 0 for r in records)
     tiers.close(5)
     return {
@@ -78,6 +80,7 @@ def measure(directory: Path) -> dict[str, float]:
         "attach_s": attach,
         "publish_s": publish,
         "batch_mib": len(data) / 2**20,
+        "full_gcs": full_gcs,
     }
 
 
