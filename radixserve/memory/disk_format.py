@@ -95,9 +95,9 @@ def decode_page(page_hash: bytes, digest: bytes, data: bytes) -> bytes | None:
 
 
 def read_label(path: str | Path, page_hash: bytes, digest: bytes) -> bytes | None:
-    """The label a page file holds (b"": none, a version 1 file), reading its header and label, never its
-    payload; None if the header is not this page's or does not account for the file's size, or the label
-    fails its checksum. Raises ``FileNotFoundError`` if the file is gone."""
+    """The label a page file holds (b"": none, a version 1 file), from one read of the file's head (the header,
+    the label, the start of the payload at most), never the whole payload; None if the header is not this page's
+    or does not account for the file's size, or the label fails its checksum. ``FileNotFoundError``: it is gone."""
     fd = os.open(path, os.O_RDONLY)  # unbuffered: one read of the head, no buffer to fill
     try:
         size = os.fstat(fd).st_size

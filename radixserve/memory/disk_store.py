@@ -125,7 +125,7 @@ class DiskPageStore:
         with self._mutex:
             on_disk = list(self._index)
             queued = [(page_hash, label) for page_hash, (_, label) in self._pending.items()]
-        found, pages = [], os.path.join(self.directory, "pages")
+        found, pages, start = [], os.path.join(self.directory, "pages"), time.monotonic()
         for page_hash in on_disk:
             try:
                 label = read_label(os.path.join(pages, page_name(page_hash)), page_hash, self.digest)
@@ -137,6 +137,7 @@ class DiskPageStore:
                 self.drop_corrupt(page_hash)
             else:
                 found.append((page_hash, label))
+        logger.info("cache dir %s: %d page labels read in %.2f s", self.directory, len(found), time.monotonic() - start)
         listed = set(on_disk)
         return found + [(page_hash, label) for page_hash, label in queued if page_hash not in listed]
 
