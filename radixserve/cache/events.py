@@ -9,10 +9,10 @@ Page hashes are chained exactly like the block cache's and computed only when re
 A lower cache tier (L2 host, L3 disk) announces one tier page at a time, named
 by its hash (``page_hash`` set, an empty key): a ``remove`` needs nothing else; a
 ``store`` carries the page's ``PageLabel`` (its parent's hash and its own tokens),
-kept beside the page while it sits in L2, so a page that moves down a tier (L2
-spilling to L3) or up one (a prefetch into L2) is announced as fully as a page
-copied straight from the pool. A page found on disk at a start has no label (its
-file holds no tokens): its ``store`` names only its hash.
+kept beside the page in L2 and in its file's header on disk, so a page that moves
+down a tier (L2 spilling to L3) or up one (a prefetch into L2), or that a restart
+finds on disk, is announced as fully as a page copied straight from the pool. Only
+a version 1 disk file keeps no label: its ``store`` names only its hash.
 
 Off by default: a cache built with ``events=None`` pays one ``is None`` check.
 
@@ -58,7 +58,7 @@ class KVEvent:
     page_size: int
     medium: str | None = None  # None: the KV pool; "cpu" / "disk": a page copied down into that tier
     page_hash: bytes | None = None  # one tier page (``page_size`` tokens), stored or dropped; ``key`` is then empty
-    label: PageLabel | None = None  # what a stored tier page holds (None: unknown, a page found at a start)
+    label: PageLabel | None = None  # what a stored tier page holds (None: unknown, a version 1 disk file's page)
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
@@ -111,7 +111,7 @@ class KVEventLog:
 
     def record_page(self, page_hash: bytes, page_size: int, medium: str, label: PageLabel | None) -> None:
         """Record that the tier ``medium`` now holds the ``page_size``-token page named ``page_hash``, holding
-        ``label`` (None: what it holds is unknown, a page found in the tier at a start)."""
+        ``label`` (None: what it holds is unknown, a page found at a start in a file that keeps no label)."""
         self._seq += 1
         empty = RadixKey(np.empty(0, dtype=np.int64))
         self._queue.append(KVEvent(self._seq, "store", 0, empty, page_size, medium, page_hash, label))

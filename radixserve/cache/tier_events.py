@@ -12,11 +12,12 @@ raced in between (a page dropped and stored again announces nothing), and it
 never sees a page stored twice or removed twice.
 
 A page a tier held before events were attached (the disk directory's pages at a
-warm restart) is ``restored``: announced at the next drain by its hash alone, as
-its file holds no tokens. The first store of it with a label (a request read it,
-so its parent and tokens are known) announces it once more, in full: a router
-that had to skip the bare announcement (one that indexes pages by their parent
-chain) learns the page then. That is the one page ever stored twice in a row.
+warm restart) is ``restored``: announced at the next drain with the label its file
+keeps, parents before children, so a router that chains pages by their parent
+(Dynamo's) can index the whole disk at once. A page without a label (a version 1
+file) goes out by hash alone; the first store of it with a label (a request read
+it, so its parent and tokens are known) announces it once more, in full: the one
+page ever stored twice in a row.
 
 The cost, with events on only: one set of announced page hashes per tier (16
 bytes a page, next to pages of tens of KiB) and a ``PageLabel`` per stored page
@@ -26,7 +27,7 @@ in flight to the drain.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from radixserve.cache.events import KVEventLog, PageLabel
@@ -50,9 +51,10 @@ class TierAnnouncer:
         """The tier ``medium`` took the page (any thread): announce it at the next drain if it still holds it."""
         self._inbox.append((page_hash, medium, True, label))
 
-    def restored(self, page_hashes: Iterable[bytes], medium: Medium) -> None:
-        """The tier ``medium`` held these pages before events began (a warm restart's): announce them by hash."""
-        self._inbox.extend((page_hash, medium, True, None) for page_hash in page_hashes)
+    def restored(self, pages: Sequence[tuple[bytes, PageLabel | None]], medium: Medium) -> None:
+        """The tier ``medium`` held these pages before events began (a warm restart's), with their labels (None:
+        unknown): announce them at the next drain, each after its parent where that is among them."""
+        self._inbox.extend((page_hash, medium, True, label) for page_hash, label in parents_first(pages))
 
     def dropped(self, page_hash: bytes, medium: Medium) -> None:
         """The tier ``medium`` let the page go (any thread): announce it at the next drain if it still lacks it."""
@@ -85,3 +87,20 @@ class TierAnnouncer:
             announced.discard(page_hash)
             bare.discard(page_hash)
             self.log.record_drop(page_hash, self.page_tokens, medium)
+
+
+def parents_first(pages: Sequence[tuple[bytes, PageLabel | None]]) -> list[tuple[bytes, PageLabel | None]]:
+    """``pages`` (hash, label) reordered so that each comes after its parent where that is among them, else in
+    their order: a subscriber reading them in turn always knows a page's parent before the page."""
+    labels, placed = dict(pages), set()
+    ordered: list[tuple[bytes, PageLabel | None]] = []
+    for page_hash, _ in pages:
+        chain: list[bytes] = []  # this page and its ancestors not placed yet, child first
+        step: bytes | None = page_hash
+        while step is not None and step in labels and step not in placed:
+            chain.append(step)
+            placed.add(step)
+            label = labels[step]
+            step = label.parent_hash if label is not None else None
+        ordered.extend((h, labels[h]) for h in reversed(chain))
+    return ordered

@@ -12,8 +12,10 @@ queued (bytes held by the writer) or on disk. See ``page_states``.
 KV events (with ``events`` set): every page a tier gains or loses is announced
 with its medium (tier_events.py), at the log's next drain. A page stored into L2
 keeps its ``PageLabel`` (parent hash, tokens) beside it, so the page can still be
-announced in full when L2 spills it to L3. The pages the disk already holds when
-events are attached (a warm restart's) are announced at the first drain, by hash.
+announced in full when L2 spills it to L3, and L3 keeps it in the page file's
+header (tier_labels.py), events on or not. The pages the disk already holds when
+events are attached (a warm restart's) are announced at the first drain, in full,
+from those headers (by hash alone for a version 1 file, which has no label).
 
 ``TierPages`` is the state the store flow (tier_store.py) and the load-back
 (tiers.py) share: the stores, the lock, the counters.
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from radixserve.cache.events import KVEventLog, PageLabel
 from radixserve.cache.key import RadixKey, page_hashes
 from radixserve.cache.tier_events import Medium, TierAnnouncer
+from radixserve.cache.tier_labels import decode_label
 from radixserve.memory.allocator import IndexArray
 
 if TYPE_CHECKING:  # torch stays out of the cache layer's imports
@@ -87,7 +90,7 @@ class TierPages:
         self._prefetched: set[bytes] = set()  # L2 pages a prefetch brought in and no admission used yet
         self._events: KVEventLog | None = None
         self._announcer: TierAnnouncer | None = None
-        self._labels: dict[bytes, PageLabel] = {}  # L2 pages' labels, kept (under ``lock``) only with events on
+        self._labels: dict[bytes, PageLabel] = {}  # L2 pages' labels (under ``lock``), with events or a disk tier
         if self.disk is not None:
             self.disk.on_drop = self._dropped_from_disk
 
@@ -101,7 +104,20 @@ class TierPages:
         self._events = log
         self._announcer = TierAnnouncer(log, self.page_tokens, self._holds) if log is not None else None
         if self._announcer is not None and self.disk is not None:
-            self._announcer.restored(self.disk.hashes(), "disk")  # a router learns a restarted engine's disk
+            self._announcer.restored(self._disk_labels(), "disk")  # a router learns a restarted engine's disk
+
+    def _disk_labels(self) -> list[tuple[bytes, PageLabel | None]]:
+        """The disk's pages and their labels, read from the files' headers (None: a version 1 file's page). A page
+        whose label is not its own (it does not hash to the page's name) is dropped as corrupt, never announced."""
+        assert self.disk is not None
+        pages = []
+        for page_hash, data in self.disk.labels():
+            label = decode_label(data, page_hash, self.page_tokens) if data else None
+            if data and label is None:
+                self.disk.drop_corrupt(page_hash)
+            else:
+                pages.append((page_hash, label))
+        return pages
 
     def _stored(self, page_hash: bytes, medium: Medium, label: PageLabel | None) -> None:
         """A tier took a page (any thread): announce it at the next drain."""
@@ -126,8 +142,9 @@ class TierPages:
         return list(page_hashes(key.token_ids[:length], key.extra_key, self.page_tokens, shared_len=shared))
 
     def label(self, key: RadixKey, hashes: Sequence[bytes], index: int) -> PageLabel | None:
-        """The label of tier page ``index`` of ``key`` (``hashes``: its pages'); None with events off."""
-        if self._events is None:
+        """The label of tier page ``index`` of ``key`` (``hashes``: its pages'); None with neither events nor a disk
+        tier (the two that keep it)."""
+        if self._events is None and self.disk is None:
             return None
         size = self.page_tokens
         shared = key.shared_len - key.shared_len % size if key.extra_key is not None else 0  # as ``hashes``

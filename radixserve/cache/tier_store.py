@@ -17,6 +17,7 @@ import numpy as np
 
 from radixserve.cache.events import PageLabel
 from radixserve.cache.key import RadixKey
+from radixserve.cache.tier_labels import encode_label
 from radixserve.cache.tier_pages import TierPages
 from radixserve.memory.allocator import IndexArray
 
@@ -100,10 +101,10 @@ class TierStore(TierPages):
             self._stored(page_hash, "cpu", label)
 
     def _to_disk(self, page_hash: bytes, page: Any, label: PageLabel | None) -> bool:
-        """Queue ``page`` for the disk; False if the store did not take it (read-only, or there already)."""
+        """Queue ``page`` and its label for the disk; False if the store did not take it (read-only, or held)."""
         assert self.disk is not None
         data = self.mover.to_bytes(page)
-        if not self.disk.put(page_hash, data):
+        if not self.disk.put(page_hash, data, encode_label(label) if label is not None else b""):
             return False  # a read-only store takes nothing: announce nothing
         self.stats.bytes_stored["disk"] += len(data)
         self._stored(page_hash, "disk", label)

@@ -23,13 +23,16 @@ L3 into L2) as a ``BlockStored`` with its parent hash and tokens, as vLLM's
 self-describing offloading events do, and every page it drops as a ``BlockRemoved``;
 both at each publish and only if the tier's state then differs from what was
 announced, so a consumer that keeps one set per medium holds exactly what each
-tier holds. Pages already on disk at a start are announced at once, by hash only
-(their files hold no tokens): vLLM's placeholder form, ``parent_block_hash`` None,
-``token_ids`` empty, ``block_size`` 0; once a request reads one, it is announced
-again in full. Tier events go out only when ``B`` is the tier page (16 tokens
-for cache pages up to 16: the default), as a tier page's hash is a block hash at
-that size only. ``AllBlocksCleared`` clears the pool; a tier announces its own
-removals. ``BlockMirror`` (mirror.py) keeps one set per medium.
+tier holds. Pages already on disk at a start are announced at once, in full (a
+page file keeps its parent and tokens), each after its parent where both are on
+disk. A version 1 file keeps neither: its page goes out in vLLM's placeholder
+form (``parent_block_hash`` None, ``token_ids`` empty, ``block_size`` 0) and is
+announced again in full once a request reads it. Tier events go out only when
+``B`` is the tier page (16 tokens for cache pages up to 16: the default), as a
+tier page's hash is a block hash at that size only. ``AllBlocksCleared`` clears
+the pool, as vLLM's block pool sends it; a tier announces its own removals (after
+it, in the same batch), and a flush keeps the disk. ``BlockMirror`` (mirror.py)
+keeps one set per medium.
 
 Blocks are whole runs of ``B`` tokens (16 by default, whatever the cache's page
 size), announced once all their tokens are cached and removed as soon as one is
@@ -139,7 +142,7 @@ def event_record(event: KVEvent, block_size: int) -> WireEvent | None:
             return None
         if event.kind == "remove":
             return BlockRemoved([wire_hash(event.page_hash)], medium=wire_medium(event.medium))
-        if event.label is None:  # found on disk at a start: its file holds no tokens (vLLM's placeholder form)
+        if event.label is None:  # found at a start in a version 1 file, which keeps no tokens: vLLM's placeholder
             return BlockStored([wire_hash(event.page_hash)], None, [], 0, medium=wire_medium(event.medium))
         return page_record(event.page_hash, event.label, event.medium)
     first = event.start // block_size

@@ -4,6 +4,10 @@ The directory (lock, fingerprint, warm-restart scan) is opened by ``disk_dir``; 
 file's format and checks are ``disk_format``'s. This module keeps the index of pages (LRU
 order, bounded in bytes) and the writer thread.
 
+A page is stored with a label: bytes this store only keeps and checks (the cache layer's
+``PageLabel``, so a restart can announce what each page holds). ``labels`` reads them
+back from the files' headers alone, for every page a start found.
+
 Safety before speed: a page is returned only if its file passes ``decode_page``, else it
 is dropped and counted. Writes run on a writer thread (the step loop only enqueues); disk
 full or an unwritable directory turns writing off with one warning and fails no request.
@@ -24,7 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.memory.disk_dir import check_fingerprint, scan_pages, take_lock
-from radixserve.memory.disk_format import decode_page, encode_page, fingerprint_digest, page_path, write_atomic
+from radixserve.memory.disk_format import (
+    decode_page,
+    encode_page,
+    fingerprint_digest,
+    page_name,
+    page_path,
+    read_label,
+    write_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +64,9 @@ class DiskPageStore:
         self.writable = False  # we hold the lock and writing has not failed
         self.used_bytes = 0
         self._index: OrderedDict[bytes, int] = OrderedDict()  # page hash -> file size, least recent first
-        self._pending: dict[bytes, bytes] = {}  # enqueued, not yet on disk: readable meanwhile
+        self._pending: dict[bytes, tuple[bytes, bytes]] = {}  # (payload, label) enqueued: readable meanwhile
         self._mutex = threading.Lock()
-        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[bytes, bytes, bytes] | None] = queue.Queue()
         self._lock_fd: int | None = None
         self._writer: threading.Thread | None = None
         # Called with a page's hash once it leaves the store (evicted, corrupt, missing, or a queued write
@@ -94,14 +106,40 @@ class DiskPageStore:
         with self._mutex:
             return [*self._index, *(h for h in self._pending if h not in self._index)]
 
-    def put(self, page_hash: bytes, payload: bytes) -> bool:
-        """Enqueue one page for the writer thread; False when writing is off or it is there already."""
+    def put(self, page_hash: bytes, payload: bytes, label: bytes = b"") -> bool:
+        """Enqueue one page and its label for the writer thread; False when writing is off or it is there already."""
         with self._mutex:
             if not self.writable or page_hash in self._index or page_hash in self._pending:
                 return False
-            self._pending[page_hash] = payload
-        self._queue.put((page_hash, payload))
+            self._pending[page_hash] = (payload, label)
+        self._queue.put((page_hash, payload, label))
         return True
+
+    def labels(self) -> list[tuple[bytes, bytes]]:
+        """Every page held, as ``hashes`` orders them, with its label (b"": none, a version 1 file).
+
+        Reads each file's header and label, not its K/V bytes: for a start's pages. A
+        page whose header or label fails its check is dropped and counted as corrupt,
+        one gone meanwhile as missing, as ``get`` would; neither is listed.
+        """
+        with self._mutex:
+            on_disk = list(self._index)
+            queued = [(page_hash, label) for page_hash, (_, label) in self._pending.items()]
+        found, pages, start = [], os.path.join(self.directory, "pages"), time.monotonic()
+        for page_hash in on_disk:
+            try:
+                label = read_label(os.path.join(pages, page_name(page_hash)), page_hash, self.digest)
+            except FileNotFoundError:
+                self._count(missing=1)
+                self._forget(page_hash, unlink=False)
+                continue
+            if label is None:
+                self.drop_corrupt(page_hash)
+            else:
+                found.append((page_hash, label))
+        logger.info("cache dir %s: %d page labels read in %.2f s", self.directory, len(found), time.monotonic() - start)
+        listed = set(on_disk)
+        return found + [(page_hash, label) for page_hash, label in queued if page_hash not in listed]
 
     def get(self, page_hash: bytes) -> bytes | None:
         """The page's payload, verified; None when absent, missing or corrupt (counted, dropped)."""
@@ -111,7 +149,7 @@ class DiskPageStore:
             if known:
                 self._index.move_to_end(page_hash)
         if pending is not None:
-            return pending
+            return pending[0]
         if not known or not self.enabled:
             return None
         try:
@@ -122,9 +160,7 @@ class DiskPageStore:
             return None
         payload = decode_page(page_hash, self.digest, data)
         if payload is None:
-            self._count(corrupt=1)
-            logger.warning("cache dir page %s failed its check: dropped, will be recomputed", page_hash.hex())
-            self._forget(page_hash, unlink=self.writable)
+            self.drop_corrupt(page_hash)
             return None
         self._count(pages_read=1, bytes_read=len(payload))
         return payload
@@ -135,6 +171,12 @@ class DiskPageStore:
             if page_hash in self._pending:
                 return "queued"
             return "on_disk" if page_hash in self._index else "absent"
+
+    def drop_corrupt(self, page_hash: bytes) -> None:
+        """Drop a page that failed a check (here, or its caller's check of its label): counted as corrupt."""
+        self._count(corrupt=1)
+        logger.warning("cache dir page %s failed its check: dropped, will be recomputed", page_hash.hex())
+        self._forget(page_hash, unlink=self.writable)
 
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for every enqueued page to reach the disk; True if all did."""
@@ -191,8 +233,8 @@ class DiskPageStore:
             finally:
                 self._queue.task_done()
 
-    def _write_page(self, page_hash: bytes, payload: bytes) -> None:
-        data = encode_page(page_hash, self.digest, payload)
+    def _write_page(self, page_hash: bytes, payload: bytes, label: bytes) -> None:
+        data = encode_page(page_hash, self.digest, payload, label)
         written = False
         try:
             if self.writable:

@@ -9,12 +9,15 @@ longest run of such pages. With a tiny L2 spilling to a bounded disk it checks
 that nothing is invented, every page is in one state per tier, host bytes and
 KV slots are conserved, and locked prefixes survive the evictions a load causes.
 KV events follow: after each drain, the pages announced in a tier (stores
-minus drops, with their medium) are exactly the pages that tier holds.
+minus drops, with their medium) are exactly the pages that tier holds, each
+announced with its own parent, tokens and namespace, a restart's disk pages
+included (from their files' labels, parents first, never again when read).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,9 +30,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from radixserve.cache import CacheReq, RadixCache, RadixKey
+from radixserve.cache.key import page_hashes
 from radixserve.cache.radix_check import check_slot_conservation
 from radixserve.cache.tiers import TierIndex
-from radixserve.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, event_record, tier_of, wire_hash
+from radixserve.kv_events.wire import BlockRemoved, BlockStored, event_record, tier_of, wire_hash
 from radixserve.memory import TokenAllocator
 from radixserve.memory.disk_store import DiskPageStore
 from radixserve.memory.host_arena import HostArena
@@ -40,6 +44,7 @@ from tests.cache.test_radix_machine import key_strategy
 from tests.machine_settings import machine_settings
 
 PageKey = tuple[str | None, tuple[int, ...]]
+PageContent = tuple[int | None, tuple[int, ...], str | None]  # a page's wire parent hash, tokens, namespace
 
 
 def kv_value(ns: str | None, prefix: np.ndarray) -> float:
@@ -52,8 +57,7 @@ class TierMachine(RuleBasedStateMachine):
     page_size = 1
     write_policy = "write_back"
     unbounded = True
-    # Across every run of one test: the tiers were really exercised (restored: a start's disk page read, announced
-    # again in full).
+    # Across every run of one test: the tiers were really exercised (restored: a start's disk page announced).
     loaded = {"host": 0, "disk": 0, "prefetched": 0, "restored": 0}
 
     def __init__(self) -> None:
@@ -61,6 +65,7 @@ class TierMachine(RuleBasedStateMachine):
         self.tier_page = 2 * self.page_size
         self.dir = Path(tempfile.mkdtemp())
         self.ever: set[PageKey] = set()  # whole tier pages the tree has held
+        self.content: dict[int, PageContent] = {}  # the same pages by wire hash: what their BlockStored must say
         self.live: list[CacheReq] = []
         self.seen: list[tuple[str | None, np.ndarray]] = []  # prompts opened so far: queue_request repeats them
         self.open_cache()
@@ -80,7 +85,6 @@ class TierMachine(RuleBasedStateMachine):
         self.cache.tiers = TierIndex(mover, self.tier_page, host, disk, self.write_policy)  # type: ignore[arg-type]
         self.cache.tiers.events = self.cache.events
         self.announced: dict[str | None, set[int]] = {"cpu": set(), "disk": set()}  # per tier, from KV events
-        self.bare: set[tuple[str | None, int]] = set()  # (tier, page) announced by hash alone: a start's disk pages
         self.age = 0  # steps since the start
 
     # ---- the fake model and the reference -------------------------------------------------------
@@ -103,10 +107,14 @@ class TierMachine(RuleBasedStateMachine):
         return [(ns, tuple(token_ids[:end].tolist())) for end in range(b, len(token_ids) + 1, b)]
 
     def record_tree(self) -> None:
+        b = self.tier_page
         for node in self.cache.nodes():
             if not node.children:
-                path = self.cache._path_tokens(node)
-                self.ever.update(self.tier_pages(node.key.extra_key, path))
+                ns, path = node.key.extra_key, self.cache._path_tokens(node)
+                self.ever.update(self.tier_pages(ns, path))
+                hashes = [wire_hash(h) for h in page_hashes(path, ns, b)]
+                for i, page in enumerate(hashes):
+                    self.content[page] = (hashes[i - 1] if i else None, tuple(path[i * b : (i + 1) * b].tolist()), ns)
 
     def expected_len(self, ns: str | None, token_ids: np.ndarray, l1_len: int) -> int:
         pages, b = self.tier_pages(ns, token_ids), self.tier_page
@@ -193,16 +201,20 @@ class TierMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def restart(self, data: st.DataObject) -> None:
         """The process stops (queued disk writes land) and another starts on the same directory: its first drain
-        announces the pages on disk, by hash; a page read later is announced again, in full. Then a prompt seen
-        before comes back (what a restart is for)."""
+        announces the pages on disk, in full, parents first; reading one later announces nothing. Then a prompt
+        seen before comes back (what a restart is for)."""
         for req in self.live:
             self.cache.cache_finished_req(req)
         self.live = []
         self.record_tree()
         self.check_events()
         self.close_tiers(30)
+        # The scan's order made the files' names' (their hashes'): unrelated to the chains, so children often
+        # come first, as after a copy of the directory or a clock step (drawing an order would change the examples).
+        for age, path in enumerate(sorted((self.dir / "pages").glob("*/*.kv"))):
+            os.utime(path, (1e9 + age, 1e9 + age))
         self.open_cache()
-        self.check_events()  # the start's announcements: each page on disk, by hash
+        self.check_events(at_start=True)  # the start's announcements: each page on disk, in full, parents first
         if self.seen:
             ns, arr = data.draw(st.sampled_from(self.seen))
             req = self.open(ns, arr)
@@ -238,34 +250,33 @@ class TierMachine(RuleBasedStateMachine):
                 assert tiers.page_states(page_hash)[1] == "on_disk"
         self.check_events()
 
-    def check_events(self) -> None:
+    def check_events(self, at_start: bool = False) -> None:
         """A subscriber keeping one set per tier from the KV events, drained now, holds exactly each tier's pages.
 
-        Exactly: every tier page is one block here, and a page is never announced stored twice or removed
-        when it was not announced (what a reference-counting consumer needs), but for a start's disk page,
-        announced by hash, then once more in full when a request reads it.
+        Exactly: every tier page is one block here, never announced stored twice or removed when it was not
+        announced (what a reference-counting consumer needs), and each store names the page's own parent, tokens
+        and namespace. ``at_start``: the drain after a restart, whose disk pages come each after its parent.
         """
         tiers, events = self.cache.tiers, self.cache.events
         assert tiers is not None and tiers.host is not None and events is not None
         with tiers.lock:  # no prefetch changes L2 or queues disk writes meanwhile
             if tiers.disk is not None:
                 assert tiers.disk.flush(30)  # the writer is idle: no disk drop races the drain
-            for event in events.drain():
-                record = event_record(event, self.tier_page)
-                if record is None or isinstance(record, AllBlocksCleared) or record.medium is None:
-                    continue
+            records = [event_record(event, self.tier_page) for event in events.drain()]
+            tier_records = [r for r in records if isinstance(r, BlockStored | BlockRemoved) and r.medium is not None]
+            batch = {r.block_hashes[0] for r in tier_records if isinstance(r, BlockStored)}
+            for record in tier_records:
                 (block,) = record.block_hashes
                 tier = tier_of(record.medium)
                 mirror, removed = self.announced[tier], isinstance(record, BlockRemoved)
-                tokens = record.token_ids if isinstance(record, BlockStored) else []
-                in_full = (tier, block) in self.bare and len(tokens) > 0  # a start's page, read: stored again
-                assert in_full or (block in mirror) == removed, record
+                assert (block in mirror) == removed, record
                 (mirror.discard if removed else mirror.add)(block)
-                self.loaded["restored"] += in_full
-                if removed or in_full:
-                    self.bare.discard((tier, block))
-                elif not tokens:
-                    self.bare.add((tier, block))
+                if isinstance(record, BlockStored):
+                    parent = record.parent_block_hash
+                    assert self.content[block] == (parent, tuple(record.token_ids), record.namespace), record
+                    if at_start:
+                        assert parent is None or parent not in batch or parent in mirror, "a child before its parent"
+                        self.loaded["restored"] += 1
             assert self.announced["cpu"] == {wire_hash(h) for h in tiers.host.hashes()}
             on_disk = {wire_hash(h) for h in tiers.disk._index} if tiers.disk is not None else set()
             assert self.announced["disk"] == on_disk

@@ -196,41 +196,6 @@ def test_a_page_the_host_tier_spills_to_disk_is_announced_as_stored_on_disk(tmp_
         cache.tiers.close(5)
 
 
-def test_pages_on_disk_at_a_restart_are_announced_at_once_by_hash_then_in_full_when_read(tmp_path: Path) -> None:
-    tokens = np.arange(3, 35, dtype=np.int64)
-    hashes = block_hashes(RadixKey(tokens), 16)
-    before = RadixCache(TokenAllocator(32), 1)
-    before.tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, None, DiskPageStore(tmp_path, 1 << 20, {}))
-    _cached_and_evicted(before, tokens)
-    before.tiers.close(30)
-    cache = RadixCache(TokenAllocator(32), 1, enable_kv_events=True)
-    cache.tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, None, DiskPageStore(tmp_path, 1 << 20, {}))
-    cache.tiers.events = cache.events
-    mirror = MediumMirror()
-    try:
-        wire = _wire(cache)  # before any request: what the warm scan found, by hash (a page file holds no tokens)
-        assert sorted(wire, key=lambda e: e.block_hashes) == sorted(  # type: ignore[union-attr]
-            [BlockStored([h], None, [], 0, medium="DISK") for h in hashes], key=lambda e: e.block_hashes
-        )
-        mirror.apply(wire)
-        assert mirror.blocks["disk"] == set(hashes) == _tier_blocks(cache.tiers)["disk"]
-        req = cache.open_request(RadixKey(tokens))  # loads both pages back from disk: now their tokens are known
-        assert len(req.key) == 32
-        cache.cache_finished_req(req)
-        wire = _wire(cache)
-        assert [e for e in wire if isinstance(e, BlockStored) and e.medium] == [
-            _page_record(tokens, 0, "disk"),
-            _page_record(tokens, 1, "disk"),
-        ]
-        mirror.apply(wire)
-        assert mirror.blocks["disk"] == set(hashes) and mirror.stored[hashes[1]].parent_block_hash == hashes[0]
-        assert _wire(cache) == []  # announced in full once: never again
-        _cached_and_evicted(cache, tokens)  # evicted from the pool again: the disk has them, nothing new there
-        assert [(type(e).__name__, e.medium) for e in _wire(cache)] == [("BlockRemoved", None)]
-    finally:
-        cache.tiers.close(5)
-
-
 def test_the_pool_mirror_keeps_a_block_the_pool_holds_when_a_tier_drops_its_copy() -> None:
     cache = RadixCache(TokenAllocator(32), 1, enable_kv_events=True)
     mover = PoolPageMover(KVPool(1, 33, 1, 2), 16)

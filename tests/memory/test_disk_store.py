@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.memory.disk_format import HEADER
+from radixserve.memory.disk_format import HEADER, HEADER_V1, MAGIC_V1
 from radixserve.memory.disk_store import DiskPageStore
 
 FINGERPRINT = {"weights": "abc", "dtype": "float32", "page_tokens": 16}
@@ -43,6 +43,32 @@ def test_round_trip_and_warm_reopen(tmp_path: Path) -> None:
     again.close()
 
 
+def test_labels_come_back_from_the_headers_alone(tmp_path: Path) -> None:
+    store = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
+    for i in range(3):
+        assert store.put(h(i), payload(i), label=b"label %d" % i)
+    assert store.labels() == [(h(i), b"label %d" % i) for i in range(3)]  # queued: from memory
+    store.close()
+    again = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
+    path = again._path(h(1))
+    path.write_bytes(path.read_bytes()[: HEADER.size + 6] + b"\0" * (len(payload(1)) + 1))  # label damaged, same size
+    assert sorted(again.labels()) == sorted([(h(0), b"label 0"), (h(2), b"label 2")])
+    assert again.stats.corrupt == 1 and again.state(h(1)) == "absent" and not path.exists()
+    assert again.get(h(2)) == payload(2) and again.stats.bytes_read == len(payload(2))  # labels() read no K/V
+    again.close()
+
+
+def test_version_1_files_still_load_without_a_label(tmp_path: Path) -> None:
+    store = store_with(tmp_path, range(1))
+    checksum = hashlib.blake2b(payload(0), digest_size=16).digest()
+    old = HEADER_V1.pack(MAGIC_V1, h(0), store.digest, checksum, len(payload(0))) + payload(0)
+    store._path(h(0)).write_bytes(old)
+    assert store.labels() == [(h(0), b"")] and store.get(h(0)) == payload(0)
+    store._path(h(0)).write_bytes(old[:-1] + b"x")  # and are checked as before
+    assert store.get(h(0)) is None and store.stats.corrupt == 1
+    store.close()
+
+
 def test_pages_are_readable_while_queued(tmp_path: Path) -> None:
     store = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
     release = threading.Event()
@@ -65,7 +91,7 @@ def test_corrupt_page_is_dropped_and_counted(tmp_path: Path, fault: str) -> None
     elif fault == "flip_payload":
         data[-7] ^= 0x40
     elif fault == "flip_header":
-        data[HEADER.size - 3] ^= 1  # the payload length
+        data[HEADER.size - 3] ^= 1  # the label length
     else:  # a valid page, under the wrong name
         data = bytearray(other.read_bytes())
     path.write_bytes(bytes(data))

@@ -1,0 +1,110 @@
+"""What a warm restart's disk costs before the first request: the scan, reading labels, the first publish.
+
+    python -m radixserve.bench.warm_scan --pages 10000 [--dir /tmp/warm] [--rounds 3]
+
+Fills a cache directory once (sequences of 16 tier pages, through a ``RadixCache``
+and its tiers, as a server would write them), then in each round times, in a fresh
+process: opening the ``DiskPageStore`` (the warm scan), attaching the KV event log
+(which reads every page's label from its header), and the first drain turned into
+one wire batch (the scheduler thread's first publish). Uses only what every version
+since the disk tier has, so the same file measures an older checkout
+(``PYTHONPATH=<old checkout> python radixserve/bench/warm_scan.py``). The page files
+were just written, so they sit in the page cache: a cold disk adds its reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from radixserve.cache import RadixCache, RadixKey
+from radixserve.cache.tiers import TierIndex
+from radixserve.kv_events.wire import BlockStored, encode_batch, event_record
+from radixserve.memory import TokenAllocator
+from radixserve.memory.disk_store import DiskPageStore
+from radixserve.memory.kv_pages import PoolPageMover
+from radixserve.memory.kv_pool import KVPool
+
+PAGE_TOKENS, PAGES_PER_SEQUENCE = 16, 16
+
+
+def tiered(directory: Path, events: bool) -> tuple[RadixCache, TierIndex, float]:
+    """A cache over the directory's disk tier, and how long opening the directory (its warm scan) took."""
+    size = PAGE_TOKENS * PAGES_PER_SEQUENCE
+    cache = RadixCache(TokenAllocator(size), 1, enable_kv_events=events)
+    began = time.perf_counter()
+    disk = DiskPageStore(directory, 1 << 40, {"bench": "warm_scan"})
+    scan = time.perf_counter() - began
+    tiers = TierIndex(PoolPageMover(KVPool(1, size + 1, 1, 2), PAGE_TOKENS), PAGE_TOKENS, None, disk)
+    cache.tiers = tiers
+    return cache, tiers, scan
+
+
+def fill(directory: Path, pages: int) -> None:
+    cache, tiers, _ = tiered(directory, events=False)
+    rng = np.random.default_rng(0)
+    for _ in range(pages // PAGES_PER_SEQUENCE):
+        tokens = rng.integers(3, 50_000, PAGE_TOKENS * PAGES_PER_SEQUENCE)
+        req = cache.open_request(RadixKey(tokens))
+        assert cache.extend_request(req, tokens)
+        cache.cache_finished_req(req)
+        cache.evict(len(tokens))  # every page to the disk
+    assert tiers.close(600)
+
+
+def measure(directory: Path) -> dict[str, float]:
+    cache, tiers, scan = tiered(directory, events=True)
+    assert cache.events is not None
+    began = time.perf_counter()
+    tiers.events = cache.events
+    attach = time.perf_counter() - began
+    full_gcs, began = gc.get_stats()[2]["collections"], time.perf_counter()
+    records = [r for r in (event_record(e, PAGE_TOKENS) for e in cache.events.drain()) if r is not None]
+    data = encode_batch(records)
+    publish = time.perf_counter() - began
+    full_gcs = gc.get_stats()[2]["collections"] - full_gcs  # a full collection in there costs ~0.1 s here
+    full = sum(isinstance(r, BlockStored) and len(r.token_ids) > 0 for r in records)
+    tiers.close(5)
+    return {
+        "pages": len(records),
+        "in_full": full,
+        "scan_s": scan,
+        "attach_s": attach,
+        "publish_s": publish,
+        "batch_mib": len(data) / 2**20,
+        "full_gcs": full_gcs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pages", type=int, default=10_000)
+    parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one round, in this process
+    args = parser.parse_args()
+    directory = args.dir or Path(tempfile.mkdtemp(prefix="warm_scan"))
+    if args.measure:
+        print(json.dumps(measure(directory)))
+        return
+    if not (directory / "pages").exists():
+        began = time.perf_counter()
+        fill(directory, args.pages)
+        print(f"filled {directory} in {time.perf_counter() - began:.1f} s", file=sys.stderr)
+    for _ in range(args.rounds):
+        out = subprocess.run(
+            [sys.executable, __file__, "--dir", str(directory), "--measure"], check=True, capture_output=True, text=True
+        )
+        print(out.stdout.strip())
+
+
+if __name__ == "__main__":
+    main()
