@@ -32,6 +32,7 @@ BENCHMARKS = {
     "scale-out": "scale_out",
     "mixed-chunk": "mixed_chunk",
     "tiers": "tiers",
+    "warm-scan": "warm_scan",
     "programs": "programs",
 }
 

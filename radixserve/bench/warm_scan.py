@@ -1,6 +1,6 @@
 """What a warm restart's disk costs before the first request: the scan, reading labels, the first publish.
 
-    python -m radixserve.bench.warm_scan --pages 10000 [--dir /tmp/warm] [--rounds 3]
+    radixserve bench warm-scan --pages 10000 [--dir /tmp/warm] [--rounds 3]
 
 Fills a cache directory once (sequences of 16 tier pages, through a ``RadixCache``
 and its tiers, as a server would write them), then in each round times, in a fresh
@@ -84,13 +84,13 @@ def measure(directory: Path) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="radixserve bench warm-scan", description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, default=10_000)
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one round, in this process
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     directory = args.dir or Path(tempfile.mkdtemp(prefix="warm_scan"))
     if args.measure:
         print(json.dumps(measure(directory)))
