@@ -111,6 +111,29 @@ def test_other_head_shapes_equal_gather_and_sdpa(dtype: torch.dtype, heads: int,
     assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_exact", [True, False])
+def test_bfloat16_pool_with_float32_rows_is_float32_close(group: int, head_dim: int, q_exact: bool) -> None:
+    """A bfloat16 pool read by float32 query rows, against float32 SDPA on the same values, to float32
+    precision: the bfloat16 dot products (two keys a register, rows in blocks of up to 4, 8 keys a
+    step) must lose nothing but q's own split into bfloat16 hi + lo. Groups 1-5 with extend tiles of 1,
+    3 and 8 tokens give row blocks of every size and remainders; contexts end at any key of a block.
+    q_exact: q representable in bfloat16 (the lo half is 0, as in a bfloat16 model), else not."""
+    contexts, lens, num_slots = layout(1, seed=5)
+    contexts.append(torch.arange(3000, 3000 + 13))  # 13 keys: a step of 8 and a tail of 5
+    lens.append(1)
+    generator = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, 2, num_slots, head_dim, generator=generator).to(torch.bfloat16)
+    q = torch.randn(sum(lens), 2 * group, head_dim, generator=generator)
+    if q_exact:
+        q = q.to(torch.bfloat16).float()
+    expected = reference(q, k, v, contexts, lens)
+    got = paged_attention(q, k, v, PagedIndex.build(contexts, lens))
+    assert got.dtype == torch.float32
+    assert (got - expected).abs().max().item() <= 2e-5  # measured <= 5e-6
+
+
 def test_paged_kernel_rejects_indices_that_do_not_cover_the_batch() -> None:
     k = v = torch.zeros(KV_HEADS, 8, HEAD_DIM)
     q = torch.zeros(2, HEADS, HEAD_DIM)

@@ -60,6 +60,49 @@ def test_block_linear_equals_the_dequantized_matmul(fmt: str, rows: int, out_fea
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 15, 16])
+@pytest.mark.parametrize("extras", ["none", "bias", "residual", "scales", "all", "rounded_then_residual"])
+def test_the_kernel_rounds_its_output_as_torch_does(dtype: torch.dtype, rows: int, extras: str) -> None:
+    """Integer weights (Q8_0, d = 1) and activations: every dot product is exact in float32 whatever the order of
+    its sums, so the kernel's output must be torch's float32 epilogue bit for bit: (sum * scale + bias),
+    [rounded to the dtype,] + residual, rounded to the dtype. Row counts of every tile shape, 37 channels (two
+    chunks and a partial one); scales are powers of 2, exact in bfloat16 weights too."""
+    generator = torch.Generator().manual_seed(rows)
+    out_features, in_features = 37, 64
+    codes = torch.randint(-8, 9, (out_features, in_features), generator=generator, dtype=torch.int8)
+    d = torch.ones(out_features, in_features // 32, dtype=torch.float16)
+    x = torch.randint(-4, 5, (rows, in_features), generator=generator).to(dtype)
+    scales = (2.0 ** torch.randint(-3, 4, (out_features,), generator=generator)).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    residual = torch.randn(rows, out_features, generator=generator).to(dtype)
+    with_scales = extras in ("scales", "all", "rounded_then_residual")
+    with_bias = extras in ("bias", "all", "rounded_then_residual")
+    with_residual = extras in ("residual", "all", "rounded_then_residual")
+    got = torch.ops.radixserve.block_linear(
+        x,
+        codes,
+        d,
+        None,
+        bias if with_bias else None,
+        residual if with_residual else None,
+        scales if with_scales else None,
+        extras == "rounded_then_residual",
+    )
+    expected = (x.double() @ codes.double().t()).float()
+    if with_scales:
+        expected = expected * scales.float()
+    if with_bias:
+        expected = expected + bias.float()
+    if extras == "rounded_then_residual":
+        expected = expected.to(dtype).float()
+    if with_residual:
+        expected = expected + residual.float()
+    assert got.dtype == dtype
+    assert torch.equal(got, expected.to(dtype))
+
+
+@needs_kernel
 def test_a_bfloat16_model_gets_bfloat16_out_of_the_kernel() -> None:
     """Within bfloat16 rounding of float32: of the output, and with AVX512-BF16 of each weight (the kernel then
     multiplies by the weights rounded to bfloat16, as the GEMM path does): at most 2^-9 of sum |x| |w| each."""

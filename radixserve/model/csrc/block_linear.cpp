@@ -195,7 +195,7 @@ inline void codes_f32(const uint8_t* qs, int64_t b, __m512& lo, __m512& hi) {
 }
 
 // R rows of x (float32, or bfloat16 when BF16) against C weight rows (codes, d, m each ldq / blocks apart):
-// float32, sums[r * C + c] = sum_b d_cb * (x_rb . q_cb) [+ m_c . xsum_r]; BF16, x_r . bf16(w_c) with the weights
+// float32, sums[r * kChunk + c] = sum_b d_cb * (x_rb . q_cb) [+ m_c . xsum_r]; BF16, x_r . bf16(w_c) with the weights
 // w = d * q + m (Q8_0: (d * wscale_c) * q where wscale is given). Each x block is loaded once for the C channels;
 // scales are converted from float16 16 blocks at a time (min term: those 16 blocks' m . xsum, one FMA).
 template <int R, int C, bool Q4, bool BF16>
@@ -270,8 +270,7 @@ void dot_tile(const void* x, int64_t ldx, const float* xsum, int64_t ldxs, const
     }
     for (int64_t b = g; b < g + count; ++b) block(b);
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sums[r * C + c] = _mm512_reduce_add_ps(acc[r][c]);
+  radixserve::reduce_tile(acc, sums, kChunk);  // row r at sums + r * kChunk: the walk's chunk
 }
 
 // Channels per tile by rows: 8-16 accumulators, and each x block loaded once for C channels (measured on

@@ -259,7 +259,7 @@ inline __m512i codes_pair(const uint8_t* qs, int64_t b, bool both) {
   return _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));  // [lo b, lo b+1, hi b, hi b+1] -> [b, b+1]
 }
 
-// R rows of codes against C Q4_1 weight rows: sums[r * C + c] = sum_b (d_cb s_rb) (q_cb . xq_rb) + m_c . xsum_r.
+// R rows of codes against C Q4_1 weight rows: sums[r * kChunk + c] = sum_b (d_cb s_rb) (q_cb . xq_rb) + m_c . xsum_r.
 template <int R, int C>
 void dot_tile(const int8_t* xq, int64_t ldx, const float* xs, const float* xsum, int64_t ldxs, const uint8_t* qs,
               int64_t ldq, const at::Half* d, const at::Half* m, int64_t blocks, float* sums) {
@@ -300,8 +300,7 @@ void dot_tile(const int8_t* xq, int64_t ldx, const float* xs, const float* xsum,
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sums[r * C + c] = _mm512_reduce_add_ps(acc[r][c]);
+  radixserve::reduce_tile(acc, sums, kChunk);  // row r at sums + r * kChunk: the walk's chunk
 }
 
 constexpr int channels_for(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : 2; }

@@ -3,10 +3,11 @@
 // where the target has AVX512F; paged_attention.h keeps the portable loops for every other case.
 //
 // Per work item (a few query rows against one K/V head's keys [key0, key1)):
-//   scores   16 keys at a time: each key's row is converted once (bfloat16 widens by a shift;
-//            with AVX512-BF16 it is not converted at all: vdpbf16ps against q in bfloat16),
+//   scores   16 keys at a time: each key's row is converted once (bfloat16 widens by a shift),
 //            each query row's 16 partial dot products are summed by one transposed reduction
-//            (15 adds, 16 scores in a register) instead of 16 horizontal sums;
+//            (15 adds, 16 scores in a register) instead of 16 horizontal sums; with AVX512-BF16
+//            a bfloat16 row is not converted at all (vdpbf16ps against q in bfloat16, two keys a
+//            register, 8 keys a step: scores_dp_rows);
 //   softmax  per row, 16 scores at a time (the same polynomial as fast_exp);
 //   values   each V row converted once, accumulated into up to 24 zmm registers (a block of rows).
 #pragma once
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "simd_reduce.h"
 
 namespace radixserve::avx512 {
 
@@ -27,24 +29,7 @@ namespace radixserve::avx512 {
 // few ns a key, so the portable loops' distance would leave most of each miss exposed).
 constexpr int64_t kAhead = 32;
 
-// Lane j of the result = the sum of v[j]'s 16 lanes: halve, pair and add four times (8 + 4 + 2 + 1
-// adds, two shuffles each), then one permute puts the keys back in order.
-inline __m512 reduce16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j)  // 256-bit halves: w[j] = [v[j] 8 partials | v[j+8] 8 partials]
-    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44), _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j)  // 128-bit quarters
-    x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[j], w[j + 4], 0x88), _mm512_shuffle_f32x4(w[j], w[j + 4], 0xDD));
-#pragma GCC unroll 2
-  for (int j = 0; j < 2; ++j) {  // pairs of floats within each quarter
-    const __m512d a = _mm512_castps_pd(x[j]), b = _mm512_castps_pd(x[j + 2]);
-    y[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), z);
-}
+using simd::reduce16;
 
 // scores[r * stride + j] = q_r . k_j for keys [0, num_keys), rows [0, rows); scores is written up to
 // num_keys rounded up to 16 (the pad holds zeros' dot products: 0).
@@ -91,38 +76,80 @@ void scores_pass(const float* q, int64_t rows, const kv_t* k, const int64_t* slo
 // scores_pass for a bfloat16 pool with the BF16 dot product: key rows are read as they lie, no
 // widening. q is split into bfloat16 pairs hi + lo (lo = q - hi, rounded: ~2^-16 of q left out);
 // LO = false when every lo is 0, as when q comes from a bfloat16 model (scale is a power of 2).
+//
+// Two keys share a register: [key j's 16 dims | key j+1's same 16 dims] against [q's 16 | q's 16],
+// so one vdpbf16ps serves two keys and each of the R rows (the K registers are built once for all
+// of them), and a key's sum is 8 lanes, reduced for 8 keys at a time in 7 adds (against 15 adds
+// and twice the shuffles for 16 lanes a key). Every key's sum runs the same ops in the same order
+// wherever it lies in the block, so a score does not depend on its neighbours or on R.
+template <int NC, bool LO, int R>
+void scores_dp_rows(const uint16_t* qh, const uint16_t* ql, const bf16* k, const int64_t* slots, int64_t num_keys,
+                    int64_t stride, float* scores) {
+  constexpr int64_t dim = NC * 16;
+  alignas(64) static const bf16 zeros[dim] = {};
+  __m512i qd[R][NC], qe[LO ? R : 1][NC];  // 16 dims of q twice, for both keys of a register
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      qd[r][c] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + r * dim + 16 * c)));
+      if constexpr (LO)
+        qe[r][c] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + r * dim + 16 * c)));
+    }
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int64_t j0 = 0; j0 < num_keys; j0 += 8) {
+    const int64_t n = std::min<int64_t>(8, num_keys - j0);
+    const bf16* row[8];
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < 8; ++j) {
+      if (j < n) prefetch_row<kAhead>(k, slots + j0, j, num_keys - j0, dim);
+      row[j] = j < n ? k + slots[j0 + j] * dim : zeros;
+    }
+    __m512 acc[R][4];
+#pragma GCC unroll 4
+    for (int pr = 0; pr < 4; ++pr) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r][pr] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        const __m512i kk = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * pr] + 16 * c))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * pr + 1] + 16 * c)), 1);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          acc[r][pr] = _mm512_dpbf16_ps(acc[r][pr], (__m512bh)qd[r][c], (__m512bh)kk);
+          if constexpr (LO) acc[r][pr] = _mm512_dpbf16_ps(acc[r][pr], (__m512bh)qe[r][c], (__m512bh)kk);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      // acc[r][p] = [key 2p: 8 lanes | key 2p+1: 8 lanes]. First the 8 lanes to 4 (quarters of keys
+      // 0..3 and 4..7), then 4 to 1 within each quarter: lane 4q = key q, lane 4q+1 = key 4+q.
+      const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[r][0], acc[r][1], 0x88),
+                                      _mm512_shuffle_f32x4(acc[r][0], acc[r][1], 0xDD));
+      const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0x88),
+                                      _mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0xDD));
+      const __m512 t = _mm512_add_ps(_mm512_unpacklo_ps(y0, y1), _mm512_unpackhi_ps(y0, y1));
+      const __m512 u = _mm512_add_ps(t, _mm512_shuffle_ps(t, t, 0x4E));
+      _mm256_storeu_ps(scores + r * stride + j0, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, u)));
+    }
+  }
+}
+
+// Rows in blocks of up to 4 (4 x 4 accumulators; the q registers are reloaded when they do not fit).
 template <int NC, bool LO>
 void scores_dp(const uint16_t* qh, const uint16_t* ql, int64_t rows, const bf16* k, const int64_t* slots,
                int64_t num_keys, int64_t stride, float* scores) {
   constexpr int64_t dim = NC * 16;
-  constexpr int NP = NC / 2;  // 32 bfloat16 a register
-  alignas(64) static const bf16 zeros[dim] = {};
-  for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
-    const int64_t n = std::min<int64_t>(16, num_keys - j0);
-    const bf16* row[16];
-    for (int64_t j = 0; j < 16; ++j) {
-      if (j < n) prefetch_row<kAhead>(k, slots + j0, j, num_keys - j0, dim);
-      row[j] = j < n ? k + slots[j0 + j] * dim : zeros;
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      __m512bh h[NP], l[NP];
-      __m512 part[16];
-#pragma GCC unroll 4
-      for (int c = 0; c < NP; ++c) {
-        h[c] = (__m512bh)_mm512_loadu_si512(qh + r * dim + 32 * c);
-        if constexpr (LO) l[c] = (__m512bh)_mm512_loadu_si512(ql + r * dim + 32 * c);
-      }
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {
-        part[j] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-        for (int c = 0; c < NP; ++c) {
-          const __m512bh kc = (__m512bh)_mm512_loadu_si512(row[j] + 32 * c);
-          part[j] = _mm512_dpbf16_ps(part[j], h[c], kc);
-          if constexpr (LO) part[j] = _mm512_dpbf16_ps(part[j], l[c], kc);
-        }
-      }
-      _mm512_storeu_ps(scores + r * stride + j0, reduce16(part));
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const uint16_t *h = qh + r0 * dim, *l = ql + r0 * dim;
+    float* out = scores + r0 * stride;
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: scores_dp_rows<NC, LO, 1>(h, l, k, slots, num_keys, stride, out); break;
+      case 2: scores_dp_rows<NC, LO, 2>(h, l, k, slots, num_keys, stride, out); break;
+      case 3: scores_dp_rows<NC, LO, 3>(h, l, k, slots, num_keys, stride, out); break;
+      default: scores_dp_rows<NC, LO, 4>(h, l, k, slots, num_keys, stride, out); break;
     }
   }
 }
