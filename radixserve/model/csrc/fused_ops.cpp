@@ -29,6 +29,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -149,11 +151,69 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t dim, in
   });
 }
 
+#if defined(__AVX512F__)
+// Sleef's expf u10 (sleefsimdsp.c xexpf, its AVX512F/FMA helpers), written out so the compiler can
+// inline it: the bits of Sleef_expf16_u10, checked against it for all 2^32 inputs.
+inline __m512 sleef_expf_u10(__m512 d) {
+  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+  const __m512 qf = _mm512_cvtepi32_ps(q);
+  __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
+  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+  u = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+  auto pow2i = [](__m512i e) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(0x7f)), 23));
+  };
+  const __m512i half = _mm512_srai_epi32(q, 1);
+  u = _mm512_mul_ps(_mm512_mul_ps(u, pow2i(half)), pow2i(_mm512_sub_epi32(q, half)));
+  u = _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.f), _CMP_LT_OQ), _mm512_setzero_ps());
+  return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.f), d, _CMP_LT_OQ),
+                            _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
+// x rounded to bfloat16 (from_float's rounding), kept as float32 bits with a zero low half.
+inline __m512 round_bf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
+}
+
+// silu(g) * u for 16 floats: silu rounded to T first where T is bfloat16 (torch's two ops).
+template <bool kRoundSilu>
+inline __m512 silu_mul_t(__m512 g, __m512 u) {
+  const __m512 e = sleef_expf_u10(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  return _mm512_mul_ps(kRoundSilu ? round_bf16(silu) : silu, u);
+}
+inline __m512 silu_mul(__m512 g, __m512 u) { return silu_mul_t<false>(g, u); }
+
+// 32 bfloat16: each 128-bit lane's 8 values widened as 4 (unpacklo) + 4 (unpackhi) floats, and packed
+// back in the same order (packus of the high halves), so no permute is needed.
+inline void silu_mul_bf16x32(const bf16* gate, const bf16* up, bf16* out) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i g = _mm512_loadu_si512(gate), u = _mm512_loadu_si512(up);
+  auto lo = [&](__m512i v) { return _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v)); };
+  auto hi = [&](__m512i v) { return _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v)); };
+  const __m512 a = round_bf16(silu_mul_t<true>(lo(g), lo(u))), b = round_bf16(silu_mul_t<true>(hi(g), hi(u)));
+  const __m512i packed = _mm512_packus_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 16),
+                                             _mm512_srli_epi32(_mm512_castps_si512(b), 16));
+  _mm512_storeu_si512(out, packed);
+}
+#endif
+
 // exp(-g) for a chunk of floats, with the exp torch's silu uses there.
 template <int N>
 void neg_exp_vector(const float* g, float* e) {
 #if defined(__AVX512F__)
-  for (int i = 0; i < N; i += 16) _mm512_storeu_ps(e + i, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(g + i))));
+  for (int i = 0; i < N; i += 16) _mm512_storeu_ps(e + i, sleef_expf_u10(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(g + i))));
 #elif defined(__AVX2__)
   for (int i = 0; i < N; i += 8) _mm256_storeu_ps(e + i, Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(g + i))));
 #else
@@ -176,6 +236,21 @@ void swiglu_row(const T* gate, const T* up, T* out, int64_t n, int64_t lanes) {
     }
   };
   int64_t i = 0;
+#if defined(__AVX512F__)
+  // In registers, several independent chains abreast (one alone is a ~90-cycle dependency chain: exp,
+  // divide, two roundings); ``vectorised`` is a multiple of 32.
+  if constexpr (std::is_same_v<T, bf16>) {
+    for (; i + 64 <= vectorised; i += 64) {
+      silu_mul_bf16x32(gate + i, up + i, out + i);
+      silu_mul_bf16x32(gate + i + 32, up + i + 32, out + i + 32);
+    }
+    for (; i + 32 <= vectorised; i += 32) silu_mul_bf16x32(gate + i, up + i, out + i);
+  } else {
+    for (; i + 64 <= vectorised; i += 64)
+      for (int j = 0; j < 64; j += 16) _mm512_storeu_ps(out + i + j, silu_mul(_mm512_loadu_ps(gate + i + j), _mm512_loadu_ps(up + i + j)));
+    for (; i + 16 <= vectorised; i += 16) _mm512_storeu_ps(out + i, silu_mul(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i)));
+  }
+#endif
   for (; i + kChunk <= vectorised; i += kChunk) {
     for (int j = 0; j < kChunk; ++j) g[j] = to_float(gate[i + j]);
     neg_exp_vector<kChunk>(g, e);
