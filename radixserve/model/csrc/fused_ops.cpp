@@ -15,8 +15,8 @@
 // accumulators of 8 floats), and exp is torch's (Sleef's u10 over the chunks torch vectorises, std::exp
 // on the tail of a row it leaves to scalar code; ``lanes`` = Vectorized<float>::size() of torch's CPU
 // capability, 16 under AVX512, 8 below, sets where that tail starts), so a float32 model still equals
-// transformers, and a bfloat16 step gives the bits the torch ops gave. Contracting a*b+c into an FMA would change them:
-// this file is compiled without contraction (the pragma below).
+// transformers, and a bfloat16 step gives the bits the torch ops gave. Contracting a*b+c into an FMA
+// would change them: this file is compiled without contraction (the pragma below).
 //
 // Rows are independent (OpenMP over rows): a row's result never depends on the batch, the chunking or
 // the thread count, so a cache hit's tail, a chunked prefill and a decode row agree with a cold prefill.
@@ -155,7 +155,8 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t dim, in
 // Sleef's expf u10 (sleefsimdsp.c xexpf, its AVX512F/FMA helpers), written out so the compiler can
 // inline it: the bits of Sleef_expf16_u10, checked against it for all 2^32 inputs.
 inline __m512 sleef_expf_u10(__m512 d) {
-  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+  const __m512 r_ln2 = _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f);
+  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, r_ln2));
   const __m512 qf = _mm512_cvtepi32_ps(q);
   __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
   s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
@@ -209,13 +210,13 @@ inline void silu_mul_bf16x32(const bf16* gate, const bf16* up, bf16* out) {
 }
 #endif
 
-// exp(-g) for a chunk of floats, with the exp torch's silu uses there.
+// exp(-g) for a chunk of floats, with the exp torch's silu uses there (the AVX2 and portable builds;
+// AVX512 builds run swiglu_row's register loops instead).
 template <int N>
 void neg_exp_vector(const float* g, float* e) {
-#if defined(__AVX512F__)
-  for (int i = 0; i < N; i += 16) _mm512_storeu_ps(e + i, sleef_expf_u10(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(g + i))));
-#elif defined(__AVX2__)
-  for (int i = 0; i < N; i += 8) _mm256_storeu_ps(e + i, Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(g + i))));
+#if defined(__AVX2__)
+  for (int i = 0; i < N; i += 8)
+    _mm256_storeu_ps(e + i, Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(g + i))));
 #else
   for (int i = 0; i < N; ++i) e[i] = std::exp(-g[i]);
 #endif
@@ -238,7 +239,7 @@ void swiglu_row(const T* gate, const T* up, T* out, int64_t n, int64_t lanes) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   // In registers, several independent chains abreast (one alone is a ~90-cycle dependency chain: exp,
-  // divide, two roundings); ``vectorised`` is a multiple of 32.
+  // divide, two roundings); ``vectorised`` is a multiple of 32 bfloat16 / 16 floats.
   if constexpr (std::is_same_v<T, bf16>) {
     for (; i + 64 <= vectorised; i += 64) {
       silu_mul_bf16x32(gate + i, up + i, out + i);
@@ -247,8 +248,10 @@ void swiglu_row(const T* gate, const T* up, T* out, int64_t n, int64_t lanes) {
     for (; i + 32 <= vectorised; i += 32) silu_mul_bf16x32(gate + i, up + i, out + i);
   } else {
     for (; i + 64 <= vectorised; i += 64)
-      for (int j = 0; j < 64; j += 16) _mm512_storeu_ps(out + i + j, silu_mul(_mm512_loadu_ps(gate + i + j), _mm512_loadu_ps(up + i + j)));
-    for (; i + 16 <= vectorised; i += 16) _mm512_storeu_ps(out + i, silu_mul(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i)));
+      for (int j = 0; j < 64; j += 16)
+        _mm512_storeu_ps(out + i + j, silu_mul(_mm512_loadu_ps(gate + i + j), _mm512_loadu_ps(up + i + j)));
+    for (; i + 16 <= vectorised; i += 16)
+      _mm512_storeu_ps(out + i, silu_mul(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i)));
   }
 #endif
   for (; i + kChunk <= vectorised; i += kChunk) {
@@ -281,10 +284,11 @@ void swiglu_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t stride
 template <typename T>
 inline void rotate(const T* x, const T* cos, const T* sin, float* out, int64_t dim) {
   const int64_t half = dim / 2;
-  for (int64_t i = 0; i < half; ++i)
-    out[i] = add_in<T>(mul_in<T>(to_float(x[i]), to_float(cos[i])), mul_in<T>(-to_float(x[i + half]), to_float(sin[i])));
-  for (int64_t i = half; i < dim; ++i)
-    out[i] = add_in<T>(mul_in<T>(to_float(x[i]), to_float(cos[i])), mul_in<T>(to_float(x[i - half]), to_float(sin[i])));
+  auto at = [&](int64_t i, float rotated) {
+    return add_in<T>(mul_in<T>(to_float(x[i]), to_float(cos[i])), mul_in<T>(rotated, to_float(sin[i])));
+  };
+  for (int64_t i = 0; i < half; ++i) out[i] = at(i, -to_float(x[i + half]));
+  for (int64_t i = half; i < dim; ++i) out[i] = at(i, to_float(x[i - half]));
 }
 
 template <typename T, typename P>
