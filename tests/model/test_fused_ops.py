@@ -76,6 +76,19 @@ def test_swiglu_gives_the_torch_ops_bits(dtype: torch.dtype, rows: int, inter: i
     assert torch.equal(_with_torch_ops(lambda: swiglu(gate_up)), fused)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_keeps_subnormal_results_as_torch_does(dtype: torch.dtype) -> None:
+    """Tiny gates (silu subnormal) and products under 2^-126: the kernel's fast bf16 rounding
+    (vcvtne2ps2bf16) flushes subnormals, so those chunks take the integer rounding torch uses."""
+    generator = torch.Generator().manual_seed(7)
+    gate = torch.cat([torch.randn(4, 256, generator=generator) * 1e-39, torch.randn(4, 256, generator=generator)])
+    up = torch.cat([torch.randn(4, 256, generator=generator), torch.randn(4, 256, generator=generator) * 1e-37])
+    gate_up = torch.cat([gate, up], dim=-1).to(dtype)
+    expected = _with_torch_ops(lambda: swiglu(gate_up))
+    subnormal = (expected != 0) & (expected.float().abs() < torch.finfo(torch.float32).tiny)
+    assert subnormal.sum() > 100 and torch.equal(swiglu(gate_up), expected)
+
+
 def _rotary_inputs(
     rows: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -196,6 +196,37 @@ inline __m512 silu_mul_t(__m512 g, __m512 u) {
 }
 inline __m512 silu_mul(__m512 g, __m512 u) { return silu_mul_t<false>(g, u); }
 
+// 32 bfloat16 in natural order, both roundings by vcvtne2ps2bf16 (round to nearest even, as from_float)
+// where no value is subnormal: the instruction flushes subnormals to zero, from_float keeps them. A
+// chunk with one (a product under 2^-126) is redone by the integer rounding.
+#if defined(__AVX512BF16__)
+inline void silu_mul_bf16x32(const bf16* gate, const bf16* up, bf16* out) {
+  auto widen = [](const bf16* p) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  };
+  auto widen_bh = [](__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); };
+  const __m512 g0 = widen(gate), g1 = widen(gate + 16);
+  auto silu = [](__m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), sleef_expf_u10(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  };
+  const __m512 s0 = silu(g0), s1 = silu(g1);
+  const __m512i sb = (__m512i)_mm512_cvtne2ps_pbh(s1, s0);
+  const __m512 p0 = _mm512_mul_ps(widen_bh(_mm512_castsi512_si256(sb)), widen(up));
+  const __m512 p1 = _mm512_mul_ps(widen_bh(_mm512_extracti64x4_epi64(sb, 1)), widen(up + 16));
+  constexpr int kSubnormal = 0x20;
+  if ((_mm512_fpclass_ps_mask(s0, kSubnormal) | _mm512_fpclass_ps_mask(s1, kSubnormal) |
+       _mm512_fpclass_ps_mask(p0, kSubnormal) | _mm512_fpclass_ps_mask(p1, kSubnormal)) == 0) {
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    return;
+  }
+  for (int h = 0; h < 32; h += 16) {
+    const __m512 p = round_bf16(_mm512_mul_ps(round_bf16(silu(widen(gate + h))), widen(up + h)));
+    const __m256i bits = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h), bits);
+  }
+}
+#else
 // 32 bfloat16: each 128-bit lane's 8 values widened as 4 (unpacklo) + 4 (unpackhi) floats, and packed
 // back in the same order (packus of the high halves), so no permute is needed.
 inline void silu_mul_bf16x32(const bf16* gate, const bf16* up, bf16* out) {
@@ -208,6 +239,7 @@ inline void silu_mul_bf16x32(const bf16* gate, const bf16* up, bf16* out) {
                                              _mm512_srli_epi32(_mm512_castps_si512(b), 16));
   _mm512_storeu_si512(out, packed);
 }
+#endif  // __AVX512BF16__
 #endif
 
 // exp(-g) for a chunk of floats, with the exp torch's silu uses there (the AVX2 and portable builds;
