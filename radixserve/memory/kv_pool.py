@@ -42,6 +42,18 @@ class KVPool:
         self.k[layer][:, slots] = k.transpose(0, 1).to(self.dtype)
         self.v[layer][:, slots] = v.transpose(0, 1).to(self.dtype)
 
+    def write_rotated(
+        self, layer: int, slots: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int
+    ) -> torch.Tensor:
+        """The fused CPU path of attention's rotary + ``write``: qkv [n, (num_heads + 2 Hkv) * head_dim] (q | k | v
+        of n tokens), cos/sin [n, 1, head_dim] in qkv's dtype. Rotates q and k, stores k and v at ``slots``
+        [n] (int64) in one pass over the rows (csrc/fused_ops.cpp: the bits of apply_rotary + ``write``);
+        returns q rotated, [n, num_heads, head_dim]. float32 or bfloat16 qkv and pool, on CPU."""
+        q: torch.Tensor = torch.ops.radixserve.rotary_kv_write(
+            qkv, cos, sin, slots, self.k[layer], self.v[layer], num_heads, self.k[layer].shape[0]
+        )
+        return q
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather K/V [num_kv_heads, n, head_dim] of the tokens at ``slots`` [n] (a copy)."""
         return self.k[layer][:, slots], self.v[layer][:, slots]

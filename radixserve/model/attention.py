@@ -36,7 +36,7 @@ from radixserve.memory.kv_pool import KVPool
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace, grouped_matmul_attention
-from radixserve.model.layers import apply_rotary, linear_add, uninitialised
+from radixserve.model.layers import FUSED_DTYPES, apply_rotary, fused_ops_apply, linear_add, uninitialised
 from radixserve.model.paged_kernel import PagedIndex, extend_attention, extend_kernel_built, paged_attention
 from radixserve.model.precision import CpuFeatures
 
@@ -231,11 +231,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> residual + attention(x) [T, hidden]; writes the new tokens' K/V at ``out_slots`` first."""
         qkv = self.qkv_proj(x)
-        num_rows, qk_size = x.shape[0], self.split_sizes[0] + self.split_sizes[1]
-        # q and k are adjacent in the fused output: rotate both heads-wise in one set of ops.
-        qk = apply_rotary(qkv[:, :qk_size].view(num_rows, -1, self.head_dim), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        kv_pool.write(self.layer_id, out_slots, k, qkv[:, qk_size:].view(num_rows, self.num_kv_heads, self.head_dim))
+        num_rows = x.shape[0]
+        if cos.dtype == qkv.dtype and kv_pool.dtype in FUSED_DTYPES and fused_ops_apply(qkv):
+            q = kv_pool.write_rotated(self.layer_id, out_slots, qkv, cos, sin, self.num_heads)
+        else:
+            qk_size = self.split_sizes[0] + self.split_sizes[1]
+            # q and k are adjacent in the fused output: rotate both heads-wise in one set of ops.
+            qk = apply_rotary(qkv[:, :qk_size].view(num_rows, -1, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, qk_size:].view(num_rows, self.num_kv_heads, self.head_dim)
+            kv_pool.write(self.layer_id, out_slots, k, v)
         out = self._attend(q, plan, kv_pool)
         return linear_add(self.o_proj, out.reshape(num_rows, -1), residual)
 

@@ -2,10 +2,15 @@
 
 Numerics follow HF transformers step for step (norm in float32, rotary tables
 in float32 then cast), so our logits match theirs to float rounding.
+
+On CPU, where our kernel library loads, RMSNorm, SwiGLU's silu(gate) * up and (attention.py) the
+rotary with the K/V write each run as one fused op (csrc/fused_ops.cpp) that rounds where the torch
+ops below round and gives their bits; the torch ops stay for CUDA, no compiler, and as the reference.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, TypeVar
 
@@ -13,11 +18,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model import paged_kernel
 from radixserve.model.config import ModelConfig
 from radixserve.model.quant import Int8Linear
 from radixserve.model.quant_blocks import BlockLinear
 
 M = TypeVar("M", bound=nn.Module)
+
+# Tests and benchmarks switch this off to run the torch ops instead of the fused kernels.
+USE_FUSED_OPS = True
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def fused_ops_built() -> bool:
+    """The kernel library (with csrc/fused_ops.cpp) loads; built once per machine (paged_kernel.load)."""
+    return paged_kernel.load()
+
+
+@functools.cache
+def torch_float_lanes() -> int:
+    """Floats in one of torch's CPU vectors (16 under its AVX512 kernels, else 8): where torch's silu
+    switches from its vector exp to std::exp at the end of a row, which fused swiglu copies."""
+    return 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+
+
+def fused_ops_apply(x: torch.Tensor) -> bool:
+    """The fused CPU kernels take ``x`` (float32 or bfloat16, on CPU, the library built)."""
+    return USE_FUSED_OPS and x.device.type == "cpu" and x.dtype in FUSED_DTYPES and fused_ops_built()
 
 
 def uninitialised(cls: type[M], *args: Any, **kwargs: Any) -> M:
@@ -42,6 +70,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., hidden]; the mean of squares is taken in float32."""
+        if self.weight.dtype == x.dtype and fused_ops_apply(x):  # one pass, the bits of the ops below
+            out: torch.Tensor = torch.ops.radixserve.rms_norm(x, self.weight, self.eps)
+            return out
         if x.dtype == torch.float32:  # one fused op instead of seven; the same float32 arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
@@ -61,8 +92,16 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> residual + MLP(x), [T, hidden]."""
-        gate, up = torch.split(self.gate_up_proj(x), self.intermediate_size, dim=-1)
-        return linear_add(self.down_proj, F.silu(gate).mul_(up), residual)
+        return linear_add(self.down_proj, swiglu(self.gate_up_proj(x)), residual)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * inter] (gate | up) -> silu(gate) * up, [T, inter]."""
+    if gate_up.dim() == 2 and fused_ops_apply(gate_up):  # one pass, the bits of the two ops below
+        out: torch.Tensor = torch.ops.radixserve.swiglu(gate_up, torch_float_lanes())
+        return out
+    gate, up = torch.split(gate_up, gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ SOURCES = (
     CSRC / "block_q8_linear.cpp",
     CSRC / "block_gemm.cpp",
     CSRC / "extend_attention.cpp",
+    CSRC / "fused_ops.cpp",
 )
 
 

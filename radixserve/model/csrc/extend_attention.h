@@ -187,10 +187,25 @@ inline uint32_t* aligned(std::vector<uint32_t>& v) {
   return reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
 }
 
+// op over v[0 .. N) as a balanced tree: log2(N) dependent steps where a chain takes N - 1 (the softmax
+// is bound by its dependency chains, not by its instruction count: an exp of 7 instructions instead
+// of exp2_neg's 11 changed nothing).
+template <int N, typename Op>
+inline __m512 tree(const __m512* v, Op op) {
+  if constexpr (N == 1)
+    return v[0];
+  else
+    return op(tree<N / 2>(v, op), tree<N - N / 2>(v + N / 2, op));
+}
+
 // Online softmax over one key tile for rows [0, rows): scores -> P (bf16 pairs), m, l, alpha.
 // m is kept in raw score units; c = scale * log2(e) turns a score into base-2 softmax units.
-inline void softmax_tile(const float* s, uint32_t* p, int64_t rows, int64_t key0, bool masked, Scratch& w, float c) {
+// Two passes over the rows, the maxima first (masking the diagonal tile's scores in place), then the
+// exps: each pass's per-row chain is short and independent of the other rows', so the core overlaps
+// rows, where one pass did a whole row's ~130-cycle chain (max, reduce, exp, sum, reduce) at a time.
+inline void softmax_tile(float* s, uint32_t* p, int64_t rows, int64_t key0, bool masked, Scratch& w, float c) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scale = _mm512_set1_ps(c);
+  float* m_new = w.alpha.data();  // the new maxima until the second pass turns them into alphas
   for (int64_t r = 0; r < rows; ++r) {
     __m512 x[kTileVectors];
     for (int i = 0; i < kTileVectors; ++i) {
@@ -198,25 +213,28 @@ inline void softmax_tile(const float* s, uint32_t* p, int64_t rows, int64_t key0
       if (masked) {
         const int64_t seen = std::clamp<int64_t>(w.limit[r] - key0 - i * kKeyBlock, 0, kKeyBlock);
         x[i] = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>((1u << seen) - 1u), x[i]);
+        _mm512_store_ps(s + r * kKeyTile + i * kKeyBlock, x[i]);
       }
     }
-    __m512 xm = x[0];
-    for (int i = 1; i < kTileVectors; ++i) xm = _mm512_max_ps(xm, x[i]);
-    const float m_old = w.m[r], m_new = std::max(m_old, _mm512_reduce_max_ps(xm));
-    if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing seen yet: keep O and l at 0
+    const __m512 xm = tree<kTileVectors>(x, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+    m_new[r] = std::max(w.m[r], _mm512_reduce_max_ps(xm));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float m_old = w.m[r], m = m_new[r];
+    if (m == -std::numeric_limits<float>::infinity()) {  // nothing seen yet: keep O and l at 0
       w.alpha[r] = 1.f;
       std::memset(p + r * kKeyTile / 2, 0, kKeyTile * 2);
       continue;
     }
-    const __m512 shift = _mm512_set1_ps(-m_new * c);
+    const __m512 shift = _mm512_set1_ps(-m * c);
     __m512 e[kTileVectors];
-    for (int i = 0; i < kTileVectors; ++i) e[i] = exp2_neg(_mm512_fmadd_ps(x[i], scale, shift));
-    __m512 sum = e[0];
-    for (int i = 1; i < kTileVectors; ++i) sum = _mm512_add_ps(sum, e[i]);
+    for (int i = 0; i < kTileVectors; ++i)
+      e[i] = exp2_neg(_mm512_fmadd_ps(_mm512_load_ps(s + r * kKeyTile + i * kKeyBlock), scale, shift));
+    const __m512 sum = tree<kTileVectors>(e, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
     // exp2(0) is exactly 1, so skipping it when the max stands changes no bit
-    const float alpha = m_new == m_old ? 1.f : _mm512_cvtss_f32(exp2_neg(_mm512_set1_ps((m_old - m_new) * c)));
+    const float alpha = m == m_old ? 1.f : _mm512_cvtss_f32(exp2_neg(_mm512_set1_ps((m_old - m) * c)));
     w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
-    w.m[r] = m_new;
+    w.m[r] = m;
     w.alpha[r] = alpha;
     for (int i = 0; i < kTileVectors; i += 2)
       _mm512_store_si512(p + r * kKeyTile / 2 + i * 8, (__m512i)_mm512_cvtne2ps_pbh(e[i + 1], e[i]));
