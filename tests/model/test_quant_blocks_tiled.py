@@ -24,16 +24,20 @@ def tiled(x: torch.Tensor, blocks: QuantBlocks, bias: torch.Tensor | None, tile:
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 @pytest.mark.parametrize("tile", [16, 48, 4096])  # several tiles, a last partial one, one tile past N
-def test_tiles_are_bit_for_bit_the_whole_weights_gemm(fmt: str, out_features: int, in_features: int, tile: int) -> None:
+def test_tiles_are_bit_for_bit_the_whole_weights_gemm(
+    fmt: str, out_features: int, in_features: int, tile: int, dtype: torch.dtype
+) -> None:
+    """bfloat16: the tiles are dequantized straight to bfloat16, the whole weight rounded from float32."""
     blocks = random_blocks(fmt, out_features, in_features, seed=out_features)
-    weight = blocks.dequantize()
+    weight = blocks.dequantize().to(dtype)
     generator = torch.Generator().manual_seed(tile)
-    bias = torch.randn(out_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
     for rows in (1, 17, 80, 300):
-        x = torch.randn(rows, in_features, generator=generator) * 3
+        x = (torch.randn(rows, in_features, generator=generator) * 3).to(dtype)
         assert torch.equal(tiled(x, blocks, None, tile), F.linear(x, weight))
         assert torch.equal(tiled(x, blocks, bias, tile), F.linear(x, weight, bias))
 
