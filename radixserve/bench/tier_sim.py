@@ -62,7 +62,8 @@ class MemoryPageStore:
     def __len__(self) -> int:
         return len(self.pages)
 
-    def put(self, page_hash: bytes, payload: bytes) -> bool:
+    def put(self, page_hash: bytes, payload: bytes, label: bytes = b"") -> bool:
+        """The page's label is dropped: a simulation publishes no KV events, so nothing reads it back."""
         fresh = page_hash not in self.pages
         self.pages[page_hash] = payload
         return fresh
