@@ -11,6 +11,8 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+
 namespace radixserve {
 
 struct Shape {
@@ -60,10 +62,7 @@ inline float load(const kv_t* p, int64_t i) {
 
 template <>
 inline float load(const bf16* p, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(p[i].bits) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+  return bf16_to_float(p[i].bits);
 }
 
 #if defined(__AVX512F__)

@@ -20,6 +20,7 @@
 #if defined(__AVX512BF16__)
 #define RADIXSERVE_BLOCK_AVX512BF16 1
 #endif
+#include "bf16.h"
 #include "simd_reduce.h"
 #endif
 
@@ -130,19 +131,8 @@ struct Epilogue {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
 
-  // bfloat16 bits of v as c10::BFloat16 rounds (to nearest even; a NaN becomes 0x7FC0), in the low 16 bits.
-  static __m512i bf16_bits(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  }
-
   // v rounded to out's dtype and back (float32: as it is).
-  __m512 round16(__m512 v) const {
-    if (dtype == at::kFloat) return v;
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
-  }
+  __m512 round16(__m512 v) const { return dtype == at::kFloat ? v : round_bf16_16(v); }
 
   // store_as for the 16 channels n .. n + 16 (lanes in k) at flat index i; each step a separate instruction as in
   // store_as (no multiply-add contracted), so every output's bits are the scalar path's.
@@ -157,7 +147,7 @@ struct Epilogue {
     if (dtype == at::kFloat)
       _mm512_mask_storeu_ps(static_cast<float*>(out) + i, k, v);
     else
-      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + i, k, _mm512_cvtepi32_epi16(bf16_bits(v)));
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + i, k, _mm512_cvtepi32_epi16(bf16_bits16(v)));
   }
 #endif
 };

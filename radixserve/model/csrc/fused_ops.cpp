@@ -28,10 +28,11 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "bf16.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -46,12 +47,7 @@ namespace {
 using bf16 = uint16_t;
 
 inline float to_float(float x) { return x; }
-inline float to_float(bf16 bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline float to_float(bf16 bits) { return radixserve::bf16_to_float(bits); }
 
 // float -> T, rounding to nearest even as torch's conversions do.
 template <typename T>
@@ -62,10 +58,7 @@ inline float from_float<float>(float x) {
 }
 template <>
 inline bf16 from_float<bf16>(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return x != x ? bf16{0x7fc0} : static_cast<bf16>(rounded);
+  return radixserve::float_to_bf16(x);
 }
 
 // x * y rounded to T, as a torch op on two T tensors computes it (float32 math, one rounding).
@@ -177,22 +170,14 @@ inline __m512 sleef_expf_u10(__m512 d) {
                             _mm512_set1_ps(std::numeric_limits<float>::infinity()));
 }
 
-// x rounded to bfloat16 (from_float's rounding), kept as float32 bits with a zero low half.
-inline __m512 round_bf16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
-}
+using radixserve::round_bf16_16;
 
 // silu(g) * u for 16 floats: silu rounded to T first where T is bfloat16 (torch's two ops).
 template <bool kRoundSilu>
 inline __m512 silu_mul_t(__m512 g, __m512 u) {
   const __m512 e = sleef_expf_u10(_mm512_sub_ps(_mm512_setzero_ps(), g));
   const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-  return _mm512_mul_ps(kRoundSilu ? round_bf16(silu) : silu, u);
+  return _mm512_mul_ps(kRoundSilu ? round_bf16_16(silu) : silu, u);
 }
 inline __m512 silu_mul(__m512 g, __m512 u) { return silu_mul_t<false>(g, u); }
 
@@ -221,7 +206,7 @@ inline void silu_mul_bf16x32(const bf16* gate, const bf16* up, bf16* out) {
     return;
   }
   for (int h = 0; h < 32; h += 16) {
-    const __m512 p = round_bf16(_mm512_mul_ps(round_bf16(silu(widen(gate + h))), widen(up + h)));
+    const __m512 p = round_bf16_16(_mm512_mul_ps(round_bf16_16(silu(widen(gate + h))), widen(up + h)));
     const __m256i bits = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h), bits);
   }
@@ -234,7 +219,7 @@ inline void silu_mul_bf16x32(const bf16* gate, const bf16* up, bf16* out) {
   const __m512i g = _mm512_loadu_si512(gate), u = _mm512_loadu_si512(up);
   auto lo = [&](__m512i v) { return _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v)); };
   auto hi = [&](__m512i v) { return _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v)); };
-  const __m512 a = round_bf16(silu_mul_t<true>(lo(g), lo(u))), b = round_bf16(silu_mul_t<true>(hi(g), hi(u)));
+  const __m512 a = round_bf16_16(silu_mul_t<true>(lo(g), lo(u))), b = round_bf16_16(silu_mul_t<true>(hi(g), hi(u)));
   const __m512i packed = _mm512_packus_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 16),
                                              _mm512_srli_epi32(_mm512_castps_si512(b), 16));
   _mm512_storeu_si512(out, packed);

@@ -156,18 +156,10 @@ void scores_dp(const uint16_t* qh, const uint16_t* ql, int64_t rows, const bf16*
 
 // q [rows][dim] float -> hi, lo bfloat16 (round to nearest even); true when some lo is not 0.
 inline bool split_bf16(const float* q, int64_t n, uint16_t* hi, uint16_t* lo) {
-  const auto round = [](float x) {
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-  };
   bool any = false;
   for (int64_t i = 0; i < n; ++i) {
-    hi[i] = round(q[i]);
-    const uint32_t back = static_cast<uint32_t>(hi[i]) << 16;
-    float b;
-    std::memcpy(&b, &back, sizeof b);
-    lo[i] = round(q[i] - b);
+    hi[i] = float_to_bf16(q[i]);
+    lo[i] = float_to_bf16(q[i] - bf16_to_float(hi[i]));
     any |= (lo[i] & 0x7FFF) != 0;
   }
   return any;
