@@ -72,7 +72,7 @@ namespace avx512 {
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return bf16x16_to_float(h);
 }
 
 // exp(x) for x <= 0, 16 at a time: fast_exp's polynomial, 2^n applied by scalef.

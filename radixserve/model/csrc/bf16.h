@@ -35,6 +35,11 @@ inline __m512i bf16_bits16(__m512 v) {
   return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
 }
 
+// 16 bfloat16 (their bits) widened to float32.
+inline __m512 bf16x16_to_float(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // 16 floats rounded to bfloat16 and widened back (the low half of each lane zero).
 inline __m512 round_bf16_16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
 #endif

@@ -128,7 +128,7 @@ struct Epilogue {
   __m512 load16(const void* p, int64_t i, __mmask16 k) const {
     if (dtype == at::kFloat) return _mm512_maskz_loadu_ps(k, static_cast<const float*>(p) + i);
     const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(p) + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return bf16x16_to_float(h);
   }
 
   // v rounded to out's dtype and back (float32: as it is).

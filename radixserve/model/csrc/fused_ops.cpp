@@ -187,18 +187,16 @@ inline __m512 silu_mul(__m512 g, __m512 u) { return silu_mul_t<false>(g, u); }
 #if defined(__AVX512BF16__)
 inline void silu_mul_bf16x32(const bf16* gate, const bf16* up, bf16* out) {
   auto widen = [](const bf16* p) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    return radixserve::bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   };
-  auto widen_bh = [](__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); };
   const __m512 g0 = widen(gate), g1 = widen(gate + 16);
   auto silu = [](__m512 g) {
     return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), sleef_expf_u10(_mm512_sub_ps(_mm512_setzero_ps(), g))));
   };
   const __m512 s0 = silu(g0), s1 = silu(g1);
   const __m512i sb = (__m512i)_mm512_cvtne2ps_pbh(s1, s0);
-  const __m512 p0 = _mm512_mul_ps(widen_bh(_mm512_castsi512_si256(sb)), widen(up));
-  const __m512 p1 = _mm512_mul_ps(widen_bh(_mm512_extracti64x4_epi64(sb, 1)), widen(up + 16));
+  const __m512 p0 = _mm512_mul_ps(radixserve::bf16x16_to_float(_mm512_castsi512_si256(sb)), widen(up));
+  const __m512 p1 = _mm512_mul_ps(radixserve::bf16x16_to_float(_mm512_extracti64x4_epi64(sb, 1)), widen(up + 16));
   constexpr int kSubnormal = 0x20;
   if ((_mm512_fpclass_ps_mask(s0, kSubnormal) | _mm512_fpclass_ps_mask(s1, kSubnormal) |
        _mm512_fpclass_ps_mask(p0, kSubnormal) | _mm512_fpclass_ps_mask(p1, kSubnormal)) == 0) {
