@@ -51,6 +51,7 @@ class MemoryPageStore:
         self.enabled = self.writable = True
         self.capacity_bytes = 1 << 62
         self.stats = DiskStats()
+        self.on_drop: Callable[[bytes], None] | None = None  # never called: nothing leaves an unbounded store
 
     @property
     def used_bytes(self) -> int:
@@ -71,6 +72,12 @@ class MemoryPageStore:
     def get(self, page_hash: bytes) -> bytes | None:
         return self.pages.get(page_hash)
 
+    def labels(self) -> list[tuple[bytes, bytes]]:
+        return [(page_hash, b"") for page_hash in self.pages]  # labels are not kept (see ``put``)
+
+    def drop_corrupt(self, page_hash: bytes) -> None:
+        del self.pages[page_hash]
+
     def state(self, page_hash: bytes) -> str:
         return "on_disk" if page_hash in self.pages else "absent"
 
@@ -87,5 +94,5 @@ def make_tiered_cache(policy: str, page_size: int, capacity: int, clock: Callabl
     cache = RadixCache(TokenAllocator(size, page_size), page_size, policy, clock)
     page_tokens = tier_page_tokens(page_size)
     disk = MemoryPageStore()
-    cache.tiers = TierIndex(TokenMover(page_tokens), page_tokens, HostArena(2 * size), disk)  # type: ignore[arg-type]
+    cache.tiers = TierIndex(TokenMover(page_tokens), page_tokens, HostArena(2 * size), disk)
     return cache

@@ -36,7 +36,7 @@ from radixserve.cache.tier_labels import decode_label
 from radixserve.memory.allocator import IndexArray
 
 if TYPE_CHECKING:  # torch stays out of the cache layer's imports
-    from radixserve.memory.disk_store import DiskPageStore
+    from radixserve.memory.disk_store import DiskStats
     from radixserve.memory.host_arena import HostArena
 
 WRITE_POLICIES = ("write_back", "write_through")
@@ -53,6 +53,29 @@ class PageMover(Protocol):
     def scatter_pages(self, slots: IndexArray, pages: Sequence[Any], first: int) -> None: ...
     def to_bytes(self, page: Any) -> bytes: ...
     def from_bytes(self, data: bytes) -> Any: ...
+
+
+class PageStore(Protocol):
+    """The disk tier (L3): pages by hash, each stored with its label's bytes (memory/disk_store.py's
+    ``DiskPageStore``; bench/tier_sim.py's in-memory store for simulations)."""
+
+    enabled: bool  # usable at all (opened, fingerprint matched)
+    writable: bool
+    capacity_bytes: int
+    stats: DiskStats
+    on_drop: Callable[[bytes], None] | None  # set by ``TierPages``: called with a page's hash once it is gone
+
+    @property
+    def used_bytes(self) -> int: ...
+    def __contains__(self, page_hash: bytes) -> bool: ...
+    def __len__(self) -> int: ...
+    def put(self, page_hash: bytes, payload: bytes, label: bytes = b"") -> bool: ...
+    def get(self, page_hash: bytes) -> bytes | None: ...
+    def labels(self) -> list[tuple[bytes, bytes]]: ...
+    def drop_corrupt(self, page_hash: bytes) -> None: ...
+    def state(self, page_hash: bytes) -> str: ...
+    def flush(self, timeout: float) -> bool: ...
+    def close(self, timeout: float = ...) -> None: ...
 
 
 @dataclass
@@ -73,7 +96,7 @@ class TierPages:
         mover: PageMover,
         page_tokens: int,
         host: HostArena | None,
-        disk: DiskPageStore | None,
+        disk: PageStore | None,
         write_policy: WritePolicy = "write_back",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:

@@ -24,12 +24,11 @@ import numpy as np
 from radixserve.cache.events import PageLabel
 from radixserve.cache.key import RadixKey
 from radixserve.cache.prefetch import Prefetcher
-from radixserve.cache.tier_pages import LOAD_BUCKETS_S, PageMover, TierName, WritePolicy
+from radixserve.cache.tier_pages import LOAD_BUCKETS_S, PageMover, PageStore, TierName, WritePolicy
 from radixserve.cache.tier_store import TierStore
 from radixserve.memory.allocator import IndexArray
 
 if TYPE_CHECKING:  # torch stays out of the cache layer's imports
-    from radixserve.memory.disk_store import DiskPageStore
     from radixserve.memory.host_arena import HostArena
 
 
@@ -50,7 +49,7 @@ class TierIndex(TierStore):
         mover: PageMover,
         page_tokens: int,
         host: HostArena | None,
-        disk: DiskPageStore | None,
+        disk: PageStore | None,
         write_policy: WritePolicy = "write_back",
         clock: Callable[[], float] = time.perf_counter,
         prefetch: bool = True,
