@@ -14,6 +14,10 @@ csrc/ kept in its own build folder, never the checkout's files: torch's build
 files name the sources by absolute path, so two checkouts (worktrees, a CI
 clone) with the same sources would otherwise rebuild each other's library,
 and with different ones they get different folders.
+
+Each load stamps its folder as used; a new build removes the builds no process
+has loaded for ``STALE_AFTER_DAYS`` (every source edit or upgrade leaves one
+behind, ~2 MB each).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +55,8 @@ SOURCES = (
 
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
+PREFIX = "radixserve_paged_"
+STALE_AFTER_DAYS = 14
 
 
 def build_fingerprint(csrc: Path = CSRC) -> str:
@@ -97,6 +104,32 @@ def stage_sources(build_dir: Path, csrc: Path = CSRC) -> Path:
     return staged
 
 
+def mark_used(build_dir: Path) -> None:
+    """Stamp ``build_dir`` as loaded now (its ``used`` file's mtime); a read-only cache stays unstamped."""
+    try:
+        (build_dir / "used").touch()
+    except OSError:
+        pass
+
+
+def prune_stale_builds(keep: Path, max_age_days: float = STALE_AFTER_DAYS) -> list[Path]:
+    """Remove the other builds beside ``keep`` that no load has stamped for ``max_age_days`` (the
+    library's own mtime stands in for a build never stamped); one being built (torch's lock file) stays.
+    Returns what was removed. A process that still has a removed library loaded keeps its mapping."""
+    cutoff = time.time() - max_age_days * 86400
+    removed = []
+    for other in keep.parent.glob(f"{PREFIX}*"):
+        if other == keep or not other.is_dir() or (other / "lock").exists():
+            continue
+        stamps = [p.stat().st_mtime for p in (other / "used", other / f"{other.name}.so") if p.exists()]
+        if max(stamps, default=other.stat().st_mtime) < cutoff:
+            shutil.rmtree(other, ignore_errors=True)
+            removed.append(other)
+    if removed:
+        logger.info("removed %d kernel builds unused for %g days", len(removed), max_age_days)
+    return removed
+
+
 def _load_built(library: Path) -> bool:
     """Load a finished build as it is: its folder is named by everything it was built from, so it is
     current (torch's build step would import cpp_extension, check the compiler and run ninja to find
@@ -117,9 +150,10 @@ def load() -> bool:
 
     False (logged once) where they cannot be built."""
     try:
-        name = f"radixserve_paged_{build_fingerprint()}"
+        name = f"{PREFIX}{build_fingerprint()}"
         build_dir = build_directory(name)
         if _load_built(build_dir / f"{name}.so"):
+            mark_used(build_dir)
             return True
         from torch.utils import cpp_extension
 
@@ -132,6 +166,8 @@ def load() -> bool:
             is_python_module=False,
             verbose=False,
         )
+        mark_used(build_dir)
+        prune_stale_builds(build_dir)
     except Exception as exc:  # no compiler, no ninja, a compile error: the reference path still works
         logger.warning("paged attention kernel unavailable, using gather + SDPA: %s", str(exc).splitlines()[0])
         return False

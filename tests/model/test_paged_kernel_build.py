@@ -6,7 +6,9 @@ Nothing is compiled here: ``cpp_extension.load`` is replaced by a recorder.
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -107,3 +109,36 @@ def test_build_directory_is_torchs(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         paged_kernel.build_directory(name).rmdir()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert paged_kernel.build_directory("x") == tmp_path / "x" and (tmp_path / "x").is_dir()
+
+
+def _aged(folder: Path, days: float, *names: str) -> Path:
+    """``folder`` with ``names`` in it, each last modified ``days`` ago."""
+    folder.mkdir(parents=True, exist_ok=True)
+    when = time.time() - days * 86400
+    for name in names:
+        (folder / name).touch()
+        os.utime(folder / name, (when, when))
+    return folder
+
+
+def test_a_new_build_removes_only_builds_unused_for_the_cutoff(tmp_path: Path) -> None:
+    keep = _aged(tmp_path / "radixserve_paged_new", 100, "radixserve_paged_new.so")
+    stale = _aged(tmp_path / "radixserve_paged_old", 30, "radixserve_paged_old.so", "used")
+    never_stamped = _aged(tmp_path / "radixserve_paged_unstamped", 30, "radixserve_paged_unstamped.so")
+    recently_used = _aged(tmp_path / "radixserve_paged_busy", 30, "radixserve_paged_busy.so")
+    _aged(recently_used, 1, "used")  # an old build a process loaded yesterday
+    building = _aged(tmp_path / "radixserve_paged_building", 30, "lock")
+    other = _aged(tmp_path / "someone_elses_ext", 30, "lib.so")
+    removed = paged_kernel.prune_stale_builds(keep, max_age_days=14)
+    assert sorted(removed) == sorted([stale, never_stamped])
+    assert not stale.exists() and not never_stamped.exists()
+    assert keep.is_dir() and recently_used.is_dir() and building.is_dir() and other.is_dir()
+
+
+def test_loads_stamp_their_build_and_a_new_build_prunes(recorded_load: list[dict[str, Any]], tmp_path: Path) -> None:
+    old = _aged(tmp_path / "ext" / "radixserve_paged_old", 30, "radixserve_paged_old.so", "used")
+    assert paged_kernel.load()
+    (call,) = recorded_load
+    build_dir = Path(call["build_directory"])
+    assert (build_dir / "used").is_file() and time.time() - (build_dir / "used").stat().st_mtime < 3600
+    assert not old.exists()
