@@ -339,6 +339,9 @@ void decode_chunk(const BlockWeights& w, const float* wscale, int64_t c0, int64_
       const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
       const char* ahead = reinterpret_cast<const char*>(qs + g * (Q4 ? 16 : kBlock)) + kPrefetch;
       for (int line = 0; line < (Q4 ? 4 : 8); ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w.d + n * w.blocks + g) + kPrefetch / 8, _MM_HINT_T0);
+      if constexpr (Q4)
+        _mm_prefetch(reinterpret_cast<const char*>(w.m + n * w.blocks + g) + kPrefetch / 8, _MM_HINT_T0);
       const __m512 dc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.d + n * w.blocks + g));
       _mm512_store_ps(scales, wscale == nullptr ? dc : _mm512_mul_ps(dc, _mm512_set1_ps(wscale[n])));
       if constexpr (Q4) _mm512_store_ps(mins, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.m + n * w.blocks + g)));
