@@ -42,7 +42,9 @@ def anon_huge_kib(lo: int, hi: int) -> int:
 
 @pytest.mark.skipif(not hugepages_on_advice(), reason="the kernel's THP mode is never (or not Linux)")
 def test_the_pool_lies_on_huge_pages() -> None:
-    pool = KVPool(2, 8192, 2, 64, torch.bfloat16)  # 2 x 2 x 2 MiB: at least 6 MiB of whole huge pages
+    # 64 MiB: past glibc's largest mmap threshold (32 MiB), so fresh memory, as an engine's pool is; memory
+    # the process touched before keeps its 4 KiB pages whatever the advice.
+    pool = KVPool(2, 65536, 2, 64, torch.bfloat16)
     lo = pool.k[0].data_ptr()
     hi = pool.v[1].data_ptr() + pool.v[1].numel() * pool.v[1].element_size()
-    assert anon_huge_kib(lo, hi) * 1024 >= 3 * HUGE_PAGE
+    assert anon_huge_kib(lo, hi) * 1024 >= (hi - lo) // 2
