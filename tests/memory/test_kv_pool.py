@@ -42,9 +42,10 @@ def anon_huge_kib(lo: int, hi: int) -> int:
 
 @pytest.mark.skipif(not hugepages_on_advice(), reason="the kernel's THP mode is never (or not Linux)")
 def test_the_pool_lies_on_huge_pages() -> None:
-    # 64 MiB: past glibc's largest mmap threshold (32 MiB), so fresh memory, as an engine's pool is; memory
-    # the process touched before keeps its 4 KiB pages whatever the advice.
-    pool = KVPool(2, 65536, 2, 64, torch.bfloat16)
+    pool = KVPool(2, 16384, 2, 64, torch.bfloat16)  # 16 MiB, in a mapping of its own from a 2 MiB boundary
     lo = pool.k[0].data_ptr()
     hi = pool.v[1].data_ptr() + pool.v[1].numel() * pool.v[1].element_size()
-    assert anon_huge_kib(lo, hi) * 1024 >= (hi - lo) // 2
+    assert lo % HUGE_PAGE == 0 and anon_huge_kib(lo, hi) * 1024 >= (hi - lo) // 2
+    assert all(not t.any() for t in pool.k + pool.v)
+    pool.write(1, torch.tensor([5, 16383]), torch.ones(2, 2, 64), torch.full((2, 2, 64), 3.0))
+    assert pool.k[1][:, [5, 16383]].eq(1).all() and int(pool.v[1].count_nonzero()) == 256
