@@ -44,7 +44,7 @@ def huge_page_interior(addr: int, nbytes: int) -> tuple[int, int]:
 def zeros_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor [numel] on transparent huge pages where the kernel allows (else torch.zeros):
     decode attention streams every request's K/V once a layer, and with 4 KiB pages each 4 KiB is a TLB miss
-    and a stop for the hardware prefetcher (a 2k-context, batch-16 step: 51 -> 45 ms). Only memory nothing
+    and a stop for the hardware prefetcher (a 2k-context, batch-16 step: 49 -> 44.5 ms). Only memory nothing
     has touched takes the advice, and malloc may hand out heap pages touched before, so the tensor lies in a
     mapping of its own (private, anonymous, starting on a 2 MiB boundary), advised MADV_HUGEPAGE and then
     zeroed, which faults it in. The tensor keeps the mapping alive."""
