@@ -60,6 +60,36 @@ def test_block_linear_equals_the_dequantized_matmul(fmt: str, rows: int, out_fea
 
 
 @needs_kernel
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [9, 13, 16])
+def test_bfloat16_rows_past_a_tile_are_each_row_alone(fmt: str, rows: int) -> None:
+    """Past a tile of 8 rows the bfloat16 kernel decodes a chunk's weights once for all its row tiles; up to 8 it
+    decodes them in each tile. The same bfloat16 weights and the same sums: each row's bits are the row's alone
+    (Q8_0 with int8 weight-only's channel scales; 37 channels: two chunks and a partial one, 18 blocks: a group
+    of 16 and a partial one)."""
+    blocks = random_blocks(fmt, 37, 576, seed=rows)
+    generator = torch.Generator().manual_seed(200 + rows)
+    x = torch.randn(rows, 576, generator=generator).bfloat16()
+    bias = torch.randn(37, generator=generator).bfloat16()
+    scales = (torch.rand(37, generator=generator) + 0.5).bfloat16() if fmt == "q8_0" else None
+
+    def kernel(rows_of_x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.radixserve.block_linear(
+            rows_of_x, blocks.qs, blocks.d, blocks.m, bias, None, scales, False
+        )
+        return out
+
+    got = kernel(x)
+    for r in range(rows):
+        assert torch.equal(kernel(x[r : r + 1]), got[r : r + 1])
+    # Against float64 of the float weights: bfloat16 weights (AVX512-BF16) or exact ones (elsewhere), both within.
+    weight = blocks.dequantize().double() * (scales.double()[:, None] if scales is not None else 1.0)
+    expected = x.double() @ weight.t() + bias.double()
+    scale = x.abs().double().sum(-1, keepdim=True) * weight.abs().max() + bias.abs().max().double()
+    assert ((got.double() - expected).abs() / scale).max().item() <= 1e-2
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 15, 16])
 @pytest.mark.parametrize("extras", ["none", "bias", "residual", "scales", "all", "rounded_then_residual"])

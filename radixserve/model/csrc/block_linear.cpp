@@ -194,6 +194,27 @@ inline void codes_f32(const uint8_t* qs, int64_t b, __m512& lo, __m512& hi) {
   }
 }
 
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+// Block b of one weight row as the 32 bfloat16 weights the GEMM path multiplies by: Q4_1, d * q + m from a table
+// of the block's 16 values looked up by code; Q8_0, scale * q (scale: d, times the channel's wscale if any).
+template <bool Q4>
+inline __m512bh weights_bf16(const uint8_t* qs, int64_t b, float scale, float min) {
+  if constexpr (Q4) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 values = _mm512_fmadd_ps(_mm512_set1_ps(scale), iota, _mm512_set1_ps(min));
+    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
+    const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
+  } else {
+    __m512 lo, hi;
+    codes_f32<false>(qs, b, lo, hi);
+    const __m512 sc = _mm512_set1_ps(scale);
+    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(sc, hi), _mm512_mul_ps(sc, lo));
+  }
+}
+#endif
+
 // R rows of x (float32, or bfloat16 when BF16) against C weight rows (codes, d, m each ldq / blocks apart):
 // float32, sums[r * kChunk + c] = sum_b d_cb * (x_rb . q_cb) [+ m_c . xsum_r]; BF16, x_r . bf16(w_c) with the weights
 // w = d * q + m (Q8_0: (d * wscale_c) * q where wscale is given). Each x block is loaded once for the C channels;
@@ -207,31 +228,19 @@ void dot_tile(const void* x, int64_t ldx, const float* xsum, int64_t ldxs, const
   alignas(64) float scales[C][16];
   alignas(64) float mins[C][16];  // BF16: Q4_1's m, for the table
   const auto block = [&](int64_t b) {
-    __m512 scale[C];
-    for (int c = 0; c < C; ++c) scale[c] = _mm512_set1_ps(scales[c][b % 16]);
     if constexpr (BF16) {
 #ifdef RADIXSERVE_BLOCK_AVX512BF16
       __m512bh w[C];
-      for (int c = 0; c < C; ++c) {
-        if constexpr (Q4) {
-          const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-          const __m512 values = _mm512_fmadd_ps(scale[c], iota, _mm512_set1_ps(mins[c][b % 16]));
-          const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
-          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + c * ldq + b * 16));
-          const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
-          w[c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
-        } else {
-          __m512 lo, hi;
-          codes_f32<false>(qs + c * ldq, b, lo, hi);
-          w[c] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(scale[c], hi), _mm512_mul_ps(scale[c], lo));
-        }
-      }
+      for (int c = 0; c < C; ++c)
+        w[c] = weights_bf16<Q4>(qs + c * ldq, b, scales[c][b % 16], Q4 ? mins[c][b % 16] : 0.f);
       for (int r = 0; r < R; ++r) {
         const __m512bh xb = (__m512bh)_mm512_loadu_si512(static_cast<const uint16_t*>(x) + r * ldx + b * kBlock);
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
       }
 #endif
     } else {
+      __m512 scale[C];
+      for (int c = 0; c < C; ++c) scale[c] = _mm512_set1_ps(scales[c][b % 16]);
       __m512 lo[C], hi[C];
       for (int c = 0; c < C; ++c) codes_f32<Q4>(qs + c * ldq, b, lo[c], hi[c]);
       for (int r = 0; r < R; ++r) {
@@ -314,6 +323,91 @@ void linear_channels(const at::Tensor& x, const float* xsum, const float* wscale
   });
 }
 
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+// More rows than a tile (bfloat16 x): a chunk's weights are decoded to bfloat16 once, into wbuf (channel c's
+// block b at wbuf + (c * blocks + b) * 32, weights_bf16's bits), and every row tile then only loads them.
+// Decoded per tile instead (dot_tile), 16 rows decode each block twice: ~16 instructions (a table, a
+// permute) against the 16 dot products they feed, on the same ports. The same weights and sums in the
+// same order: a row's bits are those it gets alone.
+template <bool Q4>
+void decode_chunk(const BlockWeights& w, const float* wscale, int64_t c0, int64_t c1, uint16_t* wbuf) {
+  alignas(64) float scales[16], mins[16] = {};
+  for (int64_t n = c0; n < c1; ++n) {
+    const uint8_t* qs = w.qs + n * w.qs_row_bytes;
+    for (int64_t g = 0; g < w.blocks; g += 16) {
+      const int64_t count = std::min<int64_t>(16, w.blocks - g);
+      const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+      const char* ahead = reinterpret_cast<const char*>(qs + g * (Q4 ? 16 : kBlock)) + kPrefetch;
+      for (int line = 0; line < (Q4 ? 4 : 8); ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w.d + n * w.blocks + g) + kPrefetch / 8, _MM_HINT_T0);
+      if constexpr (Q4)
+        _mm_prefetch(reinterpret_cast<const char*>(w.m + n * w.blocks + g) + kPrefetch / 8, _MM_HINT_T0);
+      const __m512 dc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.d + n * w.blocks + g));
+      _mm512_store_ps(scales, wscale == nullptr ? dc : _mm512_mul_ps(dc, _mm512_set1_ps(wscale[n])));
+      if constexpr (Q4) _mm512_store_ps(mins, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.m + n * w.blocks + g)));
+      for (int64_t b = g; b < g + count; ++b)
+        _mm512_storeu_si512(wbuf + ((n - c0) * w.blocks + b) * kBlock,
+                            (__m512i)weights_bf16<Q4>(qs, b, scales[b - g], mins[b - g]));
+    }
+  }
+}
+
+// dot_tile's BF16 sums from decoded weights: R rows of x against C channels, wbuf + c * blocks * 32.
+template <int R, int C>
+void dot_tile_decoded(const uint16_t* x, int64_t ldx, const uint16_t* wbuf, int64_t blocks, float* sums) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512bh w[C];
+    for (int c = 0; c < C; ++c) w[c] = (__m512bh)_mm512_loadu_si512(wbuf + (c * blocks + b) * kBlock);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_loadu_si512(x + r * ldx + b * kBlock);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
+    }
+  }
+  radixserve::reduce_tile(acc, sums, kChunk);
+}
+
+template <int C>
+void tile_decoded(int rows, const uint16_t* x, int64_t ldx, const uint16_t* wbuf, int64_t blocks, float* sums) {
+  switch (rows) {
+    case 1: return dot_tile_decoded<1, C>(x, ldx, wbuf, blocks, sums);
+    case 2: return dot_tile_decoded<2, C>(x, ldx, wbuf, blocks, sums);
+    case 3: return dot_tile_decoded<3, C>(x, ldx, wbuf, blocks, sums);
+    case 4: return dot_tile_decoded<4, C>(x, ldx, wbuf, blocks, sums);
+    case 5: return dot_tile_decoded<5, C>(x, ldx, wbuf, blocks, sums);
+    case 6: return dot_tile_decoded<6, C>(x, ldx, wbuf, blocks, sums);
+    case 7: return dot_tile_decoded<7, C>(x, ldx, wbuf, blocks, sums);
+    default: return dot_tile_decoded<kRowTile, C>(x, ldx, wbuf, blocks, sums);
+  }
+}
+
+// linear_channels<Q4, true> for rows > kRowTile: per chunk, decode once, then the row tiles (2 channels a tile).
+template <bool Q4>
+void linear_channels_decoded(const at::Tensor& x, const float* wscale, const BlockWeights& w, int64_t n0, int64_t n1,
+                             const radixserve::Epilogue& out) {
+  const int64_t rows = x.size(0), ldx = x.size(1);
+  const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
+  std::vector<uint16_t> wbuf(kChunk * w.blocks * kBlock);
+  std::vector<float> sums(rows * kChunk);
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+    const int64_t c1 = std::min(n1, c0 + kChunk);
+    decode_chunk<Q4>(w, wscale, c0, c1, wbuf.data());
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+      for (int64_t n = c0; n < c1; n += 2) {
+        const uint16_t* wn = wbuf.data() + (n - c0) * w.blocks * kBlock;
+        float* at = sums.data() + r0 * kChunk + (n - c0);
+        if (n + 2 <= c1) tile_decoded<2>(tile, xp + r0 * ldx, ldx, wn, w.blocks, at);
+        else tile_decoded<1>(tile, xp + r0 * ldx, ldx, wn, w.blocks, at);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) out.store_row(r, c0, c1 - c0, sums.data() + r * kChunk);
+  }
+}
+#endif
+
 // x [rows, K] contiguous, float32 or (BF16) bfloat16; wscale: BF16's per-channel weight scales [N] or nullptr.
 template <bool BF16>
 void linear(const at::Tensor& x, const BlockWeights& w, bool q4, const float* wscale,
@@ -330,6 +424,15 @@ void linear(const at::Tensor& x, const BlockWeights& w, bool q4, const float* ws
         xsum[r * ld + b] = s;
       }
   at::parallel_for(0, epilogue.out_features, 16, [&](int64_t n0, int64_t n1) {
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+    if constexpr (BF16) {
+      if (rows > kRowTile) {
+        if (q4) linear_channels_decoded<true>(x, wscale, w, n0, n1, epilogue);
+        else linear_channels_decoded<false>(x, wscale, w, n0, n1, epilogue);
+        return;
+      }
+    }
+#endif
     if (q4) linear_channels<true, BF16>(x, xsum.data(), wscale, w, n0, n1, epilogue);
     else linear_channels<false, BF16>(x, xsum.data(), wscale, w, n0, n1, epilogue);
   });

@@ -10,6 +10,9 @@
 //            register, 8 keys a step: scores_dp_rows);
 //   softmax  per row, 16 scores at a time (the same polynomial as fast_exp);
 //   values   each V row converted once, accumulated into up to 24 zmm registers (a block of rows).
+// Both passes walk an item's keys as two interleaved halves (key j, then key half + j): one core reads
+// a 2k-key context out of DRAM ~20% faster with two streams in flight than with one (the hardware
+// prefetcher runs each stream only so far ahead of a loop this dense in compute).
 #pragma once
 
 #if defined(__AVX512F__)
@@ -81,7 +84,8 @@ void scores_pass(const float* q, int64_t rows, const kv_t* k, const int64_t* slo
 // so one vdpbf16ps serves two keys and each of the R rows (the K registers are built once for all
 // of them), and a key's sum is 8 lanes, reduced for 8 keys at a time in 7 adds (against 15 adds
 // and twice the shuffles for 16 lanes a key). Every key's sum runs the same ops in the same order
-// wherever it lies in the block, so a score does not depend on its neighbours or on R.
+// wherever it lies in the block, so a score does not depend on its neighbours or on R. A step takes
+// keys j0 .. j0+3 of the first half and half+j0 .. half+j0+3 of the second (two streams, see the top).
 template <int NC, bool LO, int R>
 void scores_dp_rows(const uint16_t* qh, const uint16_t* ql, const bf16* k, const int64_t* slots, int64_t num_keys,
                     int64_t stride, float* scores) {
@@ -97,13 +101,14 @@ void scores_dp_rows(const uint16_t* qh, const uint16_t* ql, const bf16* k, const
         qe[r][c] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + r * dim + 16 * c)));
     }
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  for (int64_t j0 = 0; j0 < num_keys; j0 += 8) {
-    const int64_t n = std::min<int64_t>(8, num_keys - j0);
+  const int64_t half = (num_keys + 7) / 8 * 4;
+  for (int64_t j0 = 0; j0 < half; j0 += 4) {
     const bf16* row[8];
 #pragma GCC unroll 8
     for (int64_t j = 0; j < 8; ++j) {
-      if (j < n) prefetch_row<kAhead>(k, slots + j0, j, num_keys - j0, dim);
-      row[j] = j < n ? k + slots[j0 + j] * dim : zeros;
+      const int64_t key = j < 4 ? j0 + j : half + j0 + j - 4;
+      if (key < num_keys) prefetch_row<kAhead>(k, slots, key, num_keys, dim);
+      row[j] = key < num_keys ? k + slots[key] * dim : zeros;
     }
     __m512 acc[R][4];
 #pragma GCC unroll 4
@@ -132,7 +137,9 @@ void scores_dp_rows(const uint16_t* qh, const uint16_t* ql, const bf16* k, const
                                       _mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0xDD));
       const __m512 t = _mm512_add_ps(_mm512_unpacklo_ps(y0, y1), _mm512_unpackhi_ps(y0, y1));
       const __m512 u = _mm512_add_ps(t, _mm512_shuffle_ps(t, t, 0x4E));
-      _mm256_storeu_ps(scores + r * stride + j0, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, u)));
+      const __m512 w = _mm512_permutexvar_ps(order, u);
+      _mm_storeu_ps(scores + r * stride + j0, _mm512_castps512_ps128(w));
+      _mm_storeu_ps(scores + r * stride + half + j0, _mm512_extractf32x4_ps(w, 1));
     }
   }
 }
@@ -200,7 +207,8 @@ inline void softmax_row(float* sc, int64_t seen, int64_t padded, float* m, float
   *l = _mm512_reduce_add_ps(sum);
 }
 
-// acc[r] = sum_j p[r][j] v_j for NR rows over keys [0, num_keys) (p is 0 past a row's last key).
+// acc[r] = sum_j p[r][j] v_j for NR rows over keys [0, num_keys) (p is 0 past a row's last key), summed
+// in the order 0, half, 1, half + 1, ... (two streams, see the top).
 template <int NC, int NR, typename kv_t>
 void values_block(const float* p, int64_t stride, const kv_t* v, const int64_t* slots, int64_t num_keys, float* acc) {
   constexpr int64_t dim = NC * 16;
@@ -209,7 +217,8 @@ void values_block(const float* p, int64_t stride, const kv_t* v, const int64_t* 
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) a[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < num_keys; ++j) {
+  const int64_t half = (num_keys + 1) / 2;
+  auto key = [&](int64_t j) {
     prefetch_row<kAhead>(v, slots, j, num_keys, dim);
     const kv_t* vj = v + slots[j] * dim;
     __m512 pr[NR];
@@ -221,6 +230,10 @@ void values_block(const float* p, int64_t stride, const kv_t* v, const int64_t* 
 #pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) a[r][c] = _mm512_fmadd_ps(pr[r], x, a[r][c]);
     }
+  };
+  for (int64_t j = 0; j < half; ++j) {
+    key(j);
+    if (half + j < num_keys) key(half + j);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
