@@ -33,6 +33,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+
+#include "simd_reduce.h"
 #define RADIXSERVE_EXTEND_BF16 1
 #endif
 
@@ -187,9 +189,7 @@ inline uint32_t* aligned(std::vector<uint32_t>& v) {
   return reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
 }
 
-// op over v[0 .. N) as a balanced tree: log2(N) dependent steps where a chain takes N - 1 (the softmax
-// is bound by its dependency chains, not by its instruction count: an exp of 7 instructions instead
-// of exp2_neg's 11 changed nothing).
+// op over v[0 .. N) as a balanced tree: log2(N) dependent steps where a chain takes N - 1.
 template <int N, typename Op>
 inline __m512 tree(const __m512* v, Op op) {
   if constexpr (N == 1)
@@ -198,46 +198,94 @@ inline __m512 tree(const __m512* v, Op op) {
     return op(tree<N / 2>(v, op), tree<N - N / 2>(v + N / 2, op));
 }
 
+// 2^x for finite x <= 0: exp2_neg without its clamp and mask (the same value from -126 up; below, a
+// subnormal or 0 that vcvtne2ps2bf16 flushes to a bf16 0 as exp2_neg's 0, and too small to move l,
+// which is >= 1). Masked keys are zeroed after it instead.
+inline __m512 exp2_finite(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.34267101e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.22424295e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.41280228e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93044841e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lane j = the maximum of v[j]'s 16 lanes (simd::reduce16's transposition; max is exact in any order).
+inline __m512 reduce16_max(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int j = 0; j < 8; ++j)
+    w[j] = _mm512_max_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44), _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    x[j] = _mm512_max_ps(_mm512_shuffle_f32x4(w[j], w[j + 4], 0x88), _mm512_shuffle_f32x4(w[j], w[j + 4], 0xDD));
+  for (int j = 0; j < 2; ++j) {
+    const __m512d a = _mm512_castps_pd(x[j]), b = _mm512_castps_pd(x[j + 2]);
+    y[j] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 z = _mm512_max_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), z);
+}
+
 // Online softmax over one key tile for rows [0, rows): scores -> P (bf16 pairs), m, l, alpha.
 // m is kept in raw score units; c = scale * log2(e) turns a score into base-2 softmax units.
-// Two passes over the rows, the maxima first (masking the diagonal tile's scores in place), then the
-// exps: each pass's per-row chain is short and independent of the other rows', so the core overlaps
-// rows, where one pass did a whole row's ~130-cycle chain (max, reduce, exp, sum, reduce) at a time.
-inline void softmax_tile(float* s, uint32_t* p, int64_t rows, int64_t key0, bool masked, Scratch& w, float c) {
+// Rows go 16 at a time, in two passes: each row's maximum (the diagonal tile's masked keys left out), then
+// its exps. The 16 rows' horizontal maxima and sums are one transposed reduction each (the sums add as
+// _mm512_reduce_add_ps adds: simd::reduce16), and their alphas and l one vector: a row at a time, those
+// reductions, the alpha's exp and l's update were a third of the softmax's instructions and its longest
+// dependency chains. Every row's arithmetic is its own, so its bits do not depend on the other rows.
+template <bool masked>
+void softmax_tile(const float* s, uint32_t* p, int64_t rows, int64_t key0, Scratch& w, float c) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scale = _mm512_set1_ps(c);
-  float* m_new = w.alpha.data();  // the new maxima until the second pass turns them into alphas
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512 x[kTileVectors];
-    for (int i = 0; i < kTileVectors; ++i) {
-      x[i] = _mm512_load_ps(s + r * kKeyTile + i * kKeyBlock);
-      if (masked) {
-        const int64_t seen = std::clamp<int64_t>(w.limit[r] - key0 - i * kKeyBlock, 0, kKeyBlock);
-        x[i] = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>((1u << seen) - 1u), x[i]);
-        _mm512_store_ps(s + r * kKeyTile + i * kKeyBlock, x[i]);
+  const auto visible = [&](int64_t r, int i) {  // the keys of vector i that row r sees
+    const int64_t seen = std::clamp<int64_t>(w.limit[r] - key0 - i * kKeyBlock, 0, kKeyBlock);
+    return static_cast<__mmask16>((1u << seen) - 1u);
+  };
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int64_t n = std::min<int64_t>(16, rows - r0);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
+    __m512 v[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= n) {
+        v[j] = neg_inf;
+        continue;
       }
+      __m512 x[kTileVectors];
+      for (int i = 0; i < kTileVectors; ++i) {
+        x[i] = _mm512_load_ps(s + (r0 + j) * kKeyTile + i * kKeyBlock);
+        if constexpr (masked) x[i] = _mm512_mask_mov_ps(neg_inf, visible(r0 + j, i), x[i]);
+      }
+      v[j] = tree<kTileVectors>(x, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
     }
-    const __m512 xm = tree<kTileVectors>(x, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
-    m_new[r] = std::max(w.m[r], _mm512_reduce_max_ps(xm));
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float m_old = w.m[r], m = m_new[r];
-    if (m == -std::numeric_limits<float>::infinity()) {  // nothing seen yet: keep O and l at 0
-      w.alpha[r] = 1.f;
-      std::memset(p + r * kKeyTile / 2, 0, kKeyTile * 2);
-      continue;
+    const __m512 m_old = _mm512_mask_loadu_ps(neg_inf, lanes, w.m.data() + r0);
+    const __m512 m_new = _mm512_max_ps(m_old, reduce16_max(v));
+    alignas(64) float m_row[16];
+    _mm512_store_ps(m_row, m_new);
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t r = r0 + j;
+      v[j] = _mm512_setzero_ps();
+      if (j >= n) continue;
+      if (m_row[j] == -std::numeric_limits<float>::infinity()) {  // nothing seen yet: P 0, O and l stay 0
+        std::memset(p + r * kKeyTile / 2, 0, kKeyTile * 2);
+        continue;
+      }
+      const __m512 shift = _mm512_set1_ps(-m_row[j] * c);
+      __m512 e[kTileVectors];
+      for (int i = 0; i < kTileVectors; ++i) {
+        e[i] = exp2_finite(_mm512_fmadd_ps(_mm512_load_ps(s + r * kKeyTile + i * kKeyBlock), scale, shift));
+        if constexpr (masked) e[i] = _mm512_maskz_mov_ps(visible(r, i), e[i]);
+      }
+      v[j] = tree<kTileVectors>(e, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+      for (int i = 0; i < kTileVectors; i += 2)
+        _mm512_store_si512(p + r * kKeyTile / 2 + i * 8, (__m512i)_mm512_cvtne2ps_pbh(e[i + 1], e[i]));
     }
-    const __m512 shift = _mm512_set1_ps(-m * c);
-    __m512 e[kTileVectors];
-    for (int i = 0; i < kTileVectors; ++i)
-      e[i] = exp2_neg(_mm512_fmadd_ps(_mm512_load_ps(s + r * kKeyTile + i * kKeyBlock), scale, shift));
-    const __m512 sum = tree<kTileVectors>(e, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
-    // exp2(0) is exactly 1, so skipping it when the max stands changes no bit
-    const float alpha = m == m_old ? 1.f : _mm512_cvtss_f32(exp2_neg(_mm512_set1_ps((m_old - m) * c)));
-    w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
-    w.m[r] = m;
-    w.alpha[r] = alpha;
-    for (int i = 0; i < kTileVectors; i += 2)
-      _mm512_store_si512(p + r * kKeyTile / 2 + i * 8, (__m512i)_mm512_cvtne2ps_pbh(e[i + 1], e[i]));
+    // exp2(0) is exactly 1, so a standing maximum (or none yet) keeps alpha 1 and l as it was
+    const __m512 alpha = _mm512_mask_mov_ps(exp2_neg(_mm512_mul_ps(_mm512_sub_ps(m_old, m_new), scale)),
+                                            _mm512_cmp_ps_mask(m_old, m_new, _CMP_EQ_OQ), _mm512_set1_ps(1.f));
+    const __m512 l = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, w.l.data() + r0), alpha, simd::reduce16(v));
+    _mm512_mask_storeu_ps(w.l.data() + r0, lanes, l);
+    _mm512_mask_storeu_ps(w.m.data() + r0, lanes, m_new);
+    _mm512_mask_storeu_ps(w.alpha.data() + r0, lanes, alpha);
   }
 }
 
@@ -271,7 +319,10 @@ void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q
     for (int64_t r = 0; r < rows; r += kRowBlock)
       for (int64_t j = 0; j < live; j += 4 * kKeyBlock)
         qk_rows(qt + r * pairs, pairs, kt + j * pairs, st + r * kKeyTile + j);
-    softmax_tile(st, pt, rows, key0, key0 + kKeyTile > first_limit, w, c);
+    if (key0 + kKeyTile > first_limit)
+      softmax_tile<true>(st, pt, rows, key0, w, c);
+    else
+      softmax_tile<false>(st, pt, rows, key0, w, c);
     const uint32_t* vt = vp + head_pairs + key0 * pairs;
     for (int64_t r = 0; r < rows; r += kRowBlock)
       for (int64_t d0 = 0; d0 < dim; d0 += 16 * NV)
