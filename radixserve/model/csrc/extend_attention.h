@@ -136,21 +136,37 @@ inline void pack_tile(const Layout& L, const Shape& s, const uint16_t* k, const 
   }
 }
 
-// S[r][0..64) = q_r . k for 64 keys (4 packed blocks) and kRowBlock rows (q as bf16 pairs, ``pairs`` a row).
+// S[r][0 .. 16 NB) = q_r . k for 16 NB keys (NB packed blocks) and kRowBlock rows (q as bf16 pairs, ``pairs``
+// a row).
+template <int NB>
 inline void qk_rows(const uint32_t* q, int64_t pairs, const uint32_t* kp, float* scores) {
-  __m512 acc[kRowBlock][4];
+  __m512 acc[kRowBlock][NB];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh kv[4];
-    for (int i = 0; i < 4; ++i) kv[i] = as_bh(_mm512_load_si512(kp + (i * pairs + p) * kKeyBlock));
+    __m512bh kv[NB];
+    for (int i = 0; i < NB; ++i) kv[i] = as_bh(_mm512_load_si512(kp + (i * pairs + p) * kKeyBlock));
     for (int r = 0; r < kRowBlock; ++r) {
       const __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int32_t>(q[r * pairs + p])));
-      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], qb, kv[i]);
+      for (int i = 0; i < NB; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], qb, kv[i]);
     }
   }
   for (int r = 0; r < kRowBlock; ++r)
-    for (int i = 0; i < 4; ++i) _mm512_store_ps(scores + r * kKeyTile + i * kKeyBlock, acc[r][i]);
+    for (int i = 0; i < NB; ++i) _mm512_store_ps(scores + r * kKeyTile + i * kKeyBlock, acc[r][i]);
+}
+
+// Scores of keys [0, live) of a tile (rounded up to a block of 16) for kRowBlock rows: 64 keys a pass, the
+// diagonal tile's last pass only over the blocks some row sees. Scores past them are left as they were: masked.
+inline void qk_tile(const uint32_t* q, int64_t pairs, const uint32_t* kt, int64_t live, float* scores) {
+  int64_t j = 0;
+  for (; j + 4 * kKeyBlock <= live; j += 4 * kKeyBlock) qk_rows<4>(q, pairs, kt + j * pairs, scores + j);
+  switch ((live - j + kKeyBlock - 1) / kKeyBlock) {
+    case 4: return qk_rows<4>(q, pairs, kt + j * pairs, scores + j);
+    case 3: return qk_rows<3>(q, pairs, kt + j * pairs, scores + j);
+    case 2: return qk_rows<2>(q, pairs, kt + j * pairs, scores + j);
+    case 1: return qk_rows<1>(q, pairs, kt + j * pairs, scores + j);
+    default: return;
+  }
 }
 
 // O[r][d0 .. d0 + 16 NV) = alpha_r O[r] + P_r V over the first ``num_pairs`` key pairs of a tile (P as
@@ -310,23 +326,27 @@ void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q
   std::memset(ot, 0, rows * dim * sizeof(float));
   const int64_t head_pairs = (it.hkv * L.packed_len() + L.packed_starts[it.b]) * pairs;
   const float c = s.scale * 1.44269504f;  // softmax in base 2
-  // Rows see keys below their limits: from first_limit (the tile's first token) to last_limit. Keys at or
-  // past last_limit in the diagonal tile are masked for every row: their scores and P V are skipped.
-  const int64_t first_limit = prefix_len + it.t0 + 1, last_limit = prefix_len + it.t1;
+  // Rows see keys below their limits, from first_limit (the item's first token) up: tiles past it are masked.
+  const int64_t first_limit = prefix_len + it.t0 + 1;
+  // A row block sees keys below its last row's limit: in the diagonal tiles its scores and P V stop there
+  // (past it every row's P is 0, and alpha is 1 where a row sees nothing of the tile).
+  const auto block_live = [&](int64_t r, int64_t key0) {
+    return std::min(kKeyTile, w.limit[r + kRowBlock - 1] - key0);
+  };
   for (int64_t tile = 0; tile < it.num_tiles; ++tile) {
-    const int64_t key0 = tile * kKeyTile, live = std::min(kKeyTile, last_limit - key0);
+    const int64_t key0 = tile * kKeyTile;
     const uint32_t* kt = kp + head_pairs + key0 * pairs;
     for (int64_t r = 0; r < rows; r += kRowBlock)
-      for (int64_t j = 0; j < live; j += 4 * kKeyBlock)
-        qk_rows(qt + r * pairs, pairs, kt + j * pairs, st + r * kKeyTile + j);
+      if (const int64_t live = block_live(r, key0); live > 0) qk_tile(qt + r * pairs, pairs, kt, live, st + r * kKeyTile);
     if (key0 + kKeyTile > first_limit)
       softmax_tile<true>(st, pt, rows, key0, w, c);
     else
       softmax_tile<false>(st, pt, rows, key0, w, c);
     const uint32_t* vt = vp + head_pairs + key0 * pairs;
     for (int64_t r = 0; r < rows; r += kRowBlock)
-      for (int64_t d0 = 0; d0 < dim; d0 += 16 * NV)
-        pv_rows<NV>(pt + r * kKeyTile / 2, vt, (live + 1) / 2, dim, d0, w.alpha.data() + r, ot + r * dim);
+      if (const int64_t live = block_live(r, key0); live > 0)
+        for (int64_t d0 = 0; d0 < dim; d0 += 16 * NV)
+          pv_rows<NV>(pt + r * kKeyTile / 2, vt, (live + 1) / 2, dim, d0, w.alpha.data() + r, ot + r * dim);
   }
   for (int64_t r = 0; r < real_rows; ++r) {
     const int64_t t = it.t0 + r / s.group, h = it.hkv * s.group + r % s.group;
