@@ -136,10 +136,20 @@ inline void pack_tile(const Layout& L, const Shape& s, const uint16_t* k, const 
   }
 }
 
+// op over v[0 .. N) as a balanced tree: log2(N) dependent steps where a chain takes N - 1.
+template <int N, typename Op>
+inline __m512 tree(const __m512* v, Op op) {
+  if constexpr (N == 1)
+    return v[0];
+  else
+    return op(tree<N / 2>(v, op), tree<N - N / 2>(v + N / 2, op));
+}
+
 // S[r][0 .. 16 NB) = q_r . k for 16 NB keys (NB packed blocks) and kRowBlock rows (q as bf16 pairs, ``pairs``
-// a row).
-template <int NB>
-inline void qk_rows(const uint32_t* q, int64_t pairs, const uint32_t* kp, float* scores) {
+// a row). With kMax, also each row's 16-lane maximum of its NB vectors into maxes[r * 32] (the softmax's
+// first pass of a full tile then reads two vectors a row instead of eight; max is exact, so the same bits).
+template <int NB, bool kMax = false>
+inline void qk_rows(const uint32_t* q, int64_t pairs, const uint32_t* kp, float* scores, float* maxes = nullptr) {
   __m512 acc[kRowBlock][NB];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
@@ -153,11 +163,19 @@ inline void qk_rows(const uint32_t* q, int64_t pairs, const uint32_t* kp, float*
   }
   for (int r = 0; r < kRowBlock; ++r)
     for (int i = 0; i < NB; ++i) _mm512_store_ps(scores + r * kKeyTile + i * kKeyBlock, acc[r][i]);
+  if constexpr (kMax)
+    for (int r = 0; r < kRowBlock; ++r)
+      _mm512_store_ps(maxes + r * 2 * kKeyBlock, tree<NB>(acc[r], [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }));
 }
 
 // Scores of keys [0, live) of a tile (rounded up to a block of 16) for kRowBlock rows: 64 keys a pass, the
 // diagonal tile's last pass only over the blocks some row sees. Scores past them are left as they were: masked.
-inline void qk_tile(const uint32_t* q, int64_t pairs, const uint32_t* kt, int64_t live, float* scores) {
+inline void qk_tile(const uint32_t* q, int64_t pairs, const uint32_t* kt, int64_t live, float* scores, float* maxes) {
+  if (live == kKeyTile) {  // a full tile: its maxima too
+    qk_rows<4, true>(q, pairs, kt, scores, maxes);
+    qk_rows<4, true>(q, pairs, kt + 4 * kKeyBlock * pairs, scores + 4 * kKeyBlock, maxes + kKeyBlock);
+    return;
+  }
   int64_t j = 0;
   for (; j + 4 * kKeyBlock <= live; j += 4 * kKeyBlock) qk_rows<4>(q, pairs, kt + j * pairs, scores + j);
   switch ((live - j + kKeyBlock - 1) / kKeyBlock) {
@@ -194,24 +212,16 @@ inline void pv_rows(const uint32_t* p, const uint32_t* vp, int64_t num_pairs, in
 struct Scratch {
   std::vector<uint32_t> q, p;            // [rows][D/2], [rows][kKeyTile/2] bf16 pairs
   std::vector<float> s, o, m, l, alpha;  // [rows][kKeyTile], [rows][D], [rows] x 3
+  std::vector<float> maxes;              // [rows][2][16]: a full tile's maxima from qk_rows
   std::vector<int64_t> limit;         // [rows]: keys below this are visible to the row
   explicit Scratch(int64_t rows, int64_t dim)
       : q(rows * dim / 2 + 16), p(rows * kKeyTile / 2 + 16), s(rows * kKeyTile + 16), o(rows * dim + 16),
-        m(rows), l(rows), alpha(rows), limit(rows) {}
+        m(rows), l(rows), alpha(rows), maxes(rows * 2 * kKeyBlock + 16), limit(rows) {}
 };
 
 inline float* aligned(std::vector<float>& v) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63}); }
 inline uint32_t* aligned(std::vector<uint32_t>& v) {
   return reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
-}
-
-// op over v[0 .. N) as a balanced tree: log2(N) dependent steps where a chain takes N - 1.
-template <int N, typename Op>
-inline __m512 tree(const __m512* v, Op op) {
-  if constexpr (N == 1)
-    return v[0];
-  else
-    return op(tree<N / 2>(v, op), tree<N - N / 2>(v + N / 2, op));
 }
 
 // 2^x for finite x <= 0: exp2_neg without its clamp and mask (the same value from -126 up; below, a
@@ -251,7 +261,7 @@ inline __m512 reduce16_max(const __m512* v) {
 // reductions, the alpha's exp and l's update were a third of the softmax's instructions and its longest
 // dependency chains. Every row's arithmetic is its own, so its bits do not depend on the other rows.
 template <bool masked>
-void softmax_tile(const float* s, uint32_t* p, int64_t rows, int64_t key0, Scratch& w, float c) {
+void softmax_tile(const float* s, const float* maxes, uint32_t* p, int64_t rows, int64_t key0, Scratch& w, float c) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scale = _mm512_set1_ps(c);
   const auto visible = [&](int64_t r, int i) {  // the keys of vector i that row r sees
     const int64_t seen = std::clamp<int64_t>(w.limit[r] - key0 - i * kKeyBlock, 0, kKeyBlock);
@@ -266,12 +276,15 @@ void softmax_tile(const float* s, uint32_t* p, int64_t rows, int64_t key0, Scrat
         v[j] = neg_inf;
         continue;
       }
-      __m512 x[kTileVectors];
-      for (int i = 0; i < kTileVectors; ++i) {
-        x[i] = _mm512_load_ps(s + (r0 + j) * kKeyTile + i * kKeyBlock);
-        if constexpr (masked) x[i] = _mm512_mask_mov_ps(neg_inf, visible(r0 + j, i), x[i]);
+      if constexpr (masked) {
+        __m512 x[kTileVectors];
+        for (int i = 0; i < kTileVectors; ++i)
+          x[i] = _mm512_mask_mov_ps(neg_inf, visible(r0 + j, i), _mm512_load_ps(s + (r0 + j) * kKeyTile + i * kKeyBlock));
+        v[j] = tree<kTileVectors>(x, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+      } else {  // all keys seen: qk_rows' maxima of the two halves
+        const float* mx = maxes + (r0 + j) * 2 * kKeyBlock;
+        v[j] = _mm512_max_ps(_mm512_load_ps(mx), _mm512_load_ps(mx + kKeyBlock));
       }
-      v[j] = tree<kTileVectors>(x, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
     }
     const __m512 m_old = _mm512_mask_loadu_ps(neg_inf, lanes, w.m.data() + r0);
     const __m512 m_new = _mm512_max_ps(m_old, reduce16_max(v));
@@ -312,7 +325,7 @@ void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q
   const int64_t rows = (real_rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   const int64_t prefix_len = L.ctx_len(it.b) - L.extend_len(it.b), q0 = L.q_starts[it.b];
   uint32_t *qt = aligned(w.q), *pt = aligned(w.p);
-  float *st = aligned(w.s), *ot = aligned(w.o);
+  float *st = aligned(w.s), *ot = aligned(w.o), *mt = aligned(w.maxes);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = it.t0 + std::min(r, real_rows - 1) / s.group, h = it.hkv * s.group + r % s.group;
     if (r < real_rows)
@@ -337,11 +350,12 @@ void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q
     const int64_t key0 = tile * kKeyTile;
     const uint32_t* kt = kp + head_pairs + key0 * pairs;
     for (int64_t r = 0; r < rows; r += kRowBlock)
-      if (const int64_t live = block_live(r, key0); live > 0) qk_tile(qt + r * pairs, pairs, kt, live, st + r * kKeyTile);
+      if (const int64_t live = block_live(r, key0); live > 0)
+        qk_tile(qt + r * pairs, pairs, kt, live, st + r * kKeyTile, mt + r * 2 * kKeyBlock);
     if (key0 + kKeyTile > first_limit)
-      softmax_tile<true>(st, pt, rows, key0, w, c);
+      softmax_tile<true>(st, mt, pt, rows, key0, w, c);
     else
-      softmax_tile<false>(st, pt, rows, key0, w, c);
+      softmax_tile<false>(st, mt, pt, rows, key0, w, c);
     const uint32_t* vt = vp + head_pairs + key0 * pairs;
     for (int64_t r = 0; r < rows; r += kRowBlock)
       if (const int64_t live = block_live(r, key0); live > 0)
