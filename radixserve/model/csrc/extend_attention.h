@@ -148,18 +148,26 @@ inline __m512 tree(const __m512* v, Op op) {
 // S[r][0 .. 16 NB) = q_r . k for 16 NB keys (NB packed blocks) and kRowBlock rows (q as bf16 pairs, ``pairs``
 // a row). With kMax, also each row's 16-lane maximum of its NB vectors into maxes[r * 32] (the softmax's
 // first pass of a full tile then reads two vectors a row instead of eight; max is exact, so the same bits).
-template <int NB, bool kMax = false>
-inline void qk_rows(const uint32_t* q, int64_t pairs, const uint32_t* kp, float* scores, float* maxes = nullptr) {
+// kPairs > 0: pairs is that constant and the loop is unrolled whole (head dim 64: 5% faster a layer, the
+// accumulators stored straight from registers instead of through the stack).
+template <int NB, bool kMax, int kPairs>
+inline void qk_rows(const uint32_t* q, int64_t pairs, const uint32_t* kp, float* scores, float* maxes) {
   __m512 acc[kRowBlock][NB];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
+  const auto step = [&](int64_t p) {
     __m512bh kv[NB];
     for (int i = 0; i < NB; ++i) kv[i] = as_bh(_mm512_load_si512(kp + (i * pairs + p) * kKeyBlock));
     for (int r = 0; r < kRowBlock; ++r) {
       const __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int32_t>(q[r * pairs + p])));
       for (int i = 0; i < NB; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], qb, kv[i]);
     }
+  };
+  if constexpr (kPairs > 0) {
+#pragma GCC unroll 64
+    for (int64_t p = 0; p < kPairs; ++p) step(p);
+  } else {
+    for (int64_t p = 0; p < pairs; ++p) step(p);
   }
   for (int r = 0; r < kRowBlock; ++r)
     for (int i = 0; i < NB; ++i) _mm512_store_ps(scores + r * kKeyTile + i * kKeyBlock, acc[r][i]);
@@ -170,19 +178,20 @@ inline void qk_rows(const uint32_t* q, int64_t pairs, const uint32_t* kp, float*
 
 // Scores of keys [0, live) of a tile (rounded up to a block of 16) for kRowBlock rows: 64 keys a pass, the
 // diagonal tile's last pass only over the blocks some row sees. Scores past them are left as they were: masked.
+template <int kPairs>
 inline void qk_tile(const uint32_t* q, int64_t pairs, const uint32_t* kt, int64_t live, float* scores, float* maxes) {
   if (live == kKeyTile) {  // a full tile: its maxima too
-    qk_rows<4, true>(q, pairs, kt, scores, maxes);
-    qk_rows<4, true>(q, pairs, kt + 4 * kKeyBlock * pairs, scores + 4 * kKeyBlock, maxes + kKeyBlock);
+    qk_rows<4, true, kPairs>(q, pairs, kt, scores, maxes);
+    qk_rows<4, true, kPairs>(q, pairs, kt + 4 * kKeyBlock * pairs, scores + 4 * kKeyBlock, maxes + kKeyBlock);
     return;
   }
   int64_t j = 0;
-  for (; j + 4 * kKeyBlock <= live; j += 4 * kKeyBlock) qk_rows<4>(q, pairs, kt + j * pairs, scores + j);
+  for (; j + 4 * kKeyBlock <= live; j += 4 * kKeyBlock) qk_rows<4, false, kPairs>(q, pairs, kt + j * pairs, scores + j, nullptr);
   switch ((live - j + kKeyBlock - 1) / kKeyBlock) {
-    case 4: return qk_rows<4>(q, pairs, kt + j * pairs, scores + j);
-    case 3: return qk_rows<3>(q, pairs, kt + j * pairs, scores + j);
-    case 2: return qk_rows<2>(q, pairs, kt + j * pairs, scores + j);
-    case 1: return qk_rows<1>(q, pairs, kt + j * pairs, scores + j);
+    case 4: return qk_rows<4, false, kPairs>(q, pairs, kt + j * pairs, scores + j, nullptr);
+    case 3: return qk_rows<3, false, kPairs>(q, pairs, kt + j * pairs, scores + j, nullptr);
+    case 2: return qk_rows<2, false, kPairs>(q, pairs, kt + j * pairs, scores + j, nullptr);
+    case 1: return qk_rows<1, false, kPairs>(q, pairs, kt + j * pairs, scores + j, nullptr);
     default: return;
   }
 }
@@ -318,7 +327,7 @@ void softmax_tile(const float* s, const float* maxes, uint32_t* p, int64_t rows,
   }
 }
 
-template <int NV>
+template <int NV, int kPairs>
 void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q, const uint32_t* kp,
               const uint32_t* vp, uint16_t* out, Scratch& w) {
   const int64_t dim = s.dim, pairs = dim / 2, real_rows = (it.t1 - it.t0) * s.group;
@@ -351,7 +360,7 @@ void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q
     const uint32_t* kt = kp + head_pairs + key0 * pairs;
     for (int64_t r = 0; r < rows; r += kRowBlock)
       if (const int64_t live = block_live(r, key0); live > 0)
-        qk_tile(qt + r * pairs, pairs, kt, live, st + r * kKeyTile, mt + r * 2 * kKeyBlock);
+        qk_tile<kPairs>(qt + r * pairs, pairs, kt, live, st + r * kKeyTile, mt + r * 2 * kKeyBlock);
     if (key0 + kKeyTile > first_limit)
       softmax_tile<true>(st, mt, pt, rows, key0, w, c);
     else
@@ -416,12 +425,14 @@ void extend_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
   parallel_for(n, [&](int64_t, int64_t) {
     Scratch w(max_rows, s.dim);
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      if (s.dim % 64 == 0)
-        run_item<4>(items[i], L, s, q, kp, vp, out, w);
+      if (s.dim == 64)
+        run_item<4, 32>(items[i], L, s, q, kp, vp, out, w);
+      else if (s.dim % 64 == 0)
+        run_item<4, 0>(items[i], L, s, q, kp, vp, out, w);
       else if (s.dim % 32 == 0)
-        run_item<2>(items[i], L, s, q, kp, vp, out, w);
+        run_item<2, 0>(items[i], L, s, q, kp, vp, out, w);
       else
-        run_item<1>(items[i], L, s, q, kp, vp, out, w);
+        run_item<1, 0>(items[i], L, s, q, kp, vp, out, w);
     }
   });
 }
