@@ -90,6 +90,21 @@ def test_chunks_and_cached_prefixes_give_the_same_bits_as_the_whole_prompt(cuts:
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (7, 1), (5, 5)])
+def test_a_sharp_softmax_over_odd_row_counts_stays_close_and_chunk_invariant(heads: int, kv_heads: int) -> None:
+    """q 40x larger: most of a row's exps fall below 2^-126 (the exp's underflow, where P must still be 0 and l
+    untouched); GQA groups of 7, 5 and 1 give work items whose rows do not fill the softmax's groups of 16."""
+    generator = torch.Generator().manual_seed(11)
+    k, v = torch.randn(2, kv_heads, 1024, 64, generator=generator).to(torch.bfloat16)
+    q = (40 * torch.randn(300, heads, 64, generator=generator)).to(torch.bfloat16)
+    slots = torch.randperm(1023, generator=generator)[:300] + 1
+    whole = run(q, k, v, [slots], [300])
+    assert (whole.float() - reference(q, k, v, [slots], [300])).abs().max().item() <= TOLERANCE
+    chunks = [run(q[:131], k, v, [slots[:131]], [131]), run(q[131:], k, v, [slots], [169])]
+    assert torch.equal(torch.cat(chunks), whole)
+
+
+@needs_kernel
 def test_extend_kernel_rejects_indices_that_do_not_cover_the_batch() -> None:
     k = v = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
     q = torch.zeros(3, 6, 64, dtype=torch.bfloat16)

@@ -90,10 +90,10 @@ def test_swiglu_keeps_subnormal_results_as_torch_does(dtype: torch.dtype) -> Non
 
 
 def _rotary_inputs(
-    rows: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int
+    rows: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    qkv = (scale * torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator)).to(dtype)
     angles = 100 * torch.rand(rows, dim // 2, generator=generator)
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
@@ -104,10 +104,12 @@ def _rotary_inputs(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pool_dtype", DTYPES)
 @pytest.mark.parametrize("rows,heads,kv_heads,dim", [(37, 9, 3, 64), (5, 4, 4, 32), (3, 8, 2, 128), (1, 2, 1, 16)])
+@pytest.mark.parametrize("scale", [1.0, 3e-38, 1e38])  # products and sums subnormal; past float32's range
 def test_rotary_kv_write_gives_the_torch_ops_bits(
-    dtype: torch.dtype, pool_dtype: torch.dtype, rows: int, heads: int, kv_heads: int, dim: int
+    dtype: torch.dtype, pool_dtype: torch.dtype, rows: int, heads: int, kv_heads: int, dim: int, scale: float
 ) -> None:
-    qkv, cos, sin, slots = _rotary_inputs(rows, heads, kv_heads, dim, dtype, seed=rows * heads)
+    """bfloat16 heads of a multiple of 32 dims run the AVX512 loop, the others (and float32) the scalar one."""
+    qkv, cos, sin, slots = _rotary_inputs(rows, heads, kv_heads, dim, dtype, seed=rows * heads, scale=scale)
     fused_pool, torch_pool = (KVPool(2, 301, kv_heads, dim, dtype=pool_dtype) for _ in range(2))
     for pool in (fused_pool, torch_pool):  # slots not written must stay as they were
         pool.k[1].normal_(generator=torch.Generator().manual_seed(1))

@@ -43,6 +43,25 @@ def test_tiles_are_bit_for_bit_the_whole_weights_gemm(
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_bfloat16_tiles_round_extreme_scales_as_the_whole_weight(fmt: str) -> None:
+    """Scales and mins from float16's subnormals to its largest, either sign (each weight rounded to bfloat16 as
+    .to(torch.bfloat16) rounds it, ties included); a tile with an infinite or NaN scale gives NaN and inf in the
+    same places as the whole weight's GEMM (that tile takes the float32 path)."""
+    codes = random_blocks(fmt, 96, 128, seed=3)
+    generator = torch.Generator().manual_seed(12)
+    extremes = torch.tensor([2**-24, -(2**-24), 3 * 2**-24, 2**-14, 1 / 3, -7.5, 1000.0, 65504.0, -65504.0, 0.0])
+    picks = torch.randint(0, len(extremes), codes.d.shape, generator=generator)
+    m = None if codes.m is None else extremes[picks.roll(1, 0)].to(torch.float16)
+    blocks = QuantBlocks(codes.qs, extremes[picks].to(torch.float16), m)
+    x = torch.randn(40, 128, generator=generator).to(torch.bfloat16)
+    weight = blocks.dequantize().to(torch.bfloat16)
+    assert torch.equal(tiled(x, blocks, None, 32), F.linear(x, weight))
+    blocks.d[40, 1], blocks.d[70, 2] = float("inf"), float("nan")  # in the second and third tiles of 32
+    weight = blocks.dequantize().to(torch.bfloat16)
+    torch.testing.assert_close(tiled(x, blocks, None, 32), F.linear(x, weight), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("int8_activations", [False, True])
 def test_the_layer_equals_the_reference_for_every_row_count(fmt: str, int8_activations: bool) -> None:
     """Rows 1..300 through BlockLinear (the kernel up to its limit, tiles past it) against float64 references:

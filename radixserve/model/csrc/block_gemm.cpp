@@ -53,6 +53,54 @@ void dequantize_channels(const BlockWeights& w, int64_t n0, int64_t n1, float* o
   }
 }
 
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+// Whether every scale (and min) of channels n0..n1 is finite (a half's exponent bits not all ones). Then each
+// w = d * q (+ m) is finite, and 0 or at least 2^-24 in magnitude (d, m and so d * q + m are multiples of
+// 2^-24): never a float32 subnormal, which vcvtne2ps2bf16 would flush.
+bool finite_scales(const BlockWeights& w, int64_t n0, int64_t n1) {
+  for (const at::Half* h : {w.d, w.m}) {
+    if (h == nullptr) continue;
+    for (int64_t i = n0 * w.blocks; i < n1 * w.blocks; ++i)
+      if ((h[i].x & 0x7C00) == 0x7C00) return false;
+  }
+  return true;
+}
+
+// dequantize_channels rounded to bfloat16 (bits, row n at out + (n - n0) * in_features) in registers: the same
+// float32 values, rounded to nearest even by vcvtne2ps2bf16 as .to(torch.bfloat16) rounds them (no NaN and no
+// subnormal can occur: finite_scales). One pass instead of a float32 tile written, read and cast (copy_).
+void dequantize_channels_bf16(const BlockWeights& w, int64_t n0, int64_t n1, uint16_t* out) {
+  const int64_t blocks = w.blocks, in_features = blocks * kBlock;
+  std::vector<float> dn(padded(blocks)), mn(padded(blocks), 0.f);
+  const __m512i low_nibble = _mm512_set1_epi32(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    row_scales(w.d + n * blocks, blocks, dn.data());
+    uint16_t* o = out + (n - n0) * in_features;
+    if (w.m != nullptr) {
+      row_scales(w.m + n * blocks, blocks, mn.data());
+      const uint8_t* q = w.qs + n * w.qs_row_bytes;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
+        const __m512 d = _mm512_set1_ps(dn[b]), m = _mm512_set1_ps(mn[b]);
+        const __m512 lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(codes, low_nibble)), m);
+        const __m512 hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), m);
+        _mm512_storeu_si512(o + b * kBlock, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    } else {
+      const int8_t* q = reinterpret_cast<const int8_t*>(w.qs + n * w.qs_row_bytes);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const __m512 d = _mm512_set1_ps(dn[b]);
+        const __m512 lo = _mm512_mul_ps(
+            d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kBlock)))));
+        const __m512 hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kBlock + 16)))));
+        _mm512_storeu_si512(o + b * kBlock, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    }
+  }
+}
+#endif
+
 BlockWeights weights_of(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m, bool q4) {
   return {static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(), q4 ? m->data_ptr<at::Half>() : nullptr,
           d.size(1), qs.size(1)};
@@ -93,17 +141,28 @@ at::Tensor block_linear_tiled_op(const at::Tensor& x, const at::Tensor& qs, cons
   const auto start = [&](int64_t t) { return t == tiles ? out_features : t * out_features / tiles / 16 * 16; };
   int64_t widest = 0;
   for (int64_t t = 0; t < tiles; ++t) widest = std::max(widest, start(t + 1) - start(t));
-  at::Tensor buffer = at::empty({widest, in_features}, x.options().dtype(at::kFloat));
-  const bool cast = x.scalar_type() != at::kFloat;
-  at::Tensor cast_buffer = cast ? at::empty({widest, in_features}, x.options()) : buffer;
+  at::Tensor weight_buffer = at::empty({widest, in_features}, x.options());
+  at::Tensor float_buffer;  // the float32 tile, for float32 x, or to be cast to x's dtype
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t n0 = start(t), width = start(t + 1) - n0;
-    float* bp = buffer.data_ptr<float>();
-    at::parallel_for(n0, n0 + width, 8, [&](int64_t a, int64_t b) {
-      dequantize_channels(w, a, b, bp + (a - n0) * in_features);
-    });
-    at::Tensor weight = cast_buffer.narrow(0, 0, width);
-    if (cast) weight.copy_(buffer.narrow(0, 0, width));
+    at::Tensor weight = weight_buffer.narrow(0, 0, width);
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+    if (x.scalar_type() == at::kBFloat16 && finite_scales(w, n0, n0 + width)) {
+      uint16_t* wp = reinterpret_cast<uint16_t*>(weight_buffer.data_ptr<at::BFloat16>());
+      at::parallel_for(n0, n0 + width, 8, [&](int64_t a, int64_t b) {
+        dequantize_channels_bf16(w, a, b, wp + (a - n0) * in_features);
+      });
+    } else
+#endif
+    {
+      if (x.scalar_type() == at::kFloat) float_buffer = weight_buffer;
+      else if (!float_buffer.defined()) float_buffer = at::empty({widest, in_features}, x.options().dtype(at::kFloat));
+      float* bp = float_buffer.data_ptr<float>();
+      at::parallel_for(n0, n0 + width, 8, [&](int64_t a, int64_t b) {
+        dequantize_channels(w, a, b, bp + (a - n0) * in_features);
+      });
+      if (x.scalar_type() != at::kFloat) weight.copy_(float_buffer.narrow(0, 0, width));
+    }
     at::Tensor columns = out.narrow(1, n0, width);  // row stride N: a valid GEMM output in place
     if (bias.has_value()) at::addmm_out(columns, bias->narrow(bias->dim() - 1, n0, width), xc, weight.t());
     else at::mm_out(columns, xc, weight.t());

@@ -33,6 +33,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+
+#include "simd_reduce.h"
 #define RADIXSERVE_EXTEND_BF16 1
 #endif
 
@@ -134,21 +136,64 @@ inline void pack_tile(const Layout& L, const Shape& s, const uint16_t* k, const 
   }
 }
 
-// S[r][0..64) = q_r . k for 64 keys (4 packed blocks) and kRowBlock rows (q as bf16 pairs, ``pairs`` a row).
-inline void qk_rows(const uint32_t* q, int64_t pairs, const uint32_t* kp, float* scores) {
-  __m512 acc[kRowBlock][4];
+// op over v[0 .. N) as a balanced tree: log2(N) dependent steps where a chain takes N - 1.
+template <int N, typename Op>
+inline __m512 tree(const __m512* v, Op op) {
+  if constexpr (N == 1)
+    return v[0];
+  else
+    return op(tree<N / 2>(v, op), tree<N - N / 2>(v + N / 2, op));
+}
+
+// S[r][0 .. 16 NB) = q_r . k for 16 NB keys (NB packed blocks) and kRowBlock rows (q as bf16 pairs, ``pairs``
+// a row). With kMax, also each row's 16-lane maximum of its NB vectors into maxes[r * 32] (the softmax's
+// first pass of a full tile then reads two vectors a row instead of eight; max is exact, so the same bits).
+// kPairs > 0: pairs is that constant and the loop is unrolled whole (head dim 64: 5% faster a layer, the
+// accumulators stored straight from registers instead of through the stack).
+template <int NB, bool kMax, int kPairs>
+inline void qk_rows(const uint32_t* q, int64_t pairs, const uint32_t* kp, float* scores, float* maxes) {
+  __m512 acc[kRowBlock][NB];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh kv[4];
-    for (int i = 0; i < 4; ++i) kv[i] = as_bh(_mm512_load_si512(kp + (i * pairs + p) * kKeyBlock));
+  const auto step = [&](int64_t p) {
+    __m512bh kv[NB];
+    for (int i = 0; i < NB; ++i) kv[i] = as_bh(_mm512_load_si512(kp + (i * pairs + p) * kKeyBlock));
     for (int r = 0; r < kRowBlock; ++r) {
       const __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int32_t>(q[r * pairs + p])));
-      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], qb, kv[i]);
+      for (int i = 0; i < NB; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], qb, kv[i]);
     }
+  };
+  if constexpr (kPairs > 0) {
+#pragma GCC unroll 64
+    for (int64_t p = 0; p < kPairs; ++p) step(p);
+  } else {
+    for (int64_t p = 0; p < pairs; ++p) step(p);
   }
   for (int r = 0; r < kRowBlock; ++r)
-    for (int i = 0; i < 4; ++i) _mm512_store_ps(scores + r * kKeyTile + i * kKeyBlock, acc[r][i]);
+    for (int i = 0; i < NB; ++i) _mm512_store_ps(scores + r * kKeyTile + i * kKeyBlock, acc[r][i]);
+  if constexpr (kMax)
+    for (int r = 0; r < kRowBlock; ++r)
+      _mm512_store_ps(maxes + r * 2 * kKeyBlock, tree<NB>(acc[r], [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }));
+}
+
+// Scores of keys [0, live) of a tile (rounded up to a block of 16) for kRowBlock rows: 64 keys a pass, the
+// diagonal tile's last pass only over the blocks some row sees. Scores past them are left as they were: masked.
+template <int kPairs>
+inline void qk_tile(const uint32_t* q, int64_t pairs, const uint32_t* kt, int64_t live, float* scores, float* maxes) {
+  if (live == kKeyTile) {  // a full tile: its maxima too
+    qk_rows<4, true, kPairs>(q, pairs, kt, scores, maxes);
+    qk_rows<4, true, kPairs>(q, pairs, kt + 4 * kKeyBlock * pairs, scores + 4 * kKeyBlock, maxes + kKeyBlock);
+    return;
+  }
+  int64_t j = 0;
+  for (; j + 4 * kKeyBlock <= live; j += 4 * kKeyBlock) qk_rows<4, false, kPairs>(q, pairs, kt + j * pairs, scores + j, nullptr);
+  switch ((live - j + kKeyBlock - 1) / kKeyBlock) {
+    case 4: return qk_rows<4, false, kPairs>(q, pairs, kt + j * pairs, scores + j, nullptr);
+    case 3: return qk_rows<3, false, kPairs>(q, pairs, kt + j * pairs, scores + j, nullptr);
+    case 2: return qk_rows<2, false, kPairs>(q, pairs, kt + j * pairs, scores + j, nullptr);
+    case 1: return qk_rows<1, false, kPairs>(q, pairs, kt + j * pairs, scores + j, nullptr);
+    default: return;
+  }
 }
 
 // O[r][d0 .. d0 + 16 NV) = alpha_r O[r] + P_r V over the first ``num_pairs`` key pairs of a tile (P as
@@ -176,10 +221,11 @@ inline void pv_rows(const uint32_t* p, const uint32_t* vp, int64_t num_pairs, in
 struct Scratch {
   std::vector<uint32_t> q, p;            // [rows][D/2], [rows][kKeyTile/2] bf16 pairs
   std::vector<float> s, o, m, l, alpha;  // [rows][kKeyTile], [rows][D], [rows] x 3
+  std::vector<float> maxes;              // [rows][2][16]: a full tile's maxima from qk_rows
   std::vector<int64_t> limit;         // [rows]: keys below this are visible to the row
   explicit Scratch(int64_t rows, int64_t dim)
       : q(rows * dim / 2 + 16), p(rows * kKeyTile / 2 + 16), s(rows * kKeyTile + 16), o(rows * dim + 16),
-        m(rows), l(rows), alpha(rows), limit(rows) {}
+        m(rows), l(rows), alpha(rows), maxes(rows * 2 * kKeyBlock + 16), limit(rows) {}
 };
 
 inline float* aligned(std::vector<float>& v) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63}); }
@@ -187,68 +233,108 @@ inline uint32_t* aligned(std::vector<uint32_t>& v) {
   return reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
 }
 
-// op over v[0 .. N) as a balanced tree: log2(N) dependent steps where a chain takes N - 1 (the softmax
-// is bound by its dependency chains, not by its instruction count: an exp of 7 instructions instead
-// of exp2_neg's 11 changed nothing).
-template <int N, typename Op>
-inline __m512 tree(const __m512* v, Op op) {
-  if constexpr (N == 1)
-    return v[0];
-  else
-    return op(tree<N / 2>(v, op), tree<N - N / 2>(v + N / 2, op));
+// 2^x for finite x <= 0: exp2_neg without its clamp and mask (the same value from -126 up; below, a
+// subnormal or 0 that vcvtne2ps2bf16 flushes to a bf16 0 as exp2_neg's 0, and too small to move l,
+// which is >= 1). Masked keys are zeroed after it instead.
+inline __m512 exp2_finite(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.34267101e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.22424295e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.41280228e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93044841e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lane j = the maximum of v[j]'s 16 lanes (simd::reduce16's transposition; max is exact in any order).
+inline __m512 reduce16_max(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int j = 0; j < 8; ++j)
+    w[j] = _mm512_max_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44), _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    x[j] = _mm512_max_ps(_mm512_shuffle_f32x4(w[j], w[j + 4], 0x88), _mm512_shuffle_f32x4(w[j], w[j + 4], 0xDD));
+  for (int j = 0; j < 2; ++j) {
+    const __m512d a = _mm512_castps_pd(x[j]), b = _mm512_castps_pd(x[j + 2]);
+    y[j] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 z = _mm512_max_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), z);
 }
 
 // Online softmax over one key tile for rows [0, rows): scores -> P (bf16 pairs), m, l, alpha.
 // m is kept in raw score units; c = scale * log2(e) turns a score into base-2 softmax units.
-// Two passes over the rows, the maxima first (masking the diagonal tile's scores in place), then the
-// exps: each pass's per-row chain is short and independent of the other rows', so the core overlaps
-// rows, where one pass did a whole row's ~130-cycle chain (max, reduce, exp, sum, reduce) at a time.
-inline void softmax_tile(float* s, uint32_t* p, int64_t rows, int64_t key0, bool masked, Scratch& w, float c) {
+// Rows go 16 at a time, in two passes: each row's maximum (the diagonal tile's masked keys left out), then
+// its exps. The 16 rows' horizontal maxima and sums are one transposed reduction each (the sums add as
+// _mm512_reduce_add_ps adds: simd::reduce16), and their alphas and l one vector: a row at a time, those
+// reductions, the alpha's exp and l's update were a third of the softmax's instructions and its longest
+// dependency chains. Every row's arithmetic is its own, so its bits do not depend on the other rows.
+template <bool masked>
+void softmax_tile(const float* s, const float* maxes, uint32_t* p, int64_t rows, int64_t key0, Scratch& w, float c) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scale = _mm512_set1_ps(c);
-  float* m_new = w.alpha.data();  // the new maxima until the second pass turns them into alphas
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512 x[kTileVectors];
-    for (int i = 0; i < kTileVectors; ++i) {
-      x[i] = _mm512_load_ps(s + r * kKeyTile + i * kKeyBlock);
-      if (masked) {
-        const int64_t seen = std::clamp<int64_t>(w.limit[r] - key0 - i * kKeyBlock, 0, kKeyBlock);
-        x[i] = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>((1u << seen) - 1u), x[i]);
-        _mm512_store_ps(s + r * kKeyTile + i * kKeyBlock, x[i]);
+  const auto visible = [&](int64_t r, int i) {  // the keys of vector i that row r sees
+    const int64_t seen = std::clamp<int64_t>(w.limit[r] - key0 - i * kKeyBlock, 0, kKeyBlock);
+    return static_cast<__mmask16>((1u << seen) - 1u);
+  };
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int64_t n = std::min<int64_t>(16, rows - r0);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
+    __m512 v[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= n) {
+        v[j] = neg_inf;
+        continue;
+      }
+      if constexpr (masked) {
+        __m512 x[kTileVectors];
+        for (int i = 0; i < kTileVectors; ++i)
+          x[i] = _mm512_mask_mov_ps(neg_inf, visible(r0 + j, i), _mm512_load_ps(s + (r0 + j) * kKeyTile + i * kKeyBlock));
+        v[j] = tree<kTileVectors>(x, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+      } else {  // all keys seen: qk_rows' maxima of the two halves
+        const float* mx = maxes + (r0 + j) * 2 * kKeyBlock;
+        v[j] = _mm512_max_ps(_mm512_load_ps(mx), _mm512_load_ps(mx + kKeyBlock));
       }
     }
-    const __m512 xm = tree<kTileVectors>(x, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
-    m_new[r] = std::max(w.m[r], _mm512_reduce_max_ps(xm));
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float m_old = w.m[r], m = m_new[r];
-    if (m == -std::numeric_limits<float>::infinity()) {  // nothing seen yet: keep O and l at 0
-      w.alpha[r] = 1.f;
-      std::memset(p + r * kKeyTile / 2, 0, kKeyTile * 2);
-      continue;
+    const __m512 m_old = _mm512_mask_loadu_ps(neg_inf, lanes, w.m.data() + r0);
+    const __m512 m_new = _mm512_max_ps(m_old, reduce16_max(v));
+    alignas(64) float m_row[16];
+    _mm512_store_ps(m_row, m_new);
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t r = r0 + j;
+      v[j] = _mm512_setzero_ps();
+      if (j >= n) continue;
+      if (m_row[j] == -std::numeric_limits<float>::infinity()) {  // nothing seen yet: P 0, O and l stay 0
+        std::memset(p + r * kKeyTile / 2, 0, kKeyTile * 2);
+        continue;
+      }
+      const __m512 shift = _mm512_set1_ps(-m_row[j] * c);
+      __m512 e[kTileVectors];
+      for (int i = 0; i < kTileVectors; ++i) {
+        e[i] = exp2_finite(_mm512_fmadd_ps(_mm512_load_ps(s + r * kKeyTile + i * kKeyBlock), scale, shift));
+        if constexpr (masked) e[i] = _mm512_maskz_mov_ps(visible(r, i), e[i]);
+      }
+      v[j] = tree<kTileVectors>(e, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+      for (int i = 0; i < kTileVectors; i += 2)
+        _mm512_store_si512(p + r * kKeyTile / 2 + i * 8, (__m512i)_mm512_cvtne2ps_pbh(e[i + 1], e[i]));
     }
-    const __m512 shift = _mm512_set1_ps(-m * c);
-    __m512 e[kTileVectors];
-    for (int i = 0; i < kTileVectors; ++i)
-      e[i] = exp2_neg(_mm512_fmadd_ps(_mm512_load_ps(s + r * kKeyTile + i * kKeyBlock), scale, shift));
-    const __m512 sum = tree<kTileVectors>(e, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
-    // exp2(0) is exactly 1, so skipping it when the max stands changes no bit
-    const float alpha = m == m_old ? 1.f : _mm512_cvtss_f32(exp2_neg(_mm512_set1_ps((m_old - m) * c)));
-    w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
-    w.m[r] = m;
-    w.alpha[r] = alpha;
-    for (int i = 0; i < kTileVectors; i += 2)
-      _mm512_store_si512(p + r * kKeyTile / 2 + i * 8, (__m512i)_mm512_cvtne2ps_pbh(e[i + 1], e[i]));
+    // exp2(0) is exactly 1, so a standing maximum (or none yet) keeps alpha 1 and l as it was
+    const __m512 alpha = _mm512_mask_mov_ps(exp2_neg(_mm512_mul_ps(_mm512_sub_ps(m_old, m_new), scale)),
+                                            _mm512_cmp_ps_mask(m_old, m_new, _CMP_EQ_OQ), _mm512_set1_ps(1.f));
+    const __m512 l = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, w.l.data() + r0), alpha, simd::reduce16(v));
+    _mm512_mask_storeu_ps(w.l.data() + r0, lanes, l);
+    _mm512_mask_storeu_ps(w.m.data() + r0, lanes, m_new);
+    _mm512_mask_storeu_ps(w.alpha.data() + r0, lanes, alpha);
   }
 }
 
-template <int NV>
+template <int NV, int kPairs>
 void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q, const uint32_t* kp,
               const uint32_t* vp, uint16_t* out, Scratch& w) {
   const int64_t dim = s.dim, pairs = dim / 2, real_rows = (it.t1 - it.t0) * s.group;
   const int64_t rows = (real_rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   const int64_t prefix_len = L.ctx_len(it.b) - L.extend_len(it.b), q0 = L.q_starts[it.b];
   uint32_t *qt = aligned(w.q), *pt = aligned(w.p);
-  float *st = aligned(w.s), *ot = aligned(w.o);
+  float *st = aligned(w.s), *ot = aligned(w.o), *mt = aligned(w.maxes);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = it.t0 + std::min(r, real_rows - 1) / s.group, h = it.hkv * s.group + r % s.group;
     if (r < real_rows)
@@ -262,20 +348,28 @@ void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q
   std::memset(ot, 0, rows * dim * sizeof(float));
   const int64_t head_pairs = (it.hkv * L.packed_len() + L.packed_starts[it.b]) * pairs;
   const float c = s.scale * 1.44269504f;  // softmax in base 2
-  // Rows see keys below their limits: from first_limit (the tile's first token) to last_limit. Keys at or
-  // past last_limit in the diagonal tile are masked for every row: their scores and P V are skipped.
-  const int64_t first_limit = prefix_len + it.t0 + 1, last_limit = prefix_len + it.t1;
+  // Rows see keys below their limits, from first_limit (the item's first token) up: tiles past it are masked.
+  const int64_t first_limit = prefix_len + it.t0 + 1;
+  // A row block sees keys below its last row's limit: in the diagonal tiles its scores and P V stop there
+  // (past it every row's P is 0, and alpha is 1 where a row sees nothing of the tile).
+  const auto block_live = [&](int64_t r, int64_t key0) {
+    return std::min(kKeyTile, w.limit[r + kRowBlock - 1] - key0);
+  };
   for (int64_t tile = 0; tile < it.num_tiles; ++tile) {
-    const int64_t key0 = tile * kKeyTile, live = std::min(kKeyTile, last_limit - key0);
+    const int64_t key0 = tile * kKeyTile;
     const uint32_t* kt = kp + head_pairs + key0 * pairs;
     for (int64_t r = 0; r < rows; r += kRowBlock)
-      for (int64_t j = 0; j < live; j += 4 * kKeyBlock)
-        qk_rows(qt + r * pairs, pairs, kt + j * pairs, st + r * kKeyTile + j);
-    softmax_tile(st, pt, rows, key0, key0 + kKeyTile > first_limit, w, c);
+      if (const int64_t live = block_live(r, key0); live > 0)
+        qk_tile<kPairs>(qt + r * pairs, pairs, kt, live, st + r * kKeyTile, mt + r * 2 * kKeyBlock);
+    if (key0 + kKeyTile > first_limit)
+      softmax_tile<true>(st, mt, pt, rows, key0, w, c);
+    else
+      softmax_tile<false>(st, mt, pt, rows, key0, w, c);
     const uint32_t* vt = vp + head_pairs + key0 * pairs;
     for (int64_t r = 0; r < rows; r += kRowBlock)
-      for (int64_t d0 = 0; d0 < dim; d0 += 16 * NV)
-        pv_rows<NV>(pt + r * kKeyTile / 2, vt, (live + 1) / 2, dim, d0, w.alpha.data() + r, ot + r * dim);
+      if (const int64_t live = block_live(r, key0); live > 0)
+        for (int64_t d0 = 0; d0 < dim; d0 += 16 * NV)
+          pv_rows<NV>(pt + r * kKeyTile / 2, vt, (live + 1) / 2, dim, d0, w.alpha.data() + r, ot + r * dim);
   }
   for (int64_t r = 0; r < real_rows; ++r) {
     const int64_t t = it.t0 + r / s.group, h = it.hkv * s.group + r % s.group;
@@ -331,12 +425,14 @@ void extend_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
   parallel_for(n, [&](int64_t, int64_t) {
     Scratch w(max_rows, s.dim);
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      if (s.dim % 64 == 0)
-        run_item<4>(items[i], L, s, q, kp, vp, out, w);
+      if (s.dim == 64)
+        run_item<4, 32>(items[i], L, s, q, kp, vp, out, w);
+      else if (s.dim % 64 == 0)
+        run_item<4, 0>(items[i], L, s, q, kp, vp, out, w);
       else if (s.dim % 32 == 0)
-        run_item<2>(items[i], L, s, q, kp, vp, out, w);
+        run_item<2, 0>(items[i], L, s, q, kp, vp, out, w);
       else
-        run_item<1>(items[i], L, s, q, kp, vp, out, w);
+        run_item<1, 0>(items[i], L, s, q, kp, vp, out, w);
     }
   });
 }

@@ -28,6 +28,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -306,6 +307,26 @@ inline void rotate(const T* x, const T* cos, const T* sin, float* out, int64_t d
   for (int64_t i = half; i < dim; ++i) out[i] = at(i, to_float(x[i - half]));
 }
 
+#if defined(__AVX512F__)
+// rotate() of a bfloat16 head whose half is a multiple of 16, 16 dims at a time (the same two products and
+// sum, each rounded as from_float rounds: round_bf16_16), into bf16 bits. The scalar loop ran ~0.6 ms a
+// layer for a 2k prefill.
+inline void rotate_bf16(const bf16* x, const bf16* cos, const bf16* sin, bf16* out, int64_t dim) {
+  const int64_t half = dim / 2;
+  auto widen = [](const bf16* p) {
+    return radixserve::bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __m512 rotated = i < half ? _mm512_xor_ps(widen(x + i + half), sign) : widen(x + i - half);
+    const __m512 y = round_bf16_16(_mm512_add_ps(round_bf16_16(_mm512_mul_ps(widen(x + i), widen(cos + i))),
+                                                 round_bf16_16(_mm512_mul_ps(rotated, widen(sin + i)))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(y), 16)));
+  }
+}
+#endif
+
 template <typename T, typename P>
 void rotary_kv_rows(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin, int64_t cs_stride,
                     const int64_t* slots, P* k_pool, P* v_pool, int64_t num_slots, T* q_out, int64_t rows,
@@ -316,6 +337,19 @@ void rotary_kv_rows(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin
     for (int64_t t = r0; t < r1; ++t) {
       const T* row = qkv + t * qkv_stride;
       const T *c = cos + t * cs_stride, *s = sin + t * cs_stride;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, bf16> && std::is_same_v<P, bf16>) {
+        if (dim % 32 == 0) {
+          for (int64_t h = 0; h < heads; ++h) rotate_bf16(row + h * dim, c, s, q_out + (t * heads + h) * dim, dim);
+          const int64_t slot = slots[t];
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            rotate_bf16(row + (heads + h) * dim, c, s, k_pool + (h * num_slots + slot) * dim, dim);
+            std::memcpy(v_pool + (h * num_slots + slot) * dim, row + (heads + kv_heads + h) * dim, dim * sizeof(bf16));
+          }
+          continue;
+        }
+      }
+#endif
       for (int64_t h = 0; h < heads; ++h) {
         rotate(row + h * dim, c, s, rotated.data(), dim);
         T* o = q_out + (t * heads + h) * dim;
