@@ -8,6 +8,7 @@ cached prefix, and decode rows next to extend rows in one call.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -132,6 +133,33 @@ def test_bfloat16_pool_with_float32_rows_is_float32_close(group: int, head_dim: 
     got = paged_attention(q, k, v, PagedIndex.build(contexts, lens))
     assert got.dtype == torch.float32
     assert (got - expected).abs().max().item() <= 2e-5  # measured <= 5e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_written_by_their_items_equal_the_merged_ones(dtype: torch.dtype) -> None:
+    """Where every item reads its request's whole context, the items write their output rows
+    themselves; next to a split context (flash-decoding) or a shared prefix every row goes through
+    the merge instead. A request's rows must come out the same bits both ways, each row written."""
+    rng = np.random.default_rng(7)
+    take = slot_taker(4096, 1, rng)
+    own = [torch.cat([take(100), take(1)]), torch.cat([take(50), take(3)]), take(13)]  # decode, extend, short
+    own_lens = [1, 3, 1]
+    long = torch.cat([take(1000), take(1)])  # split in 4 pieces of >= 256 keys when asked
+    shared = take(300)
+    sharers = [torch.cat([shared, take(1)]), torch.cat([shared, take(2)])]
+    generator = torch.Generator().manual_seed(7)
+    k, v = torch.randn(2, KV_HEADS, 4096 + 1, HEAD_DIM, generator=generator).to(dtype)
+    rows = sum(own_lens)
+    q = torch.randn(rows + 3, HEADS, HEAD_DIM, generator=generator).to(dtype)
+
+    alone = paged_attention(q[:rows], k, v, dataclasses.replace(PagedIndex.build(own, own_lens), num_splits=1))
+    assert (alone.float() - reference(q[:rows], k, v, own, own_lens)).abs().max().item() <= TOLERANCE[dtype]
+    split = dataclasses.replace(PagedIndex.build([*own, long], [*own_lens, 1]), num_splits=4)
+    with_split = paged_attention(q[: rows + 1], k, v, split)
+    with_shared = paged_attention(q, k, v, PagedIndex.build([*own, *sharers], [*own_lens, 1, 2]))
+    assert with_shared.shape[0] == rows + 3
+    assert torch.equal(with_split[:rows], alone)
+    assert torch.equal(with_shared[:rows], alone)
 
 
 def test_paged_kernel_rejects_indices_that_do_not_cover_the_batch() -> None:

@@ -219,20 +219,33 @@ class PartialMerge {
     std::fill(out, out + rows * dim, 0.f);
   }
   void fold(int64_t row, const float* acc, float m, float l) {
-    if (l == 0.f) return;  // no key of this partial is visible to the row
-    float* dst = out_ + row * dim_;
-    const float m_new = std::max(max_[row], m), a = std::exp(max_[row] - m_new), c = std::exp(m - m_new);
-    for (int64_t d = 0; d < dim_; ++d) dst[d] = dst[d] * a + acc[d] * c;
-    sum_[row] = sum_[row] * a + l * c;
-    max_[row] = m_new;
+    fold_row(out_ + row * dim_, dim_, acc, m, l, max_[row], sum_[row]);
   }
   void finish() {
-    for (size_t row = 0; row < sum_.size(); ++row)
-      if (sum_[row] > 0.f)
-        for (int64_t d = 0; d < dim_; ++d) out_[row * dim_ + d] /= sum_[row];
+    for (size_t row = 0; row < sum_.size(); ++row) finish_row(out_ + row * dim_, dim_, sum_[row]);
+  }
+  // A row that has one partial: what the merge makes of it (the same operations on a fresh row),
+  // so an item can write it itself.
+  static void write_single(float* dst, int64_t dim, const float* acc, float m, float l) {
+    float row_max = -std::numeric_limits<float>::infinity(), row_sum = 0.f;
+    std::fill(dst, dst + dim, 0.f);
+    fold_row(dst, dim, acc, m, l, row_max, row_sum);
+    finish_row(dst, dim, row_sum);
   }
 
  private:
+  static void fold_row(float* dst, int64_t dim, const float* acc, float m, float l, float& row_max, float& row_sum) {
+    if (l == 0.f) return;  // no key of this partial is visible to the row
+    const float m_new = std::max(row_max, m), a = std::exp(row_max - m_new), c = std::exp(m - m_new);
+    for (int64_t d = 0; d < dim; ++d) dst[d] = dst[d] * a + acc[d] * c;
+    row_sum = row_sum * a + l * c;
+    row_max = m_new;
+  }
+  static void finish_row(float* dst, int64_t dim, float row_sum) {
+    if (row_sum > 0.f)
+      for (int64_t d = 0; d < dim; ++d) dst[d] /= row_sum;
+  }
+
   float* out_;
   int64_t dim_;
   std::vector<float> max_, sum_;
@@ -276,12 +289,19 @@ inline Plan make_plan(const int64_t* q_starts, const int64_t* ctx_starts, int64_
 // The whole batch; parallel_for(n, fn) runs fn(begin, end) over [0, n) on the caller's threads.
 // Items are taken from a shared counter rather than the ranges handed out: a shared-prefix item
 // costs many suffix items, and a static split would leave a thread idle.
+// Where every item reads its request's whole context (no split, no shared prefix: a batch-16 decode
+// at 1 or 2 threads) each output row has exactly one partial, and the items write their rows
+// themselves, in parallel, instead of one thread merging all of them after the items: that merge
+// was serial work in every layer's call while the other threads waited. Same bits either way.
 template <typename kv_t, typename ParallelFor>
 void paged_attention(const float* q, const kv_t* k, const kv_t* v, const int64_t* slots, const int64_t* q_starts,
                      const int64_t* ctx_starts, int64_t batch, int64_t num_splits, const SharedGroups& groups,
                      const Shape& s, float* out, ParallelFor parallel_for) {
   const Plan plan = make_plan(q_starts, ctx_starts, batch, num_splits, groups, s);
   const int64_t n = plan.size(), num_rows = plan.offsets[n];
+  const bool direct = plan.shared.empty() && std::all_of(plan.items.begin(), plan.items.end(), [&](const WorkItem& w) {
+                        return w.key0 == 0 && w.key1 == ctx_starts[w.b + 1] - ctx_starts[w.b];
+                      });
   std::vector<float> acc(num_rows * s.dim), row_max(num_rows), row_sum(num_rows);
   std::atomic<int64_t> next{0};
   parallel_for(n, [&](int64_t, int64_t) {
@@ -298,8 +318,12 @@ void paged_attention(const float* q, const kv_t* k, const kv_t* v, const int64_t
       const int64_t prefix_len = ctx_starts[w.b + 1] - ctx_starts[w.b] - (q_starts[w.b + 1] - q_starts[w.b]);
       run_item(w, s, q + q_starts[w.b] * s.num_heads * s.dim, k, v, slots + ctx_starts[w.b], prefix_len,
                acc.data() + o * s.dim, row_max.data() + o, row_sum.data() + o);
+      for (int64_t r = o; direct && r < plan.offsets[i + 1]; ++r)
+        PartialMerge::write_single(out + plan.target(i, r - o, q_starts, s) * s.dim, s.dim, acc.data() + r * s.dim,
+                                   row_max[r], row_sum[r]);
     }
   });
+  if (direct) return;
   PartialMerge merge(out, q_starts[batch] * s.num_heads, s.dim);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t o = plan.offsets[i]; o < plan.offsets[i + 1]; ++o)
