@@ -228,8 +228,10 @@ class Attention(nn.Module):
         plan: AttentionPlan,
         kv_pool: KVPool,
         residual: torch.Tensor,
+        overwrite_residual: bool = False,
     ) -> torch.Tensor:
-        """x [T, hidden] -> residual + attention(x) [T, hidden]; writes the new tokens' K/V at ``out_slots`` first."""
+        """x [T, hidden] -> residual + attention(x) [T, hidden]; writes the new tokens' K/V at ``out_slots`` first.
+        ``overwrite_residual``: the caller no longer needs ``residual`` (see layers.linear_add)."""
         qkv = self.qkv_proj(x)
         num_rows = x.shape[0]
         if cos.dtype == qkv.dtype and kv_pool.dtype in FUSED_DTYPES and fused_ops_apply(qkv):
@@ -242,7 +244,7 @@ class Attention(nn.Module):
             v = qkv[:, qk_size:].view(num_rows, self.num_kv_heads, self.head_dim)
             kv_pool.write(self.layer_id, out_slots, k, v)
         out = self._attend(q, plan, kv_pool)
-        return linear_add(self.o_proj, out.reshape(num_rows, -1), residual)
+        return linear_add(self.o_proj, out.reshape(num_rows, -1), residual, overwrite_residual)
 
     def _extend_one(
         self, q: torch.Tensor, span: ExtendSpan, workspace: GatherWorkspace, kv_pool: KVPool

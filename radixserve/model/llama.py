@@ -69,9 +69,10 @@ class DecoderLayer(nn.Module):
         plan: AttentionPlan,
         kv_pool: KVPool,
     ) -> torch.Tensor:
-        """h [T, hidden] -> [T, hidden]."""
-        h = self.self_attn(self.input_layernorm(h), cos, sin, out_slots, plan, kv_pool, residual=h)
-        out: torch.Tensor = self.mlp(self.post_attention_layernorm(h), residual=h)
+        """h [T, hidden] -> [T, hidden]. h is consumed: each residual add may write into it (no copy of h first)."""
+        x = self.input_layernorm(h)
+        h = self.self_attn(x, cos, sin, out_slots, plan, kv_pool, residual=h, overwrite_residual=True)
+        out: torch.Tensor = self.mlp(self.post_attention_layernorm(h), residual=h, overwrite_residual=True)
         return out
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
