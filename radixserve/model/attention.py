@@ -76,7 +76,7 @@ def tail_lens(extend_lens: list[int]) -> list[int] | None:
 
     The step's last TAIL_MIN_ROWS rows and each request's last row, and enough rows that no request changes
     route (Routes.build: a request of up to PAGED_MAX_EXTEND_LEN rows keeps them all, a longer one at least
-    one more). Each request keeps a suffix of its rows: to attention an extend on a longer cached prefix,
+    one more). Each request keeps a suffix of its rows: to attention, an extend on a longer cached prefix,
     which the extend kernel computes with the same bits (extend_attention.h)."""
     total = sum(extend_lens)
     if total <= TAIL_MIN_ROWS:

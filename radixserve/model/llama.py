@@ -6,6 +6,9 @@ T new tokens at once, and only attention knows where one request ends::
     input_ids [T] -> embed -> N x (norm -> attention(pool) -> +res -> norm -> SwiGLU -> +res)
                   -> last row of each request (or all rows) -> norm -> lm_head -> logits float32
 
+Where only each request's last row is wanted, the last layer writes every row's K/V, then goes on
+with a tail of rows (attention.tail_lens): the same logits for less work.
+
 Weights are stored fused (q|k|v, gate|up) for fewer, larger matmuls;
 ``load_weights`` takes HF names and copies each tensor into its slice.
 """
