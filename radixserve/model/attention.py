@@ -64,6 +64,29 @@ class DecodeGroup:
 # per-row loops there. Decode and short extends (speculative, mixed-in) read in place.
 # Where the extend kernel applies (bf16 on an AVX512-BF16 CPU), it takes every extend instead.
 PAGED_MAX_EXTEND_LEN = 8
+# A step that wants only each request's last row computes the last layer's attention, o_proj and MLP for a
+# tail of rows (tail_lens); every row still writes its K/V. At least this many rows in all, so each linear
+# takes the path all the step's rows take (the block kernels run up to 16 or 48 rows, the GEMMs past them).
+TAIL_MIN_ROWS = 64
+
+
+def tail_lens(extend_lens: list[int]) -> list[int] | None:
+    """How many of its last rows each request keeps in the last layer of a step whose logits are only each
+    request's last row; None where that is every row (a step of TAIL_MIN_ROWS rows or fewer).
+
+    The step's last TAIL_MIN_ROWS rows and each request's last row, and enough rows that no request changes
+    route (Routes.build: a request of up to PAGED_MAX_EXTEND_LEN rows keeps them all, a longer one at least
+    one more). Each request keeps a suffix of its rows: to attention, an extend on a longer cached prefix,
+    which the extend kernel computes with the same bits (extend_attention.h)."""
+    total = sum(extend_lens)
+    if total <= TAIL_MIN_ROWS:
+        return None
+    kept, start = [], 0
+    for n in extend_lens:
+        in_tail = max(0, start + n - max(start, total - TAIL_MIN_ROWS))
+        kept.append(max(in_tail, n if n <= PAGED_MAX_EXTEND_LEN else PAGED_MAX_EXTEND_LEN + 1))
+        start += n
+    return kept if sum(kept) < total else None
 
 
 @dataclass(frozen=True)
@@ -228,8 +251,13 @@ class Attention(nn.Module):
         plan: AttentionPlan,
         kv_pool: KVPool,
         residual: torch.Tensor,
+        overwrite_residual: bool = False,
+        tail: tuple[torch.Tensor, AttentionPlan] | None = None,
     ) -> torch.Tensor:
-        """x [T, hidden] -> residual + attention(x) [T, hidden]; writes the new tokens' K/V at ``out_slots`` first."""
+        """x [T, hidden] -> residual + attention(x) [T, hidden]; writes the new tokens' K/V at ``out_slots`` first.
+        ``overwrite_residual``: the caller no longer needs ``residual`` (see layers.linear_add). ``tail``: rows
+        and their plan (ForwardBatch.tail): every row's K/V is written, then only those rows attend and are
+        returned ([len(rows), hidden])."""
         qkv = self.qkv_proj(x)
         num_rows = x.shape[0]
         if cos.dtype == qkv.dtype and kv_pool.dtype in FUSED_DTYPES and fused_ops_apply(qkv):
@@ -241,8 +269,11 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, qk_size:].view(num_rows, self.num_kv_heads, self.head_dim)
             kv_pool.write(self.layer_id, out_slots, k, v)
+        if tail is not None:
+            rows, plan = tail
+            q, residual = q[rows], residual[rows]
         out = self._attend(q, plan, kv_pool)
-        return linear_add(self.o_proj, out.reshape(num_rows, -1), residual)
+        return linear_add(self.o_proj, out.reshape(q.shape[0], -1), residual, overwrite_residual)
 
     def _extend_one(
         self, q: torch.Tensor, span: ExtendSpan, workspace: GatherWorkspace, kv_pool: KVPool

@@ -14,6 +14,7 @@ request's whole context through ``context_slots``::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Literal
 
 import torch
@@ -33,3 +34,13 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return len(self.extend_lens)
+
+    def tail(self, lens: list[int]) -> tuple[ForwardBatch, torch.Tensor]:
+        """The batch of each request's last ``lens[i]`` new tokens, on the same contexts (the new tokens before
+        them read as a cached prefix), and those tokens' rows in this batch."""
+        ends = list(accumulate(self.extend_lens))
+        rows = torch.cat([torch.arange(end - n, end) for end, n in zip(ends, lens)]).to(self.input_ids.device)
+        sub = ForwardBatch(
+            self.mode, self.input_ids[rows], self.positions[rows], self.out_slots[rows], self.context_slots, list(lens)
+        )
+        return sub, rows

@@ -90,9 +90,9 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = uninitialised(nn.Linear, hidden, 2 * inter, bias=False, device=device, dtype=dtype)
         self.down_proj = uninitialised(nn.Linear, inter, hidden, bias=False, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """[T, hidden] -> residual + MLP(x), [T, hidden]."""
-        return linear_add(self.down_proj, swiglu(self.gate_up_proj(x)), residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, overwrite_residual: bool = False) -> torch.Tensor:
+        """[T, hidden] -> residual + MLP(x), [T, hidden] (``overwrite_residual``: see linear_add)."""
+        return linear_add(self.down_proj, swiglu(self.gate_up_proj(x)), residual, overwrite_residual)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -104,11 +104,17 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
-def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + linear(x); a plain bias-free linear adds inside the GEMM (addmm), saving a pass over [T, N]."""
+def linear_add(
+    linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, overwrite_residual: bool = False
+) -> torch.Tensor:
+    """residual + linear(x); a plain bias-free linear adds inside the GEMM (addmm), saving a pass over [T, N].
+    ``overwrite_residual``: the caller no longer needs ``residual``; a block linear's tiled GEMMs may then add into
+    it in place and return it (the same bits). Otherwise ``residual`` is never written."""
     if type(linear) is nn.Linear and linear.bias is None and x.dim() == 2:
         return torch.addmm(residual, x, linear.weight.t())
-    if isinstance(linear, (BlockLinear, Int8Linear)):  # quantized linears add inside their kernel or GEMM
+    if isinstance(linear, BlockLinear):  # adds inside its kernel or GEMM
+        return linear.forward_add(x, residual, overwrite_residual)
+    if isinstance(linear, Int8Linear):
         return linear.forward_add(x, residual)
     out: torch.Tensor = residual + linear(x)
     return out

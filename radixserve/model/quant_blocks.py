@@ -199,12 +199,16 @@ class BlockLinear(_BlockModule):
         tiled: torch.Tensor = torch.ops.radixserve.block_linear_tiled(rows, self.qs, self.d, self.m, self.bias, tile)
         return tiled
 
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor, overwrite_residual: bool = False) -> torch.Tensor:
         """residual + self(x) with the add inside the matmul. The tiled path adds the residual inside the GEMM
         (addmm) as the float model does: MKL adds C before its last pass over K, so residual + mm would differ
         from float32 in the last bit (K >= 576). The kernel adds it to each float32 sum (no pass over [T, N])
         as its many-row path adds it: before the one rounding to x's dtype, or with int8 activations (whose
-        tiled path runs residual + self(x)) after rounding, then rounded again."""
+        tiled path runs residual + self(x)) after rounding, then rounded again.
+
+        ``overwrite_residual``: the caller no longer needs ``residual`` (a decoder layer's hidden state), so the
+        tiled path may add into it in place (the same GEMMs and bits, without copying it into each tile's output
+        first) and return it. Otherwise ``residual`` is never written."""
         if x.device.type != "cpu" or not paged_kernel.load():
             out: torch.Tensor = residual + self(x)
             return out
@@ -213,9 +217,13 @@ class BlockLinear(_BlockModule):
         if self.int8_activations or self.bias is not None:
             out = residual + self(x)
             return out
-        added: torch.Tensor = torch.ops.radixserve.block_linear_tiled(
-            x, self.qs, self.d, self.m, residual, tile_columns(self.in_features)
-        )
+        tile = tile_columns(self.in_features)
+        if overwrite_residual and residual.is_contiguous() and residual.dtype == x.dtype:
+            added: torch.Tensor = torch.ops.radixserve.block_linear_tiled_add_(
+                residual, x, self.qs, self.d, self.m, tile
+            )
+            return added
+        added = torch.ops.radixserve.block_linear_tiled(x, self.qs, self.d, self.m, residual, tile)
         return added
 
     def _kernel_rows(self) -> int:

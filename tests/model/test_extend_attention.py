@@ -105,6 +105,26 @@ def test_a_sharp_softmax_over_odd_row_counts_stays_close_and_chunk_invariant(hea
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+def test_keys_in_consecutive_slots_pack_as_scattered_ones(head_dim: int) -> None:
+    """16 keys in consecutive slots are packed by a transposition, others by gathers: the same K/V at consecutive
+    slots (a cold prefill), in runs of 23 and scattered give the same bits (head dim 48: gathers only)."""
+    generator = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, 3, 701, head_dim, generator=generator).to(torch.bfloat16)
+    q = torch.randn(300, 9, head_dim, generator=generator).to(torch.bfloat16)
+    consecutive = torch.arange(1, 301)
+    runs = torch.cat([torch.arange(400 - 30 * i, 423 - 30 * i) for i in range(14)])[:300]
+    scattered = torch.randperm(700, generator=generator)[:300] + 1
+    outputs = []
+    for slots in (consecutive, runs, scattered):
+        k_at, v_at = torch.zeros_like(k), torch.zeros_like(v)
+        k_at[:, slots], v_at[:, slots] = k[:, 1:301], v[:, 1:301]
+        outputs.append(run(q, k_at, v_at, [slots], [300]))
+    assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[2])
+    assert (outputs[0].float() - reference(q, k, v, [consecutive], [300])).abs().max().item() <= TOLERANCE
+
+
+@needs_kernel
 def test_extend_kernel_rejects_indices_that_do_not_cover_the_batch() -> None:
     k = v = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
     q = torch.zeros(3, 6, 64, dtype=torch.bfloat16)

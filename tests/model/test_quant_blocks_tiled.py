@@ -93,6 +93,31 @@ def test_the_residual_is_added_inside_the_gemm_as_the_float_model_adds_it() -> N
         assert torch.equal(linear_add(BlockLinear(blocks, None, torch.float32), x, residual), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adding_into_the_residual_in_place_keeps_the_bits(dtype: torch.dtype) -> None:
+    """overwrite_residual: the tiles' GEMMs add into the residual itself (no copy of it first), with the bits of
+    the GEMM that adds a copy (K 576 and 1536, where residual + mm differs); without it the residual is untouched."""
+    from radixserve.model.layers import linear_add
+
+    for in_features, tile in ((576, 4096), (1536, 160), (1536, 48)):
+        blocks = random_blocks("q4_1", 576, in_features, seed=in_features + tile)
+        layer = BlockLinear(blocks, None, dtype)
+        generator = torch.Generator().manual_seed(tile)
+        x = torch.randn(KERNEL_MAX_ROWS + 40, in_features, generator=generator).to(dtype)
+        residual = (torch.randn(KERNEL_MAX_ROWS + 40, 576, generator=generator) * 4).to(dtype)
+        expected = tiled(x, blocks, residual, tile)
+        kept = residual.clone()
+        assert torch.equal(linear_add(layer, x, residual), torch.addmm(residual, x, blocks.dequantize().to(dtype).t()))
+        assert torch.equal(residual, kept)
+        got = torch.ops.radixserve.block_linear_tiled_add_(residual, x, blocks.qs, blocks.d, blocks.m, tile)
+        assert got.data_ptr() == residual.data_ptr() and torch.equal(got, expected)
+        residual = kept.clone()
+        got = linear_add(layer, x, residual, overwrite_residual=True)
+        assert got.data_ptr() == residual.data_ptr() and torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="residual: contiguous"):
+        torch.ops.radixserve.block_linear_tiled_add_(residual.t(), x, blocks.qs, blocks.d, blocks.m, 48)
+
+
 def test_int8_rows_up_to_the_kernels_limit_have_the_same_bits_alone_or_batched() -> None:
     """With int8 activations the kernel runs up to 48 rows (faster than the tiles there): every row of such a
     batch has the bits it has alone."""

@@ -117,26 +117,17 @@ at::Tensor block_dequantize_op(const at::Tensor& qs, const at::Tensor& d, const 
   return out;
 }
 
-// x [T, K] (float32 or another float dtype) @ W.T (+ bias) -> [T, N] in x's dtype, W dequantized about
-// tile_columns output channels at a time: N // tile_columns tiles of near-equal widths, each starting at a
-// multiple of 16 channels. A GEMM of a few columns alone takes another path in MKL (another summation
-// order; measured: the 3-8 columns of a narrow last tile differed in their last bit), where the same
-// columns inside a wider GEMM do not. As F.linear: addmm with a bias (the bias enters the GEMM's
-// accumulator first), mm without, the tile in x's dtype (float32 values rounded as .to(dtype) rounds them).
-at::Tensor block_linear_tiled_op(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                                 const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& bias,
-                                 int64_t tile_columns) {
-  const BlockWeights w = weights_of(qs, d, m, check_blocks(qs, d, m));
-  const int64_t out_features = qs.size(0), in_features = w.blocks * kBlock;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features && x.device().is_cpu(), "x [M, K] on CPU, weights [N, K]");
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x: a floating dtype");
-  TORCH_CHECK(tile_columns > 0, "tile_columns must be positive");
-  // bias: [N], or [T, N] (a residual, added inside the GEMM as the float model's addmm adds it).
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == out_features) ||
-                  (bias->dim() == 2 && bias->size(0) == x.size(0) && bias->size(1) == out_features),
-              "bias [N] or [T, N]");
+// The tiles of x [T, K] @ W.T into out [T, N] (x's dtype, contiguous), W dequantized about tile_columns output
+// channels at a time: N // tile_columns tiles of near-equal widths, each starting at a multiple of 16 channels.
+// A GEMM of a few columns alone takes another path in MKL (another summation order; measured: the 3-8 columns
+// of a narrow last tile differed in their last bit), where the same columns inside a wider GEMM do not. As
+// F.linear: addmm with a bias (the bias enters the GEMM's accumulator first), mm without, the tile in x's dtype
+// (float32 values rounded as .to(dtype) rounds them). accumulate: out already holds the addend (a residual)
+// and each tile's GEMM adds into its columns in place (addmm_: beta 1, no copy of the addend first).
+void tiled_gemm(const at::Tensor& x, const BlockWeights& w, const std::optional<at::Tensor>& bias,
+                int64_t tile_columns, at::Tensor& out, bool accumulate) {
+  const int64_t out_features = out.size(1), in_features = w.blocks * kBlock;
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   const int64_t tiles = std::max<int64_t>(1, out_features / tile_columns);
   const auto start = [&](int64_t t) { return t == tiles ? out_features : t * out_features / tiles / 16 * 16; };
   int64_t widest = 0;
@@ -164,10 +155,46 @@ at::Tensor block_linear_tiled_op(const at::Tensor& x, const at::Tensor& qs, cons
       if (x.scalar_type() != at::kFloat) weight.copy_(float_buffer.narrow(0, 0, width));
     }
     at::Tensor columns = out.narrow(1, n0, width);  // row stride N: a valid GEMM output in place
-    if (bias.has_value()) at::addmm_out(columns, bias->narrow(bias->dim() - 1, n0, width), xc, weight.t());
+    if (accumulate) columns.addmm_(xc, weight.t());
+    else if (bias.has_value()) at::addmm_out(columns, bias->narrow(bias->dim() - 1, n0, width), xc, weight.t());
     else at::mm_out(columns, xc, weight.t());
   }
+}
+
+void check_rows(const at::Tensor& x, int64_t in_features, int64_t tile_columns) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features && x.device().is_cpu(), "x [M, K] on CPU, weights [N, K]");
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x: a floating dtype");
+  TORCH_CHECK(tile_columns > 0, "tile_columns must be positive");
+}
+
+// x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype (tiled_gemm).
+at::Tensor block_linear_tiled_op(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                                 const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& bias,
+                                 int64_t tile_columns) {
+  const BlockWeights w = weights_of(qs, d, m, check_blocks(qs, d, m));
+  const int64_t out_features = qs.size(0);
+  check_rows(x, w.blocks * kBlock, tile_columns);
+  // bias: [N], or [T, N] (a residual, added inside the GEMM as the float model's addmm adds it).
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == out_features) ||
+                  (bias->dim() == 2 && bias->size(0) == x.size(0) && bias->size(1) == out_features),
+              "bias [N] or [T, N]");
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  tiled_gemm(x, w, bias, tile_columns, out, false);
   return out;
+}
+
+// residual [T, N] += x [T, K] @ W.T, in place: the bits of block_linear_tiled(x, ..., bias=residual) (the same
+// GEMM calls adding into the same values), without copying the residual into each tile's output first (SmolLM2's
+// 2k prefill: 60 such copies of [2048, 576], ~9.5 ms). For a caller that no longer needs the residual.
+at::Tensor block_linear_tiled_add_op(at::Tensor& residual, const at::Tensor& x, const at::Tensor& qs,
+                                     const at::Tensor& d, const std::optional<at::Tensor>& m, int64_t tile_columns) {
+  const BlockWeights w = weights_of(qs, d, m, check_blocks(qs, d, m));
+  check_rows(x, w.blocks * kBlock, tile_columns);
+  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == x.size(0) && residual.size(1) == qs.size(0) &&
+                  residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "residual: contiguous [T, N] in x's dtype");
+  tiled_gemm(x, w, std::nullopt, tile_columns, residual, true);
+  return residual;
 }
 
 }  // namespace
@@ -175,9 +202,13 @@ at::Tensor block_linear_tiled_op(const at::Tensor& x, const at::Tensor& qs, cons
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("block_dequantize(Tensor qs, Tensor d, Tensor? m) -> Tensor");
   m.def("block_linear_tiled(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias, int tile_columns) -> Tensor");
+  m.def(
+      "block_linear_tiled_add_(Tensor(a!) residual, Tensor x, Tensor qs, Tensor d, Tensor? m, int tile_columns) -> "
+      "Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("block_dequantize", &block_dequantize_op);
   m.impl("block_linear_tiled", &block_linear_tiled_op);
+  m.impl("block_linear_tiled_add_", &block_linear_tiled_add_op);
 }

@@ -106,6 +106,49 @@ inline void pack_k_block(const uint16_t* head, const int64_t* slots, int64_t cou
                        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, index, base + p, 4));
 }
 
+// v[k] = 16 pairs of key k -> v[p] = pair p of the 16 keys (a 16 x 16 transposition of 32-bit lanes).
+inline void transpose16(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    v[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    v[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    v[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(v[8 * i + j], v[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(v[8 * i + j], v[8 * i + j + 4], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    v[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    v[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD);
+  }
+}
+
+// pack_k_block for 16 keys in consecutive slots from ``first`` (a cold prefill's, mostly), head dim a multiple
+// of 32: 16 rows of the pool transposed 16 pairs at a time, where the gathers took ~19 cycles per 16 lanes.
+inline void pack_k_block_consecutive(const uint16_t* first, int64_t dim, uint32_t* out) {
+  const uint32_t* rows = reinterpret_cast<const uint32_t*>(first);
+  const int64_t pairs = dim / 2;
+  for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+    __m512i v[16];
+    for (int k = 0; k < 16; ++k) v[k] = _mm512_loadu_si512(rows + k * pairs + p0);
+    transpose16(v);
+    for (int p = 0; p < 16; ++p) _mm512_store_si512(out + (p0 + p) * kKeyBlock, v[p]);
+  }
+}
+
+inline bool consecutive(const int64_t* slots) {
+  for (int i = 1; i < kKeyBlock; ++i)
+    if (slots[i] != slots[0] + i) return false;
+  return true;
+}
+
 // Two keys' V rows (nullptr: zeros) -> [D][2] bf16, interleaved 16 dims at a time.
 inline void pack_v_pair(const uint16_t* a, const uint16_t* b, int64_t dim, uint32_t* out) {
   alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
@@ -127,7 +170,11 @@ inline void pack_tile(const Layout& L, const Shape& s, const uint16_t* k, const 
   const uint16_t *k_head = k + h * s.num_slots * dim, *v_head = v + h * s.num_slots * dim;
   for (int64_t j = key0; j < key0 + kKeyTile; j += kKeyBlock) {
     const int64_t count = std::clamp<int64_t>(ctx_len - j, 0, kKeyBlock);
-    pack_k_block(k_head, ctx + j, count, dim, kp + offset + (j - key0) * dim / 2);
+    uint32_t* block = kp + offset + (j - key0) * dim / 2;
+    if (count == kKeyBlock && dim % 32 == 0 && consecutive(ctx + j))
+      pack_k_block_consecutive(k_head + ctx[j] * dim, dim, block);
+    else
+      pack_k_block(k_head, ctx + j, count, dim, block);
   }
   for (int64_t j = key0; j < key0 + kKeyTile; j += 2) {
     const uint16_t* a = j < ctx_len ? v_head + ctx[j] * dim : nullptr;
