@@ -77,12 +77,11 @@ struct Item {
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }  // a bit cast: 32 bf16 = 16 pairs
 
-// 2^x for x <= 0: 2^floor(x) (vscalefps) times a degree-4 polynomial of the fraction (relative
-// error 3e-6, far below P's rounding to bf16), exact 1 at x = 0; 0 below -126, and so for -inf
-// (masked keys).
-inline __m512 exp2_neg(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+// 2^x for finite x <= 0: 2^floor(x) (vscalefps) times a degree-4 polynomial of the fraction (relative
+// error 3e-6, far below P's rounding to bf16), exact 1 at x = 0. Below -126 a subnormal or 0, which
+// vcvtne2ps2bf16 flushes to a bf16 0 and which is too small to move l (>= 1): the scores use it
+// as it is and zero masked keys after it.
+inline __m512 exp2_finite(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.34267101e-2f);
@@ -90,7 +89,13 @@ inline __m512 exp2_neg(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.41280228e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93044841e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 2^x for any x <= 0, -inf included (a row's first max): exp2_finite from -126 up, 0 below.
+inline __m512 exp2_neg(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(live, exp2_finite(_mm512_max_ps(x, _mm512_set1_ps(-126.f))));
 }
 
 // 16 keys (slot pointers into one head of the pool, nullptr past the context) -> one K block
@@ -278,20 +283,6 @@ struct Scratch {
 inline float* aligned(std::vector<float>& v) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63}); }
 inline uint32_t* aligned(std::vector<uint32_t>& v) {
   return reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
-}
-
-// 2^x for finite x <= 0: exp2_neg without its clamp and mask (the same value from -126 up; below, a
-// subnormal or 0 that vcvtne2ps2bf16 flushes to a bf16 0 as exp2_neg's 0, and too small to move l,
-// which is >= 1). Masked keys are zeroed after it instead.
-inline __m512 exp2_finite(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.34267101e-2f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.22424295e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.41280228e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93044841e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Lane j = the maximum of v[j]'s 16 lanes (simd::reduce16's transposition; max is exact in any order).
