@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # 2 threads 3-50x slower than 1 on a busy 2-core machine.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install serve chat demo test bench clean
+.PHONY: install serve chat demo test docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,11 +38,19 @@ chat: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m radixserve demo
 
+# The docs site (mkdocs.yml) builds strict: a broken link or anchor, or a page missing from the nav, fails.
+# It builds into a temporary folder, removed afterwards.
 test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy radixserve
+	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir "$$site"; \
+		status=$$?; rm -rf "$$site"; exit $$status
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The docs site, live at http://127.0.0.1:8000 while you edit docs/.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs serve
 
 bench: $(STAMP)
 	$(PY) -m radixserve bench simulate --workload support-agent
@@ -53,4 +61,4 @@ bench: $(STAMP)
 	$(PY) -m radixserve bench schedule
 
 clean:
-	rm -rf $(VENV) .mypy_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .mypy_cache .hypothesis *.egg-info site
