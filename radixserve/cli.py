@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.name is None:
         bench.print_help()
     else:
-        module = importlib.import_module(f"radixserve.bench.{BENCHMARKS[args.name]}")
+        module = importlib.import_module(f"benchmarks.{BENCHMARKS[args.name]}")
         module.main(rest)
 
 
