@@ -41,7 +41,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(PY) -m mypy radixserve
+	$(PY) -m mypy radixserve benchmarks
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)

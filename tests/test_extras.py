@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
+# The checkout's root: the benchmarks are imported from it, not from the installed package.
+ROOT = Path(__file__).resolve().parents[1]
 BLOCK = "import sys\nfor name in ('ray', 'matplotlib'):\n    sys.modules[name] = None\n"
 
 
 def run(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", BLOCK + code], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", BLOCK + code], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def test_the_engine_server_and_benchmarks_import_without_the_extras() -> None:
