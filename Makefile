@@ -43,7 +43,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(PY) -m mypy radixserve
+	$(PY) -m mypy radixserve benchmarks
 	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir "$$site"; \
 		status=$$?; rm -rf "$$site"; exit $$status
 	$(PY) -m pytest -q -p no:cacheprovider

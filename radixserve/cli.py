@@ -3,7 +3,7 @@
 radixserve serve [flags]                      the HTTP server (OpenAI-compatible + native); --help lists flags
 radixserve chat "question" ["question" ...]   offline chat on the embedded model (or --model-path)
 radixserve demo                               the radix tree demo: inserts, splits, a match
-radixserve bench NAME [...]                   benchmarks (each prints its figures; see BENCHMARKS)
+radixserve bench NAME [...]                   benchmarks, from a source checkout (= python -m benchmarks NAME)
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from radixserve.extras import missing_extra
@@ -18,23 +19,13 @@ from radixserve.extras import missing_extra
 if TYPE_CHECKING:
     from radixserve.server.args import ServerArgs
 
-# radixserve bench NAME -> the radixserve.bench module whose main(argv) runs it
-BENCHMARKS = {
-    "cache-ops": "cache_ops",
-    "model-speed": "model_speed",
-    "block-linears": "block_linears",
-    "schedule": "schedule",
-    "responsiveness": "responsiveness",
-    "simulate": "simulate",
-    "serve": "serve",
-    "four-way": "four_way",
-    "soak": "soak",
-    "scale-out": "scale_out",
-    "mixed-chunk": "mixed_chunk",
-    "tiers": "tiers",
-    "warm-scan": "warm_scan",
-    "programs": "programs",
-}
+# The source checkout this package was imported from: the benchmarks' folder is beside it.
+CHECKOUT = Path(__file__).resolve().parents[1]
+NO_BENCHMARKS = (
+    "radixserve bench runs the benchmarks of a source checkout; they are not part of the installed package.\n"
+    "Clone the repository, install it with `pip install -e '.[bench]'` and run, from its root:\n"
+    "    python -m benchmarks NAME [flags]    (or radixserve bench NAME [flags])"
+)
 
 
 def chat(argv: list[str]) -> None:
@@ -70,6 +61,20 @@ def serve_replicas(server_args: ServerArgs) -> None:
     serve_on_ray(server_args)
 
 
+def bench(argv: list[str]) -> None:
+    """``radixserve bench NAME [flags]``: ``python -m benchmarks`` of the checkout this package lives in."""
+    if (CHECKOUT / "benchmarks" / "__init__.py").is_file() and str(CHECKOUT) not in sys.path:
+        # An editable install maps the package alone onto the path (its console script does not see the cwd).
+        sys.path.insert(0, str(CHECKOUT))
+    try:
+        benchmarks = importlib.import_module("benchmarks")
+    except ModuleNotFoundError as exc:
+        if exc.name != "benchmarks":
+            raise
+        raise SystemExit(NO_BENCHMARKS) from None
+    benchmarks.main(argv, prog="radixserve bench")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="radixserve", description="A RadixAttention LLM serving engine.")
@@ -78,8 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("chat", help="offline chat on the embedded model", add_help=False)
     commands.add_parser("demo", help="build the chapter's example tree and print it after every insert")
     # add_help=False: `radixserve bench NAME --help` is NAME's own help
-    bench = commands.add_parser("bench", help="benchmarks (each prints its figures)", add_help=False)
-    bench.add_argument("name", nargs="?", choices=sorted(BENCHMARKS), help="pass --help after it for its flags")
+    commands.add_parser("bench", help="benchmarks, from a source checkout (python -m benchmarks)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
         from radixserve.server.args import parse_args
@@ -97,11 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         from radixserve.cache.__main__ import main as demo
 
         demo()
-    elif args.name is None:
-        bench.print_help()
     else:
-        module = importlib.import_module(f"radixserve.bench.{BENCHMARKS[args.name]}")
-        module.main(rest)
+        bench(rest)
 
 
 if __name__ == "__main__":

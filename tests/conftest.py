@@ -10,8 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from radixserve.bench.server_process import ServerProcess
 from tests.model.tiny import build_byte_engine_folder, build_engine_folder
+from tests.support.server_process import ServerProcess
 
 # One thread: libgomp's spinning pool makes 2 threads 3-50x slower on a busy 2-core box.
 torch.set_num_threads(1)

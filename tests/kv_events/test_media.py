@@ -11,7 +11,6 @@ import msgspec
 import numpy as np
 import pytest
 
-from radixserve.bench.server_process import ServerProcess, free_port
 from radixserve.cache import RadixCache, RadixKey
 from radixserve.cache.tiers import TierIndex
 from radixserve.kv_events.mirror import SNAPSHOT_V2
@@ -27,6 +26,7 @@ from tests.kv_events.peers import peer_kv_events
 from tests.kv_events.test_peer_decoders import PEERS, wait_for
 from tests.kv_events.test_tier_medium import PAGE_BYTES, _cached_and_evicted, _tier_blocks
 from tests.server.test_kv_events import drain
+from tests.support.server_process import ServerProcess, free_port
 
 KEPT = np.arange(200, 232, dtype=np.int64)  # two blocks left in the pool
 

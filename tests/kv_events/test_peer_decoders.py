@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 import uvicorn
 
-from radixserve.bench.server_process import free_port
 from radixserve.cache import RadixKey
 from radixserve.engine import Engine
 from radixserve.kv_events.publisher import KVEventPublisher
@@ -35,6 +34,7 @@ from radixserve.server.app import create_app
 from radixserve.server.args import parse_args
 from tests.kv_events.peers import PeerRouter, peer_kv_events
 from tests.server.test_kv_events import expected_blocks
+from tests.support.server_process import free_port
 
 BLOCK = 16
 TOPIC = "kv@radixserve"

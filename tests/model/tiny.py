@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 
-from radixserve.bench.tiny_model import (  # noqa: F401  (re-exported for the tests)
+from radixserve.memory import TokenAllocator
+from radixserve.memory.kv_pool import KVPool
+from radixserve.model.config import ModelConfig
+from radixserve.model.forward import ForwardBatch
+from radixserve.model.hf_loader import load_hf_folder
+from radixserve.model.llama import LlamaForCausalLM
+from tests.support.tiny_model import (  # noqa: F401  (re-exported for the tests)
     BYTE_EOS,
     BYTE_VOCAB,
     EOS,
@@ -21,12 +27,6 @@ from radixserve.bench.tiny_model import (  # noqa: F401  (re-exported for the te
     build_hf_model,
     save_word_tokenizer,
 )
-from radixserve.memory import TokenAllocator
-from radixserve.memory.kv_pool import KVPool
-from radixserve.model.config import ModelConfig
-from radixserve.model.forward import ForwardBatch
-from radixserve.model.hf_loader import load_hf_folder
-from radixserve.model.llama import LlamaForCausalLM
 
 
 def load_ours(folder: Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:

@@ -19,11 +19,11 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from radixserve.bench.server_process import free_port  # noqa: E402
-from radixserve.bench.tiny_model import build_engine_folder  # noqa: E402
 from radixserve.engine import EngineConfig  # noqa: E402
 from radixserve.router.deployments import APP_NAME, build_application  # noqa: E402
 from radixserve.server.args import ServerArgs  # noqa: E402
+from tests.support.server_process import free_port  # noqa: E402
+from tests.support.tiny_model import build_engine_folder  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"

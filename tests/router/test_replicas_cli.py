@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from radixserve.bench.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from radixserve.bench.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 
 MODEL = "tiny-llama"
 

@@ -7,8 +7,8 @@ from typing import Any
 import httpx
 import pytest
 
-from radixserve.bench.server_process import ServerProcess
 from tests.server.conftest import MODEL, assert_idle_and_conserved
+from tests.support.server_process import ServerProcess
 
 OK_COMPLETION = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 2}
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}

@@ -33,12 +33,12 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixserve.bench.server_process import ServerProcess
 from radixserve.core import SamplingParams
 from radixserve.engine import Engine
 from radixserve.model.tokenizer import IncrementalDecoder
 from tests.machine_settings import SCALE
 from tests.server.conftest import MODEL, assert_idle_and_conserved
+from tests.support.server_process import ServerProcess
 
 FUZZ = settings(max_examples=30 * SCALE, suppress_health_check=list(HealthCheck))
 VOCAB, CONTEXT = 128, 256  # the tiny model's

@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixserve.bench.server_process import ServerProcess
 from radixserve.core import SamplingParams
 from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateRequest
 from tests.server.conftest import MODEL, assert_idle_and_conserved
+from tests.support.server_process import ServerProcess
 
 BOUNDED = settings(max_examples=50, suppress_health_check=list(HealthCheck), deadline=None)
 

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from radixserve.bench.server_process import ServerProcess, free_port
 from tests.server.conftest import MODEL, assert_idle_and_conserved
+from tests.support.server_process import ServerProcess, free_port
 
 OK_COMPLETION = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 2}
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}

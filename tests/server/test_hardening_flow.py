@@ -12,12 +12,12 @@ from typing import Any
 import httpx
 import pytest
 
-from radixserve.bench.server_process import ServerProcess
 from radixserve.engine import Engine
 from radixserve.server.app import create_app
 from radixserve.server.args import ServerArgs
 from radixserve.server.generation import BIG_TEXT_CHARS, ServerState
 from tests.server.conftest import MODEL
+from tests.support.server_process import ServerProcess
 
 # ---- 7. streamed logprobs equal the whole answer's, and leave out the stop string ------------------------
 

@@ -117,7 +117,7 @@ def test_a_bad_replay_request_gets_an_error_not_a_dead_thread(endpoints: tuple[s
 def test_the_server_publishes_blocks_a_router_recomputes_from_token_ids(tiny_model_dir: Path) -> None:
     import httpx
 
-    from radixserve.bench.server_process import ServerProcess, free_port
+    from tests.support.server_process import ServerProcess, free_port
 
     pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     proc = ServerProcess(

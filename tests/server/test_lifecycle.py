@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from radixserve.bench.server_process import ServerProcess
-from radixserve.bench.tiny_model import build_engine_folder
 from tests.server.conftest import assert_idle_and_conserved
+from tests.support.server_process import ServerProcess
+from tests.support.tiny_model import build_engine_folder
 
 MEDIUM = dict(
     hidden_size=384,

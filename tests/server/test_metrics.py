@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.bench.server_process import ServerProcess
 from tests.server.conftest import MODEL
+from tests.support.server_process import ServerProcess
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -8,9 +8,9 @@ from typing import Any
 import httpx
 import torch
 
-from radixserve.bench.server_process import ServerProcess
 from radixserve.model.precision import resolve_dtype
 from tests.server.conftest import MODEL, assert_idle_and_conserved, cache_state
+from tests.support.server_process import ServerProcess
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 

@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
-from radixserve.bench.server_process import ServerProcess
 from tests.server.conftest import MODEL, assert_idle_and_conserved
+from tests.support.server_process import ServerProcess
 
 
 def words(ids: range | list[int]) -> str:

@@ -148,7 +148,7 @@ def test_hit_rate_gauge_averages_the_window_and_keeps_its_value() -> None:
 
 @pytest.fixture(scope="module")
 def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    from radixserve.bench.tiny_model import save_word_tokenizer
+    from tests.support.tiny_model import save_word_tokenizer
 
     folder: Path = tmp_path_factory.mktemp("tok")
     save_word_tokenizer(folder)

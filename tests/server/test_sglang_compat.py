@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from radixserve.bench.server_process import ServerProcess
 from radixserve.server.sglang_fields import HONOURED, SGLANG_FIELDS
 from tests.server.conftest import assert_idle_and_conserved
+from tests.support.server_process import ServerProcess
 
 
 def sglang_source(relative: str) -> ast.Module:

@@ -19,8 +19,8 @@ import sglang as sgl
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from radixserve.bench.server_process import ServerProcess
 from tests.server.conftest import assert_idle_and_conserved
+from tests.support.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import openai
 import pytest
 import sglang as sgl
 
-from radixserve.bench.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

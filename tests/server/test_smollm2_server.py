@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from radixserve.bench.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

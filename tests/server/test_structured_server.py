@@ -14,8 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from radixserve.bench.server_process import ServerProcess
 from tests.server.conftest import assert_idle_and_conserved, cache_state
+from tests.support.server_process import ServerProcess
 
 SCHEMA = {
     "type": "object",

@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from radixserve.bench.server_process import ServerProcess
 from radixserve.server.tenancy import read_key_file, salt_namespace, tenant_namespace
 from tests.server.conftest import MODEL
+from tests.support.server_process import ServerProcess
 
 KEYS = {"alice": "key-alice-1", "bob": "key-bob-2"}
 ADMIN = "admin-key-3"

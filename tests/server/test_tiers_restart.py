@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
-from radixserve.bench.server_process import ServerProcess
 from tests.server.conftest import MODEL
+from tests.support.server_process import ServerProcess
 
 DOC = " ".join(f"w{3 + (i * 7) % 120}" for i in range(80))  # 80 tokens: five whole tier pages
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from radixserve.bench.simulate import replay
-from radixserve.bench.traces import working_set_tokens
-from radixserve.bench.workloads import make_workload
+from benchmarks.simulate import replay
+from benchmarks.traces import working_set_tokens
+from benchmarks.workloads import make_workload
 
 
 def test_tiers_recover_what_the_pool_evicts() -> None:

@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from radixserve.bench.server_process import ServerProcess
-from radixserve.bench.soak import (
+from benchmarks.soak import (
     OUTCOMES,
     CallResult,
     MiB,
@@ -19,7 +18,8 @@ from radixserve.bench.soak import (
     check_outcomes,
     run_soak,
 )
-from radixserve.bench.soak_plan import ServerFacts, plan_calls
+from benchmarks.soak_plan import ServerFacts, plan_calls
+from tests.support.server_process import ServerProcess
 
 REQUESTS, CONCURRENCY = 200, 50
 IDLE_CACHE = {

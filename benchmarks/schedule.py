@@ -18,14 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from radixserve.bench.tiny_model import build_engine_folder
-from radixserve.bench.workloads import TraceRequest, fewshot_burst, support_agent
+from benchmarks.workloads import TraceRequest, fewshot_burst, support_agent
 from radixserve.cache import RadixCache, RadixKey
 from radixserve.core import SamplingParams
 from radixserve.engine import Engine
 from radixserve.memory import TokenAllocator
 from radixserve.scheduler.policy import create_schedule_policy
 from radixserve.scheduler.request import Request
+from tests.support.tiny_model import build_engine_folder
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "hrrn", "fcfs/no-dedup")  # the last: in-batch dedup off
 

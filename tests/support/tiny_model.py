@@ -4,8 +4,9 @@ Weights are HF's own init with the norms and biases perturbed, so a swapped
 norm or a dropped bias shows in the logits (HF inits them to ones and zeros).
 The word-level tokenizer maps "w3 w7" to [3, 7], so prompts are easy to write.
 
-It stays in the package, not under tests/: ``bench four-way --tiny``, ``scale-out``,
-``schedule`` and ``soak`` build one at run time (tests reach it through tests/model/tiny.py).
+The tests build them (through tests/conftest.py and tests/model/tiny.py), and so do
+``four-way --tiny``, ``scale-out``, ``schedule``, ``soak`` and ``programs --tiny`` at run time
+(see tests/support/__init__.py).
 """
 
 from __future__ import annotations

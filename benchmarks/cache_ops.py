@@ -1,4 +1,4 @@
-"""Cost of the cache operations themselves: ``python -m radixserve.bench.cache_ops``.
+"""Cost of the cache operations themselves: ``python -m benchmarks.cache_ops``.
 
 Part 1, growth with cache size: a cache holding N cached requests (a shared
 2,055-token prefix, each with its own 32-token tail), for N = 1k, 10k, 100k.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixserve.bench.workloads import VOCAB_SIZE, TraceRequest, support_agent
+from benchmarks.workloads import VOCAB_SIZE, TraceRequest, support_agent
 from radixserve.cache import BasePrefixCache, CacheReq, RadixKey, create_prefix_cache
 from radixserve.memory import TokenAllocator
 

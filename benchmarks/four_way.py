@@ -35,11 +35,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from radixserve.bench.serve import BenchResult, run_benchmark, server_vocab_size
-from radixserve.bench.server_process import ServerProcess
-from radixserve.bench.tiny_model import build_engine_folder
-from radixserve.bench.workloads import TraceRequest, generated_shared_prefix
+from benchmarks.serve import BenchResult, run_benchmark, server_vocab_size
+from benchmarks.workloads import TraceRequest, generated_shared_prefix
 from radixserve.extras import missing_extra
+from tests.support.server_process import ServerProcess
+from tests.support.tiny_model import build_engine_folder
 
 RUNS: dict[str, tuple[str, ...]] = {
     "baseline": (),

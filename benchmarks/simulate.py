@@ -33,11 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from radixserve.bench.belady import BeladyCache, FutureIndex
-from radixserve.bench.policy_table import adaptive_summary
-from radixserve.bench.tier_sim import make_tiered_cache
-from radixserve.bench.traces import load_trace, working_set_tokens
-from radixserve.bench.workloads import TraceRequest, make_workload
+from benchmarks.belady import BeladyCache, FutureIndex
+from benchmarks.policy_table import adaptive_summary
+from benchmarks.tier_sim import make_tiered_cache
+from benchmarks.traces import load_trace, working_set_tokens
+from benchmarks.workloads import TraceRequest, make_workload
 from radixserve.cache import EVICTION_POLICIES, BasePrefixCache, CacheReq, RadixKey, create_prefix_cache
 from radixserve.extras import missing_extra
 from radixserve.memory import TokenAllocator
@@ -270,7 +270,7 @@ def simulate_cluster(
     capacity: int,
     out: Path,
 ) -> None:
-    from radixserve.bench.replicas import format_replica_table, plot_replicas, simulate_replicas
+    from benchmarks.replicas import format_replica_table, plot_replicas, simulate_replicas
 
     start = time.perf_counter()
     print(f"{len(requests):,} requests of {label}; {capacity:,} KV tokens per replica")
@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve bench simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--workload", default="support-agent", help="a workload name (see bench/workloads.py)")
+    parser.add_argument("--workload", default="support-agent", help="a workload name (see benchmarks/workloads.py)")
     parser.add_argument(
         "--trace", default=None, help="a JSONL trace file instead (Mooncake-style hash_ids or input_ids)"
     )

@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from radixserve.bench.server_process import ServerProcess
-from radixserve.bench.tiny_model import build_byte_engine_folder
+from tests.support.server_process import ServerProcess
+from tests.support.tiny_model import build_byte_engine_folder
 
 
 def flush(url: str, timeout: float = 120.0) -> None:
@@ -42,7 +42,7 @@ def run_one(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One workload's batch on one server: its figures."""
     import sglang as sgl
 
-    from radixserve.bench import sgl_programs  # sglang is a test extra: imported only when a bench runs
+    from benchmarks import sgl_programs  # sglang is a test extra: imported only when a bench runs
 
     backend = sgl.RuntimeEndpoint(url, chat_template_name=args.chat_template)
     program, batch = sgl_programs.workload(name, args.count, args.seed, args.max_tokens, args.json_max_tokens)
@@ -66,7 +66,7 @@ def run_one(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def validity(name: str, states: list[Any]) -> str:
     """``"ok/all"`` outputs of the right shape, and how many of the others ``max_tokens`` cut short."""
-    from radixserve.bench import sgl_programs
+    from benchmarks import sgl_programs
 
     ok = sum(state.error() is None and sgl_programs.valid(name, state) for state in states)
     cut = sum(state.error() is None and sgl_programs.stopped_by_length(name, state) for state in states)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from radixserve.bench.traces import load_trace, save_trace, text_of, with_poisson_arrivals, working_set_tokens
-from radixserve.bench.workloads import (
+from benchmarks.traces import load_trace, save_trace, text_of, with_poisson_arrivals, working_set_tokens
+from benchmarks.workloads import (
     WORKLOADS,
     TraceRequest,
     branching,

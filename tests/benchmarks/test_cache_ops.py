@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from radixserve.bench.cache_ops import main, measure_growth, replay
-from radixserve.bench.workloads import TraceRequest, support_agent
+from benchmarks.cache_ops import main, measure_growth, replay
+from benchmarks.workloads import TraceRequest, support_agent
 from radixserve.cache.key import common_prefix_len
 
 

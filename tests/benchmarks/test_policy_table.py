@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.bench.policy_table import adaptive_summary, meets_default_rule
+from benchmarks.policy_table import adaptive_summary, meets_default_rule
 
 
 @dataclass

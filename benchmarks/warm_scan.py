@@ -8,7 +8,7 @@ process: opening the ``DiskPageStore`` (the warm scan), attaching the KV event l
 (which reads every page's label from its header), and the first drain turned into
 one wire batch (the scheduler thread's first publish). Uses only what every version
 since the disk tier has, so the same file measures an older checkout
-(``PYTHONPATH=<old checkout> python radixserve/bench/warm_scan.py``). The page files
+(``PYTHONPATH=<old checkout> python benchmarks/warm_scan.py``). The page files
 were just written, so they sit in the page cache: a cold disk adds its reads.
 """
 

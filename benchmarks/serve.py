@@ -33,8 +33,8 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.bench.traces import load_trace, text_of, with_poisson_arrivals
-from radixserve.bench.workloads import VOCAB_SIZE, WORKLOADS, TraceRequest, make_workload
+from benchmarks.traces import load_trace, text_of, with_poisson_arrivals
+from benchmarks.workloads import VOCAB_SIZE, WORKLOADS, TraceRequest, make_workload
 
 COUNTERS = ("prompt_tokens", "cached_tokens", "generation_tokens")  # radixserve:<name>_total
 

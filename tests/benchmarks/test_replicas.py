@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.bench.replicas import ROUTERS, simulate_replicas
-from radixserve.bench.simulate import main
-from radixserve.bench.traces import working_set_tokens
-from radixserve.bench.workloads import make_workload
+from benchmarks.replicas import ROUTERS, simulate_replicas
+from benchmarks.simulate import main
+from benchmarks.traces import working_set_tokens
+from benchmarks.workloads import make_workload
 
 
 def test_cache_aware_beats_round_robin_on_support_agent_at_8_replicas() -> None:

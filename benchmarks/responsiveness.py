@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from radixserve.bench.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 
 
 def probe(base_url: str, prompt_tokens: int, rounds: int) -> None:

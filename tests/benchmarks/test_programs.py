@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixserve.bench import programs
+from benchmarks import programs
 
 
 def test_programs_bench_runs_and_the_cache_saves_prompt_tokens() -> None:

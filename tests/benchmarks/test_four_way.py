@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.bench.four_way import RUNS, main
+from benchmarks.four_way import RUNS, main
 
 GROUPS, PER_GROUP, SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 3, 3, 128, 16, 4
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.bench.workloads import VOCAB_SIZE, TraceRequest, random_tokens
+from benchmarks.workloads import VOCAB_SIZE, TraceRequest, random_tokens
 from radixserve.cache.key import RadixKey, TokenArray
 from radixserve.cache.radix import RadixCache
 from radixserve.memory import TokenAllocator

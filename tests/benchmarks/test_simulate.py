@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.bench.belady import FutureIndex
-from radixserve.bench.simulate import DEFAULT_CACHES, future_index, main, replay
-from radixserve.bench.traces import working_set_tokens
-from radixserve.bench.workloads import TraceRequest, make_workload
+from benchmarks.belady import FutureIndex
+from benchmarks.simulate import DEFAULT_CACHES, future_index, main, replay
+from benchmarks.traces import working_set_tokens
+from benchmarks.workloads import TraceRequest, make_workload
 
 EMPTY = np.zeros(0, dtype=np.int64)
 

@@ -28,8 +28,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from radixserve.bench.four_way import TINY_SIZES, WorkloadSizes, format_table, plot, run_one
-from radixserve.bench.tiny_model import build_engine_folder
+from benchmarks.four_way import TINY_SIZES, WorkloadSizes, format_table, plot, run_one
+from tests.support.tiny_model import build_engine_folder
 
 RUNS: dict[str, tuple[str, ...]] = {
     "cache-aware": ("--router", "cache-aware"),

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from radixserve.bench.simulate import TokenCounts
-from radixserve.bench.workloads import TraceRequest
+from benchmarks.simulate import TokenCounts
+from benchmarks.workloads import TraceRequest
 from radixserve.cache import RadixCache, RadixKey
 from radixserve.extras import missing_extra
 from radixserve.memory import TokenAllocator

@@ -37,10 +37,10 @@ from typing import Any, Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.bench.server_process import ServerProcess
-from radixserve.bench.soak_abuse import AbuseLog, start_abuse
-from radixserve.bench.soak_plan import ServerFacts, SoakCall, plan_calls
-from radixserve.bench.tiny_model import build_engine_folder
+from benchmarks.soak_abuse import AbuseLog, start_abuse
+from benchmarks.soak_plan import ServerFacts, SoakCall, plan_calls
+from tests.support.server_process import ServerProcess
+from tests.support.tiny_model import build_engine_folder
 
 MiB = 1 << 20
 RSS_GROWTH_FRACTION, RSS_GROWTH_BYTES = 0.25, 64 * MiB

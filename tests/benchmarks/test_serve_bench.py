@@ -11,10 +11,10 @@ import httpx
 import numpy as np
 import pytest
 
-from radixserve.bench.serve import BenchResult, LatencyStats, main, run_benchmark
-from radixserve.bench.server_process import ServerProcess
-from radixserve.bench.traces import save_trace
-from radixserve.bench.workloads import TraceRequest, generated_shared_prefix
+from benchmarks.serve import BenchResult, LatencyStats, main, run_benchmark
+from benchmarks.traces import save_trace
+from benchmarks.workloads import TraceRequest, generated_shared_prefix
+from tests.support.server_process import ServerProcess
 
 GROUPS, PER_GROUP, SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 4, 5, 96, 16, 8
 
