@@ -226,3 +226,26 @@ def test_one_thread_turns_the_loop_and_the_others_go_through_its_inbox(tiny_mode
         loop.join(60)
     assert engine.failure is None and engine.generate(input_ids=SHARED, sampling_params=GREEDY).cached_tokens == 0
     engine.check_idle_invariants()
+
+
+def test_a_dying_loop_fails_every_request_loudly(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the loop itself: every submitted request ends with the error, and nothing waits on it forever."""
+    engine = make_engine(tiny_model_dir)
+
+    def broken() -> None:
+        raise RuntimeError("injected loop failure")
+
+    monkeypatch.setattr(engine.scheduler, "schedule", broken)
+    deltas: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+    for index, prompt in enumerate(PROMPTS):
+        engine.submit(engine.make_request(prompt, GREEDY), deltas.put, index)
+    loop = threading.Thread(target=engine.run_forever, args=(threading.Event(),))
+    loop.start()
+    loop.join(60)
+    results = [deltas.get(timeout=5).result for _ in PROMPTS]
+    assert all(
+        r is not None and r.finish_reason == "abort" and "injected loop failure" in (r.error or "") for r in results
+    )
+    assert isinstance(engine.failure, RuntimeError)
+    with pytest.raises(RuntimeError, match="stopped"):
+        engine.call(lambda: None).result(5)

@@ -165,6 +165,8 @@ class Driver:
                 logger.exception("the engine loop died")
                 self.failure = exc
                 self._fail_everyone(f"internal error: {exc}")
+            finally:
+                self._listener = None
 
     def step(self) -> list[Request]:
         """One scheduling round and model step; the requests that finished in it (their sinks were told)."""
