@@ -15,6 +15,12 @@ ErrorKind = Literal["engine", "capacity", "shutdown"]
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 # Per generated token: the most likely (token id, logprob) pairs, best first.
 TopLogprobs = list[tuple[int, float]]
+# Scale-out's vocabulary, here so that `serve`'s flags (server/args.py) and the router that acts on them
+# (router/table.py) share it without the server importing the router above it:
+# --router: how a request picks a replica; round-robin and power-of-two are baselines.
+ROUTER_POLICIES = ("cache-aware", "round-robin", "power-of-two")
+# --router-index: a replica's cached prefixes from its KV events (precise), or from the prompts sent to it.
+ROUTER_INDEXES = ("precise", "approximate")
 
 
 def is_token_ids(prompt: object) -> TypeIs[Sequence[int]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,8 @@ import torch
 
 from radixserve import Engine
 from radixserve.core import GenerateResult
+from radixserve.engine import EngineConfig
+from radixserve.engine.driver import Delta
 from radixserve.model import paged_kernel
 from radixserve.model.shared_prefix import SharedPrefixes, find_shared_prefixes
 from tests.model.tiny import VOCAB
@@ -176,3 +180,72 @@ def test_unknown_engine_option_is_an_error(tiny_model_dir: Path) -> None:
         Engine.create(model_path=str(tiny_model_dir), max_total_tokenz=100)
     with pytest.raises(ValueError, match="prefix_cache"):
         Engine.create(model_path=str(tiny_model_dir), prefix_cache="lru")
+
+
+def test_engine_takes_the_options_sglang_and_vllm_users_type(tiny_model_dir: Path) -> None:
+    """``Engine(model_path=...)`` as ``sgl.Engine(...)`` / ``LLM(...)`` users write it; ``Engine.create`` stays."""
+    options: dict[str, Any] = {"model_path": str(tiny_model_dir), "max_total_tokens": 256, "dtype": "float32"}
+    engine = Engine(**options, disable_radix_cache=True)
+    assert engine.config == EngineConfig(**options, prefix_cache="none")
+    assert (
+        engine.generate(words([3, 4, 5]), GREEDY).output_ids
+        == make_engine(tiny_model_dir).generate(words([3, 4, 5]), GREEDY).output_ids
+    )
+    with pytest.raises(TypeError, match="max_total_tokenz"):
+        Engine(model_path=str(tiny_model_dir), max_total_tokenz=100)
+    with pytest.raises(TypeError, match="not both"):
+        Engine(EngineConfig(**options), page_size=2)
+    with pytest.raises(TypeError, match="model_path="):
+        Engine(str(tiny_model_dir))  # type: ignore[arg-type]
+
+
+def test_one_thread_turns_the_loop_and_the_others_go_through_its_inbox(tiny_model_dir: Path) -> None:
+    """While a server's thread runs the loop, another thread submits to it and calls into it, never around it."""
+    engine = make_engine(tiny_model_dir)
+    offline = engine.generate(input_ids=SHARED, sampling_params=GREEDY)
+    stopping = threading.Event()
+    loop = threading.Thread(target=engine.run_forever, args=(stopping,))
+    loop.start()
+    try:
+        deltas: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        engine.submit(engine.make_request(SHARED, GREEDY), deltas.put)
+        received = [deltas.get(timeout=60)]
+        while received[-1].result is None:
+            received.append(deltas.get(timeout=60))
+        assert [t for d in received for t in d.token_ids] == offline.output_ids
+        assert received[-1].result is not None and received[-1].result.cached_tokens == len(SHARED) - 1
+        with pytest.raises(RuntimeError, match="another thread"):
+            engine.generate(input_ids=SHARED, sampling_params=GREEDY)
+        with pytest.raises(RuntimeError, match="engine.call"):
+            engine.flush_cache()
+        assert engine.call(engine.snapshot).result(60)["num_running"] == 0
+        assert engine.call(engine.flush_cache).result(60) > 0
+    finally:
+        stopping.set()
+        engine.call(lambda: None)
+        loop.join(60)
+    assert engine.failure is None and engine.generate(input_ids=SHARED, sampling_params=GREEDY).cached_tokens == 0
+    engine.check_idle_invariants()
+
+
+def test_a_dying_loop_fails_every_request_loudly(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the loop itself: every submitted request ends with the error, and nothing waits on it forever."""
+    engine = make_engine(tiny_model_dir)
+
+    def broken() -> None:
+        raise RuntimeError("injected loop failure")
+
+    monkeypatch.setattr(engine.scheduler, "schedule", broken)
+    deltas: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+    for index, prompt in enumerate(PROMPTS):
+        engine.submit(engine.make_request(prompt, GREEDY), deltas.put, index)
+    loop = threading.Thread(target=engine.run_forever, args=(threading.Event(),))
+    loop.start()
+    loop.join(60)
+    results = [deltas.get(timeout=5).result for _ in PROMPTS]
+    assert all(
+        r is not None and r.finish_reason == "abort" and "injected loop failure" in (r.error or "") for r in results
+    )
+    assert isinstance(engine.failure, RuntimeError)
+    with pytest.raises(RuntimeError, match="stopped"):
+        engine.call(lambda: None).result(5)

@@ -1,4 +1,5 @@
-"""The engine: the step (forward + sample for one scheduled batch) and the offline ``Engine``."""
+"""The engine: the step (forward + sample for one scheduled batch), the one loop that drives it (driver.py)
+and ``Engine``, which wires them to a model."""
 
 from __future__ import annotations
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -81,6 +83,19 @@ class EngineConfig:
         if problems:
             raise ValueError("; ".join(problems))
 
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """The config from options named as ``radixserve serve``'s flags: every field by its name, and
+        SGLang's ``disable_radix_cache`` / ``disable_in_batch_dedup`` switches (``ALIASES``) as well.
+
+        ``Engine(**options)`` and the flags (server/args.py) both come here. An unknown option is a
+        TypeError, a bad value a ValueError.
+        """
+        for alias, (name, value) in ALIASES.items():
+            if options.pop(alias, False):
+                options[name] = value
+        return cls(**options)
+
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -89,6 +104,14 @@ class EngineConfig:
     def resolved_dtype(self, device: torch.device) -> tuple[torch.dtype, str]:
         """(dtype, why): auto asks the CPU whether it multiplies bfloat16 natively."""
         return resolve_dtype(self.dtype, device)
+
+
+# Options that set a field another way, as SGLang names them: option -> (field, its value when the option is on)
+ALIASES: dict[str, tuple[str, Any]] = {
+    "disable_radix_cache": ("prefix_cache", "none"),
+    "disable_in_batch_dedup": ("in_batch_dedup", False),
+}
+ENGINE_OPTIONS = frozenset({f.name for f in dataclasses.fields(EngineConfig)} | set(ALIASES))
 
 
 def default_pool_tokens(bytes_per_token: int, device: torch.device) -> int:

@@ -1,12 +1,15 @@
-"""The offline engine: ``Engine(config).generate(...)`` and ``.chat(...)``, no HTTP.
+"""The engine: ``Engine(config)`` or ``Engine(**options)``, then ``.generate(...)`` and ``.chat(...)``, no HTTP.
 
 Wires the layers: loader -> model + KV pool -> prefix cache over the slot
 allocator -> scheduler, with the engine step (``step.py``) between its
 ``schedule()`` and ``process()``. Every request's cached prefix is matched,
 locked and reused; finished requests insert prompt + output into the cache.
+The loop that drives it all is ``driver.py``'s: ``generate`` turns it on the
+caller's thread, the server's worker on its own.
 
     from radixserve import Engine
     engine = Engine()                     # the embedded SmolLM2-135M-Instruct
+    engine = Engine(model_path="model.gguf", page_size=16)   # the options are EngineConfig's fields
     out = engine.chat([{"role": "user", "content": "Hi!"}], {"max_new_tokens": 32})
     print(out.text, out.cached_tokens)
 """
@@ -16,8 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import numpy as np
@@ -25,8 +27,11 @@ import torch
 from typing_extensions import TypeIs
 
 from radixserve.cache import create_prefix_cache
+from radixserve.cache.summary import summarize
+from radixserve.cache.tiers import TierIndex
 from radixserve.core import GenerateResult, SamplingParams, is_token_ids
 from radixserve.engine.config import EngineConfig, default_pool_tokens
+from radixserve.engine.driver import Driver
 from radixserve.engine.step import StepExecutor
 from radixserve.engine.tiers import build_tiers
 from radixserve.memory.kv_pool import KVPool
@@ -49,11 +54,23 @@ def _is_conversation(messages: object) -> TypeIs[list[dict[str, str]]]:
     return isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
 
 
-class Engine:
-    """The offline engine over one ``EngineConfig``; ``Engine.create(**options)`` is the keyword form."""
+def _config(config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:
+    """``config``, or one built from ``options`` (EngineConfig's fields): never both."""
+    if config is None:
+        return EngineConfig.from_options(**options)
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"Engine(config) takes an EngineConfig, not {type(config).__name__}: Engine(model_path=...)")
+    if options:
+        raise TypeError(f"give an EngineConfig or options, not both (got {', '.join(sorted(options))})")
+    return config
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
+
+class Engine(Driver):
+    """The engine over one ``EngineConfig``: ``Engine(config)``, or ``Engine(**options)`` named as
+    ``radixserve serve``'s flags (``EngineConfig.from_options``: the same path and checks as the flags)."""
+
+    def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
+        self.config = config = _config(config, options)
         torch.set_num_threads(config.num_threads)
         self.device = config.resolved_device()
         dtype, self.dtype_reason = config.resolved_dtype(self.device)
@@ -90,8 +107,8 @@ class Engine:
         self.eos_token_ids = eos
         self._grammars: GrammarCompiler | None = None
         runner = ModelRunner(self.loaded.model, model, self.kv_pool, self.device)
-        self.executor = StepExecutor(runner, self.tokenizer.decode_continuation, eos)
-        self.scheduler = Scheduler(
+        executor = StepExecutor(runner, self.tokenizer.decode_continuation, eos)
+        scheduler = Scheduler(
             self.cache,
             self.tokenizer.decode_continuation,
             eos,
@@ -100,18 +117,14 @@ class Engine:
             create_schedule_policy(config.schedule_policy, config.in_batch_dedup, config.schedule_seed),
             enable_mixed_chunk=config.enable_mixed_chunk,
         )
+        super().__init__(scheduler, executor)
         self._rids = itertools.count()
         logger.info("engine ready: %s, %d KV slots, %s on %s", config, self.allocator.size, dtype, self.device)
 
     @classmethod
     def create(cls, **options: Any) -> Engine:
-        """``Engine(EngineConfig(**options))``; an unknown option is a TypeError, a bad value a ValueError."""
-        return cls(EngineConfig(**options))
-
-    def step(self) -> list[Request]:
-        """One scheduling round and model step; the requests that finished in it."""
-        batch = self.scheduler.schedule()
-        return self.scheduler.process(batch, self.executor.run(batch))
+        """``Engine(**options)``: an unknown option is a TypeError, a bad value a ValueError."""
+        return cls(**options)
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -194,31 +207,58 @@ class Engine:
             self._grammars = GrammarCompiler(self.tokenizer.hf, self.loaded.config.vocab_size, self.eos_token_ids)
         return self._grammars
 
-    def flush_cache(self) -> None:
-        """Drop every cached prefix (only when no request is in flight)."""
-        if self.scheduler.has_work():
-            raise RuntimeError("flush_cache while requests are in flight")
-        self.cache.reset()
-        if self.cache.tiers is not None:
-            self.cache.tiers.clear_host()  # the disk tier stays: remove the directory to drop it
+    # ---- what it holds (on the loop's thread: through ``call`` while a server runs it) --------------
 
-    def close(self, timeout: float = 30.0) -> bool:
-        """Flush the cache tiers: every cached page the disk tier lacks is written, for up to
-        ``timeout`` s; then the directory is released. True if everything landed (or no disk tier).
+    @property
+    def tiers(self) -> TierIndex | None:
+        """The cache tiers below the pool (None: the pool is the only tier); their counters are plain ints
+        any thread may read (a value may lag one step behind, never tear)."""
+        return self.cache.tiers
 
-        Call it from the thread that steps the engine, with nothing in flight.
-        """
+    def snapshot(self) -> dict[str, object]:
+        """The scheduler's counters and the pool's figures (``/server_info``'s ``scheduler``)."""
+        self._check_thread()
+        return self.scheduler.snapshot()
+
+    def tier_stats(self) -> dict[str, Any] | None:
+        """The cache tiers below the pool, with their sizes and counters (None: the pool is the only tier)."""
+        self._check_thread()
         tiers = self.cache.tiers
         if tiers is None:
-            return True
-        start = time.monotonic()
-        if tiers.disk is not None and tiers.disk.writable:
-            flush = getattr(self.cache, "flush_to_disk", None)
-            if flush is not None:
-                flush()
-        done = tiers.close(timeout)
-        logger.info("cache tiers closed in %.2f s%s", time.monotonic() - start, "" if done else ": flush timed out")
-        return done
+            return None
+        stats = tiers.stats
+        return {
+            **tiers.sizes(),
+            "hit_tokens": dict(stats.hit_tokens),
+            "load_failures": stats.load_failures,
+            "prefetch": {"pages": stats.pages_prefetched, "hits": stats.prefetch_hits},
+        }
+
+    def cache_view(
+        self, top: int = 10, check: bool = False, visible: Callable[[str | None], bool] | None = None
+    ) -> dict[str, Any]:
+        """What the prefix cache holds: sizes (tokens), shape, the ``top`` most shared prefixes.
+
+        ``live_request_tokens`` are slots held privately by running requests: free + cached + live
+        == pool, always. ``check`` also verifies every cache invariant (walks the whole tree).
+        ``visible``: only the namespaces it accepts, and no pool-wide figures.
+        """
+        self._check_thread()
+        out = summarize(self.cache, top, visible=visible)
+        if visible is not None:
+            return out
+        out["live_request_tokens"] = out["pool_tokens"] - out["free_tokens"] - out["cached_tokens"]
+        out["running_requests"] = len(self.scheduler.running)
+        out["waiting_requests"] = len(self.scheduler.waiting)
+        if self.cache.tiers is not None:
+            out["tiers"] = self.cache.tiers.sizes()
+        if check:
+            try:
+                self.cache.check_invariants()
+                out["invariants"] = "ok"
+            except AssertionError as exc:
+                out["invariants"] = f"broken: {exc}"
+        return out
 
     def check_idle_invariants(self) -> None:
         """With nothing in flight: the cache is consistent and free + cached == pool."""
@@ -236,10 +276,7 @@ class Engine:
         if len(per_request) != len(prompts):
             raise ValueError(f"{len(per_request)} sampling_params for {len(prompts)} prompts")
         requests = [self.make_request(p, sp, extra_key) for p, sp in zip(prompts, per_request)]  # validate all first
-        for req in requests:
-            self.scheduler.add(req)
-        while any(req.finish_reason is None for req in requests):
-            self.step()
+        self.run_until_done(requests)
         return [req.result() for req in requests]
 
     @property

@@ -27,11 +27,6 @@ from radixserve.cache.key import RadixKey
 from radixserve.cache.radix import RadixCache
 from radixserve.memory import TokenAllocator
 
-# --router: how a request picks a replica (table.py ranks them); round-robin and power-of-two are baselines.
-ROUTER_POLICIES = ("cache-aware", "round-robin", "power-of-two")
-# --router-index: a replica's cached prefixes from its KV events (precise), or from the prompts sent to it
-ROUTER_INDEXES = ("precise", "approximate")
-
 
 @dataclass(frozen=True)
 class RouterConfig:

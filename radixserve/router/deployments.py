@@ -82,7 +82,6 @@ class EngineReplica:
                 args,
                 kv_events_endpoint=f"tcp://{ray.util.get_node_ip_address()}:*",
                 kv_events_replay_endpoint=None,
-                engine=dataclasses.replace(args.engine, enable_kv_events=True),
             )
         # Loaded as `serve` loads it: this thread keeps no OpenMP pool beside the scheduler thread's (launch.py).
         engine = off_the_main_thread(lambda: Engine(args.engine))

@@ -34,16 +34,10 @@ import numpy as np
 import zmq
 
 from radixserve.cache.key import RadixKey
+from radixserve.core import ROUTER_INDEXES, ROUTER_POLICIES
 from radixserve.kv_events.subscriber import KVEventSubscriber
 from radixserve.kv_events.wire import block_hashes
-from radixserve.router.choice import (
-    ROUTER_INDEXES,
-    ROUTER_POLICIES,
-    PrefixIndex,
-    RouterConfig,
-    choose_replica,
-    imbalanced,
-)
+from radixserve.router.choice import PrefixIndex, RouterConfig, choose_replica, imbalanced
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.params import Depends
 
-from radixserve.cache.summary import summarize
 from radixserve.engine import Engine
+from radixserve.engine.driver import RequestsInFlight
 from radixserve.server.errors import APIError
 from radixserve.server.generation import ServerState
 
@@ -32,8 +32,7 @@ def admin_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter:
     async def cache(request: Request, top: int = Query(10, ge=0, le=100), check: bool = False) -> dict[str, Any]:
         """Sizes (tokens), shape, and the most shared prefixes (their first and last tokens as text).
 
-        ``live_request_tokens`` are slots held privately by running requests:
-        free + cached + live == pool, always. ``check=true`` also verifies every
+        ``Engine.cache_view`` says what each figure means; ``check=true`` also verifies every
         cache invariant (walks the whole tree). Under --tenant-isolation a tenant
         sees only its own namespaces (no pool-wide figures); the admin key sees all.
         With several identities and no isolation, only the admin sees prompt text.
@@ -42,10 +41,10 @@ def admin_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter:
         if tenancy.isolation and not tenancy.is_operator(tenant):
             own = tenancy.namespace(tenant, None) or ""
             view = await state.worker_call(
-                lambda: summarize(engine.cache, top, visible=lambda ns: ns is not None and ns.startswith(own))
+                lambda: engine.cache_view(top, visible=lambda ns: ns is not None and ns.startswith(own))
             )
             return decode_previews(engine, view)
-        out = await state.worker_call(lambda: pool_view(engine, top, check))
+        out = await state.worker_call(lambda: engine.cache_view(top, check))
         if tenancy.is_operator(tenant):
             return decode_previews(engine, out)
         return hide_previews(out)
@@ -54,34 +53,13 @@ def admin_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter:
     async def flush_cache(request: Request) -> dict[str, Any]:
         if not tenancy.is_operator(request.state.tenant):
             raise APIError(403, "with several API keys or tenants only the admin key may flush the cache", "forbidden")
-
-        def flush() -> int:
-            if engine.scheduler.has_work():
-                raise APIError(400, "cache not flushed: requests are in flight", "requests_in_flight")
-            dropped = engine.cache.total_size()
-            engine.cache.reset()
-            return dropped
-
-        return {"flushed": True, "dropped_tokens": await state.worker_call(flush)}
+        try:  # the engine's own flush: the pool and the host tier
+            dropped = await state.worker_call(engine.flush_cache)
+        except RequestsInFlight as exc:
+            raise APIError(400, str(exc), "requests_in_flight") from None
+        return {"flushed": True, "dropped_tokens": dropped}
 
     return router
-
-
-def pool_view(engine: Engine, top: int, check: bool) -> dict[str, Any]:
-    """The whole pool's figures (run on the scheduler thread)."""
-    out = summarize(engine.cache, top)
-    out["live_request_tokens"] = out["pool_tokens"] - out["free_tokens"] - out["cached_tokens"]
-    out["running_requests"] = len(engine.scheduler.running)
-    out["waiting_requests"] = len(engine.scheduler.waiting)
-    if engine.cache.tiers is not None:
-        out["tiers"] = engine.cache.tiers.sizes()
-    if check:
-        try:
-            engine.cache.check_invariants()
-            out["invariants"] = "ok"
-        except AssertionError as exc:
-            out["invariants"] = f"broken: {exc}"
-    return out
 
 
 def decode_previews(engine: Engine, out: dict[str, Any]) -> dict[str, Any]:

@@ -43,9 +43,11 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
+    if args.kv_events_endpoint and not engine.config.enable_kv_events:  # it would publish nothing, silently
+        raise ValueError("--kv-events-endpoint needs an engine with enable_kv_events: build it from args.engine")
     metrics = ServerMetrics(args.hit_rate_window) if args.enable_metrics else None
-    if metrics is not None and engine.cache.tiers is not None:
-        metrics.registry.register(TierCollector(engine.cache.tiers))
+    if metrics is not None and engine.tiers is not None:
+        metrics.registry.register(TierCollector(engine.tiers))
     events = None
     if args.kv_events_endpoint:
         events = KVEventPublisher(

@@ -17,12 +17,13 @@ from typing import Any
 from radixserve.cache import PREFIX_CACHES
 from radixserve.cache.policy import EVICTION_POLICIES
 from radixserve.cache.tier_pages import WRITE_POLICIES
+from radixserve.core import ROUTER_INDEXES, ROUTER_POLICIES
 from radixserve.engine import DTYPES, EngineConfig
+from radixserve.engine.config import ENGINE_OPTIONS
 from radixserve.kv_events.config import KVEventsConfig, parse_kv_events_config
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import KV_CACHE_DTYPES
 from radixserve.model.quant import QUANTIZATIONS
-from radixserve.router.choice import ROUTER_INDEXES, ROUTER_POLICIES
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
 
 DEFAULT_PORT = 30000
@@ -68,6 +69,11 @@ class ServerArgs:
         problems = [message for ok, message in self._checks() if not ok]
         if problems:
             raise ValueError("; ".join(problems))
+        # One fact: KV events are on when they have an endpoint to go to. The engine's event log follows it,
+        # so an endpoint never publishes nothing, and no log fills up that nobody drains.
+        publish = bool(self.kv_events_endpoint)
+        if self.engine.enable_kv_events != publish:
+            object.__setattr__(self, "engine", dataclasses.replace(self.engine, enable_kv_events=publish))
 
     def _checks(self) -> list[tuple[bool, str]]:
         identified = bool(self.api_keys or self.api_key_file or self.tenant_header)
@@ -424,12 +430,7 @@ def parse_args(argv: list[str]) -> ServerArgs:
             "port of its node (GET /router shows them)"
         )
     try:
-        engine = EngineConfig(
-            **_same_named(EngineConfig, flags),
-            prefix_cache="none" if ns.disable_radix_cache else ns.prefix_cache,
-            in_batch_dedup=not ns.disable_in_batch_dedup,
-            enable_kv_events=ns.kv_events_endpoint is not None or ns.kv_events_config is not None,
-        )
+        engine = EngineConfig.from_options(**{name: value for name, value in flags.items() if name in ENGINE_OPTIONS})
         return ServerArgs(
             **_same_named(ServerArgs, flags),
             **kv_events_fields(ns),
@@ -463,13 +464,11 @@ def kv_events_fields(ns: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-# Config fields that are not a flag's value as it stands (derived from other flags, or renamed).
+# ServerArgs fields that are not a flag's value as it stands (derived from other flags, or renamed); every
+# other field is the flag of the same name. The engine's own options: EngineConfig.from_options.
 _DERIVED = frozenset(
     {
         "engine",
-        "prefix_cache",
-        "in_batch_dedup",
-        "enable_kv_events",
         "api_keys",
         "shared_prefixes",
         "shared_system_prompts",

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from radixserve.core import GenerateResult, SamplingParams
 from radixserve.engine import Engine
+from radixserve.engine.driver import Delta
 from radixserve.model.tokenizer import IncrementalDecoder, Tokenizer, find_stop, partial_stop_len
 from radixserve.scheduler.request import Request
 from radixserve.server.args import ServerArgs
@@ -27,7 +28,7 @@ from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import MAX_STOP
 from radixserve.server.tenancy import Tenancy
-from radixserve.server.worker import Delta, EngineWorker, Overloaded
+from radixserve.server.worker import EngineWorker, Overloaded
 
 T = TypeVar("T")
 MAX_REQUESTS_PER_CALL = 1024  # engine requests (prompts x choices) one HTTP call may make

@@ -18,7 +18,6 @@ from fastapi import APIRouter, Response
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse
 
-from radixserve.engine import Engine
 from radixserve.server.errors import APIError
 from radixserve.server.generation import ServerState
 
@@ -42,8 +41,8 @@ def info_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter:
             "version": VERSION,
             "server_args": args.resolved(),
             "engine": engine.describe(),
-            "scheduler": await state.worker_call(engine.scheduler.snapshot),
-            "cache_tiers": await state.worker_call(lambda: tier_sizes(engine)),
+            "scheduler": await state.worker_call(engine.snapshot),
+            "cache_tiers": await state.worker_call(engine.tier_stats),
             "process": {"pid": os.getpid(), "rss_bytes": rss_bytes()},
         }
 
@@ -93,7 +92,7 @@ def sglang_info_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter
 
     @router.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
-        snapshot = await state.worker_call(engine.scheduler.snapshot)
+        snapshot = await state.worker_call(engine.snapshot)
         return {
             **args.resolved(),
             "max_total_num_tokens": engine.allocator.size,
@@ -104,20 +103,6 @@ def sglang_info_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter
         }
 
     return router
-
-
-def tier_sizes(engine: Engine) -> dict[str, Any] | None:
-    """The cache tiers below the pool, with their sizes and counters (None: the pool is the only tier)."""
-    tiers = engine.cache.tiers
-    if tiers is None:
-        return None
-    stats = tiers.stats
-    return {
-        **tiers.sizes(),
-        "hit_tokens": dict(stats.hit_tokens),
-        "load_failures": stats.load_failures,
-        "prefetch": {"pages": stats.pages_prefetched, "hits": stats.prefetch_hits},
-    }
 
 
 def rss_bytes() -> int:

@@ -1,65 +1,68 @@
-"""The scheduler thread: owns the engine's scheduler and cache; the HTTP loop never steps the model.
+"""The server's loop thread: it turns the engine's loop (engine/driver.py) until shutdown.
 
-The HTTP side talks to it through one inbox (a thread-safe queue of commands):
-``submit`` a request with a sink, ``abort`` one, or ``call`` a function between
-two steps (flush the cache, summarise it). The thread drains the inbox, runs one
-scheduler step, then hands every request's new tokens to its sink as a
-``Delta`` (the last one carries the result). Sinks are called on this thread;
-the server's sinks hop onto the event loop with ``call_soon_threadsafe``.
+The HTTP side submits to the engine through this worker and never around it: it
+claims room first (``reserve``: ``Overloaded``, a 503, when the server is full),
+then ``submit``s, ``abort``s, or ``call``s a function between two steps (flush
+the cache, summarise it). The engine's loop calls the sinks and this server's
+``ServerListener`` (Prometheus figures, KV events) on this thread.
 
-Only this thread touches the scheduler, the cache and the allocator, so none of
-them needs a lock. torch releases the GIL inside its kernels and Python switches
-threads every few milliseconds, so ``/health`` and ``/metrics`` answer while a
-long prefill runs.
+Only this thread touches the scheduler, the cache and the allocator (the
+driver's docstring says why /health and /metrics still answer during a long
+prefill). ``stop`` aborts what is in flight (every sink gets its final delta)
+and closes the cache tiers; a loop that dies fails every request and shows in
+``/health``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import logging
-import queue
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
-from radixserve.core import ErrorKind, GenerateResult, TopLogprobs
+from radixserve.cache.events import KVEvent
+from radixserve.core import GenerateResult
 from radixserve.engine import Engine
+from radixserve.engine.driver import Delta, LoadStats, LoopListener, Sink
 from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.scheduler.request import Request
 from radixserve.server.metrics import ServerMetrics
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass
-class Delta:
-    """What one request produced since its last delta; ``result`` is set on its last one."""
-
-    rid: int
-    index: int  # the request's place in its HTTP call (prompt x choice)
-    token_ids: list[int]
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)
-    result: GenerateResult | None = None
-
-
-Sink = Callable[[Delta], None]
-
-
-@dataclass(eq=False)
-class _Live:
-    req: Request
-    sink: Sink
-    index: int
-    sent: int = 0  # output tokens already delivered
-    last_token_time: float = 0.0
 
 
 class Overloaded(RuntimeError):
     """More requests in flight than the server accepts (``--max-queued-requests``)."""
+
+
+class ServerListener(LoopListener):
+    """The loop's figures into Prometheus metrics (``--enable-metrics``), its KV events onto ZMQ."""
+
+    def __init__(self, metrics: ServerMetrics | None, events: KVEventPublisher | None) -> None:
+        self.metrics = metrics
+        self.events = events
+
+    def on_tokens(self, first: bool, seconds: float) -> None:
+        if self.metrics is not None:
+            (self.metrics.ttft if first else self.metrics.itl).observe(seconds)
+
+    def on_finish(self, result: GenerateResult) -> None:
+        if self.metrics is not None:
+            self.metrics.on_finish(
+                result.prompt_tokens,
+                result.cached_tokens,
+                len(result.output_ids),
+                result.finish_reason,
+                result.e2e_latency,
+            )
+
+    def on_step(self, load: LoadStats) -> None:
+        if self.metrics is not None:
+            self.metrics.on_step(*load)
+
+    def on_kv_events(self, events: list[KVEvent]) -> None:
+        if self.events is not None:
+            self.events.publish(events)
 
 
 class EngineWorker:
@@ -74,18 +77,17 @@ class EngineWorker:
         self.engine = engine
         self.close_timeout = close_timeout  # how long shutdown may spend flushing cache tiers to disk
         self.events = events
+        self.listener = ServerListener(metrics, events)
         self.max_in_flight = max_in_flight
         self._in_flight = 0  # submitted and not yet finished (any thread reads; changed under _count_lock)
         self._count_lock = threading.Lock()
-        self.scheduler = engine.scheduler
-        self.metrics = metrics
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._live: dict[int, _Live] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="radixserve-scheduler", daemon=True)
-        self.failure: BaseException | None = None  # set if the loop itself died: /health reports it
 
-    # ---- the HTTP side's commands (any thread) ----------------------------------------------------
+    @property
+    def failure(self) -> BaseException | None:
+        """What killed the engine's loop (None while it runs): /health reports it."""
+        return self.engine.failure
 
     def start(self) -> None:
         self._thread.start()
@@ -109,157 +111,32 @@ class EngineWorker:
 
     def submit(self, req: Request, sink: Sink, index: int = 0) -> None:
         """Queue a request (after ``reserve``); its sink gets deltas, the last with the result."""
-        self._inbox.put(lambda: self._add(req, sink, index))
+
+        def counted(delta: Delta) -> None:
+            if delta.result is not None:  # its last delta: the room it reserved is free again
+                with self._count_lock:
+                    self._in_flight -= 1
+            sink(delta)
+
+        self.engine.submit(req, counted, index)
 
     def abort(self, rid: int) -> None:
         """Abort a request wherever it is (queued, running, or still in the inbox). Idempotent."""
-        self._inbox.put(lambda: self._abort(rid))
+        self.engine.abort(rid)
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the scheduler thread between two steps; wrap with ``asyncio.wrap_future``."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
         if not self.alive():  # nobody would ever run it
+            future: concurrent.futures.Future[T] = concurrent.futures.Future()
             future.set_exception(RuntimeError(f"the scheduler stopped: {self.failure!r}"))
             return future
-
-        def run() -> None:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # handed to the caller
-                    future.set_exception(exc)
-
-        self._inbox.put(run)
-        return future
+        return self.engine.call(fn)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort whatever is still in flight (sinks get their final delta), then end the thread."""
         self._stopping.set()
-        self._inbox.put(lambda: None)  # wake it
+        self.engine.call(lambda: None)  # wake it
         self._thread.join(timeout + self.close_timeout)
 
-    # ---- the scheduler thread -----------------------------------------------------------------------
-
     def _run(self) -> None:
-        try:
-            while True:
-                self._drain(block=not self.scheduler.has_work())
-                self._publish_events()  # what the commands did (a flush clears everything)
-                if self._stopping.is_set():
-                    self._drain(block=False)
-                    for rid in list(self._live):
-                        self._abort(rid, "the server is shutting down", "shutdown")
-                    self.engine.close(self.close_timeout)  # dirty pages to the disk tier
-                    break
-                if self.scheduler.has_work():
-                    self.engine.step()
-                    self._publish()
-                    self._publish_events()
-        except BaseException as exc:  # a bug in the loop: fail everyone loudly rather than hang
-            logger.exception("the scheduler loop died")
-            self.failure = exc
-            self._fail_everyone(f"internal error: {exc}")
-
-    def _fail_everyone(self, error: str) -> None:
-        for live in self._live.values():
-            try:
-                self.scheduler.abort(live.req, error)
-            except Exception:  # the scheduler's state is what broke: the request is over all the same
-                logger.exception("aborting request %d after the loop died", live.req.rid)
-                if live.req.finish_reason is None:
-                    live.req.finish("abort", error)
-            self._deliver(live, final=True)
-        self._live.clear()
-
-    def _drain(self, block: bool) -> None:
-        try:
-            command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            command()
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _add(self, req: Request, sink: Sink, index: int) -> None:
-        if self._stopping.is_set():
-            self.scheduler.abort(req, "the server is shutting down", "shutdown")
-            self._deliver(_Live(req, sink, index), final=True)
-            return
-        live = _Live(req, sink, index)
-        self._live[req.rid] = live
-        self.scheduler.add(req)
-
-    def _abort(self, rid: int, error: str | None = None, kind: ErrorKind = "engine") -> None:
-        live = self._live.get(rid)
-        if live is None:
-            return  # already finished, or never submitted
-        self.scheduler.abort(live.req, error, kind)
-        self._publish()
-
-    def _publish(self) -> None:
-        """Deliver every live request's new tokens; finished ones get their result and leave."""
-        now = time.perf_counter()
-        done = []
-        for rid, live in self._live.items():
-            req = live.req
-            finished = req.finish_reason is not None
-            if len(req.output_ids) > live.sent or finished:
-                self._observe_tokens(live, now)
-                self._deliver(live, final=finished)
-            if finished:
-                done.append(rid)
-        for rid in done:
-            del self._live[rid]
-        if self.metrics is not None:
-            scheduler = self.scheduler
-            self.metrics.on_step(
-                len(scheduler.running),
-                len(scheduler.waiting),
-                scheduler.token_usage(),
-                scheduler.cache.evicted_tokens,
-                scheduler.stats.retractions,
-            )
-
-    def _publish_events(self) -> None:
-        log = self.scheduler.cache.events
-        if self.events is not None and log is not None:
-            self.events.publish(log.drain())
-
-    def _observe_tokens(self, live: _Live, now: float) -> None:
-        if self.metrics is None or len(live.req.output_ids) == live.sent:
-            return
-        if live.sent == 0:
-            self.metrics.ttft.observe(now - live.req.arrival_time)
-        else:
-            self.metrics.itl.observe(now - live.last_token_time)
-        live.last_token_time = now
-
-    def _deliver(self, live: _Live, final: bool) -> None:
-        req = live.req
-        delta = Delta(
-            req.rid,
-            live.index,
-            req.output_ids[live.sent :],
-            req.output_logprobs[live.sent :],
-            req.output_top_logprobs[live.sent :],
-        )
-        live.sent = len(req.output_ids)
-        if final:
-            with self._count_lock:
-                self._in_flight -= 1
-            delta.result = result = req.result()
-            if self.metrics is not None:
-                self.metrics.on_finish(
-                    result.prompt_tokens,
-                    result.cached_tokens,
-                    len(result.output_ids),
-                    result.finish_reason,
-                    result.e2e_latency,
-                )
-        try:
-            live.sink(delta)
-        except Exception:  # the listener is gone (event loop closed): nothing to tell
-            logger.debug("dropped a delta for request %d", req.rid, exc_info=True)
+        self.engine.run_forever(self._stopping, self.listener, self.close_timeout)

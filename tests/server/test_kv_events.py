@@ -9,6 +9,7 @@ equal the blocks recomputed from the cache's tree and token ids alone.
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,3 +147,31 @@ def test_the_server_publishes_blocks_a_router_recomputes_from_token_ids(tiny_mod
         subscriber.close()
     finally:
         assert proc.stop() == 0
+
+
+def test_server_args_built_without_flags_publish_on_their_endpoint(
+    tiny_model_dir: Path, endpoints: tuple[str, str]
+) -> None:
+    """The Ray path and tests build ServerArgs directly: an endpoint alone is enough (no second switch to forget)."""
+    from radixserve.engine import EngineConfig
+    from radixserve.engine.driver import Delta
+    from radixserve.server.app import create_app
+    from radixserve.server.args import ServerArgs
+
+    engine_config = EngineConfig(model_path=str(tiny_model_dir), max_total_tokens=512)
+    args = ServerArgs(engine=engine_config, kv_events_endpoint=endpoints[0], kv_events_replay_endpoint=endpoints[1])
+    engine = Engine(args.engine)
+    worker = create_app(engine, args).state.radixserve.worker
+    worker.start()
+    try:
+        deltas: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        worker.reserve(1)
+        worker.submit(engine.make_request(list(range(10, 50)), {"max_new_tokens": 2}), deltas.put)
+        while deltas.get(timeout=60).result is None:
+            pass
+        assert worker.events is not None
+        assert worker.call(lambda: worker.events.seq).result(60) >= 0  # a first batch went out (-1: none)
+    finally:
+        worker.stop()
+        if worker.events is not None:
+            worker.events.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from radixserve.engine import EngineConfig
+from radixserve.engine.config import ENGINE_OPTIONS
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.args import ServerArgs, build_parser, parse_args
 from radixserve.server.generation import TextStream
@@ -172,3 +173,24 @@ def test_text_stream_without_stops_equals_decode_continuation(word_tokenizer: To
     text = "".join(stream.push([t]) for t in output)
     assert text == word_tokenizer.decode_continuation(output, prompt) == " w20 w21 w22"
     assert stream.finish(text) == ""
+
+
+def test_keywords_and_flags_take_one_path_to_the_engine_config() -> None:
+    """``Engine(**options)`` and ``radixserve serve``'s flags build the same config (SGLang's switches included)."""
+    argv = ["--model-path", "m.gguf", "--disable-radix-cache", "--disable-in-batch-dedup", "--page-size", "4"]
+    options = {"model_path": "m.gguf", "disable_radix_cache": True, "disable_in_batch_dedup": True, "page_size": 4}
+    assert parse_args(argv).engine == EngineConfig.from_options(**options)
+    assert EngineConfig.from_options(**options) == EngineConfig(
+        model_path="m.gguf", prefix_cache="none", in_batch_dedup=False, page_size=4
+    )
+    flags = {a.dest for a in build_parser()._actions}
+    assert ENGINE_OPTIONS - flags == {"in_batch_dedup", "enable_kv_events"}  # a switch, and the endpoint's shadow
+    with pytest.raises(TypeError):
+        EngineConfig.from_options(disable_radix_cachee=True)
+
+
+def test_kv_events_are_one_fact_the_endpoint() -> None:
+    """A ServerArgs built without flags (Ray, tests) with an endpoint publishes: the engine's log follows it."""
+    assert ServerArgs(kv_events_endpoint="ipc:///tmp/kv").engine.enable_kv_events
+    assert not ServerArgs(engine=EngineConfig(enable_kv_events=True)).engine.enable_kv_events  # nobody would drain it
+    assert parse_args(["--kv-events-endpoint", "tcp://127.0.0.1:5557"]).engine.enable_kv_events

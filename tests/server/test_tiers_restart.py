@@ -69,3 +69,15 @@ def test_a_second_server_on_the_directory_runs_read_only(tiny_model_dir: Path, t
             assert "locked by another server" in second.log()
             assert httpx.get(second.url + "/cache", timeout=30).json()["tiers"]["disk"]["writable"] is False
             complete(second.url, DOC + " w9")  # serves all the same
+
+
+def test_an_http_flush_empties_the_host_tier_too(tiny_model_dir: Path) -> None:
+    """``POST /flush_cache`` is the engine's flush: after it the host tier serves nothing either."""
+    flags = ("--hicache-size", "0.01", "--hicache-write-policy", "write_through", "--max-total-tokens", "512")
+    with ServerProcess(*flags, model_path=tiny_model_dir) as server:
+        assert cached_tokens(complete(server.url, DOC + " w9")) == 0
+        assert httpx.get(server.url + "/cache", timeout=30).json()["tiers"]["host"]["pages"] > 0  # written through
+        flushed = httpx.post(server.url + "/flush_cache", timeout=30)
+        assert flushed.status_code == 200 and flushed.json()["dropped_tokens"] > 0
+        assert httpx.get(server.url + "/cache", timeout=30).json()["tiers"]["host"]["pages"] == 0
+        assert cached_tokens(complete(server.url, DOC + " w9")) == 0
