@@ -66,7 +66,6 @@ FLOORS = {
     "__init__": 6,  # `from radixserve import Engine`: the public face, never imported from inside
     "cli": 7,  # the entry points
     "__main__": 8,
-    "bench": 9,  # on its way out to benchmarks/ beside the package: nothing in it may import it
 }
 OUTSIDE = ("tests", "benchmarks")  # never imported by the package
 
