@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from radixserve.cache.key import TokenArray, common_prefix_len
-from radixserve.cache.policy import EvictionStrategy, NodeStats, Rank
-from radixserve.cache.radix import Clock, RadixCache, TreeNode
+from radixserve.cache.core.key import TokenArray, common_prefix_len
+from radixserve.cache.core.policy import EvictionStrategy, NodeStats, Rank
+from radixserve.cache.core.radix import Clock, RadixCache, TreeNode
 from radixserve.memory.allocator import TokenAllocator
 
 NEVER = math.inf

@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from radixserve.cache import RadixCache
-from radixserve.cache.tiers import TierIndex
+from radixserve.cache.tiers.disk_store import DiskStats
+from radixserve.cache.tiers.host_arena import HostArena
+from radixserve.cache.tiers.index import TierIndex
+from radixserve.cache.tiers.kv_pages import tier_page_tokens
 from radixserve.memory import IndexArray, TokenAllocator
-from radixserve.memory.disk_store import DiskStats
-from radixserve.memory.host_arena import HostArena
-from radixserve.memory.kv_pages import tier_page_tokens
 
 
 class TokenMover:

@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from radixserve.cache import RadixCache, RadixKey
-from radixserve.cache.tiers import TierIndex
+from radixserve.cache.tiers.disk_store import DiskPageStore
+from radixserve.cache.tiers.index import TierIndex
+from radixserve.cache.tiers.kv_pages import PoolPageMover
 from radixserve.kv_events.wire import BlockStored, encode_batch, event_record
 from radixserve.memory import TokenAllocator
-from radixserve.memory.disk_store import DiskPageStore
-from radixserve.memory.kv_pages import PoolPageMover
 from radixserve.memory.kv_pool import KVPool
 
 PAGE_TOKENS, PAGES_PER_SEQUENCE = 16, 16

@@ -8,13 +8,14 @@ cache = create_prefix_cache("radix", TokenAllocator(4096))
 
 from __future__ import annotations
 
-from radixserve.cache.base import BasePrefixCache, CacheReq, MatchResult
-from radixserve.cache.block import BlockHashCache
-from radixserve.cache.chunk import ChunkCache
-from radixserve.cache.events import KVEvent, KVEventLog
-from radixserve.cache.key import RadixKey
-from radixserve.cache.policy import EVICTION_POLICIES, create_eviction_strategy
-from radixserve.cache.radix import Clock, RadixCache, TreeNode
+from radixserve.cache.baselines.block import BlockHashCache
+from radixserve.cache.baselines.chunk import ChunkCache
+from radixserve.cache.core.base import BasePrefixCache, CacheReq, MatchResult
+from radixserve.cache.core.key import RadixKey
+from radixserve.cache.core.policy import EVICTION_POLICIES, create_eviction_strategy
+from radixserve.cache.core.radix import Clock, RadixCache, TreeNode
+from radixserve.cache.events import KVEvent, KVEventLog, PageLabel
+from radixserve.cache.tiers.pages import WRITE_POLICIES
 from radixserve.memory.allocator import TokenAllocator
 
 PREFIX_CACHES = ("radix", "block", "none")
@@ -67,9 +68,11 @@ __all__ = [
     "KVEvent",
     "KVEventLog",
     "MatchResult",
+    "PageLabel",
     "RadixCache",
     "RadixKey",
     "TreeNode",
+    "WRITE_POLICIES",
     "create_eviction_strategy",
     "create_prefix_cache",
     "pool_allocator",

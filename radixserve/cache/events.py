@@ -32,7 +32,7 @@ from typing import Literal
 
 import numpy as np
 
-from radixserve.cache.key import RadixKey, TokenArray
+from radixserve.cache.core.key import RadixKey, TokenArray
 
 EventKind = Literal["store", "remove", "clear"]  # clear: everything cached is gone (reset)
 

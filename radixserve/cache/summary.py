@@ -12,9 +12,9 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.cache.base import BasePrefixCache
-from radixserve.cache.block import BlockHashCache
-from radixserve.cache.radix import RadixCache, TreeNode
+from radixserve.cache.baselines.block import BlockHashCache
+from radixserve.cache.core.base import BasePrefixCache
+from radixserve.cache.core.radix import RadixCache, TreeNode
 
 HEAD_TOKENS, TAIL_TOKENS = 48, 16  # how much of each shared prefix a summary shows
 

@@ -25,10 +25,11 @@ import torch
 from typing_extensions import TypeIs
 
 from radixserve.cache import create_prefix_cache
+from radixserve.cache.tiers.build import build_tiers
+from radixserve.cache.tiers.options import ModelIdentity, TierConfig
 from radixserve.core import GenerateResult, SamplingParams, is_token_ids
 from radixserve.engine.config import EngineConfig, default_pool_tokens
 from radixserve.engine.step import StepExecutor
-from radixserve.engine.tiers import build_tiers
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.grammar import GrammarCompiler
 from radixserve.model.loader import LoadedModel, load_model
@@ -85,7 +86,8 @@ class Engine:
             kv_dtype,
             self.device,
         )
-        self.cache.tiers = build_tiers(config, self.loaded, self.cache, self.kv_pool)
+        identity = ModelIdentity(self.loaded.path, self.loaded.model.quantization, self.tokenizer.encode)
+        self.cache.tiers = build_tiers(TierConfig.of(config), identity, self.kv_pool, self.cache.events)
         eos = tuple(model.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self._grammars: GrammarCompiler | None = None

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from radixserve.cache.key import RadixKey
+from radixserve.cache import RadixKey
 from radixserve.kv_events.subscriber import KVEventSubscriber
 from radixserve.kv_events.wire import block_hashes
 from radixserve.router.choice import (

@@ -1,7 +1,7 @@
 import numpy as np
 
 from radixserve.cache import RadixCache
-from radixserve.cache.key import ROOT_HASH, chain_hash
+from radixserve.cache.core.key import ROOT_HASH, chain_hash
 from radixserve.memory import TokenAllocator
 from tests.cache.helpers import serve
 

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from radixserve.cache import KVEvent, RadixCache, RadixKey
-from radixserve.cache.tiers import TierIndex
+from radixserve.cache.tiers.disk_format import HEADER, HEADER_V1, MAGIC_V1, decode_page, encode_page
+from radixserve.cache.tiers.disk_store import DiskPageStore
+from radixserve.cache.tiers.index import TierIndex
+from radixserve.cache.tiers.kv_pages import PoolPageMover
 from radixserve.kv_events.wire import BlockStored, block_hashes, encode_batch, event_record, wire_hash
 from radixserve.memory import TokenAllocator
-from radixserve.memory.disk_format import HEADER, HEADER_V1, MAGIC_V1, decode_page, encode_page
-from radixserve.memory.disk_store import DiskPageStore
-from radixserve.memory.kv_pages import PoolPageMover
 from radixserve.memory.kv_pool import KVPool
 from tests.kv_events.peers import sglang_kv_events
 from tests.kv_events.test_tier_medium import MediumMirror, _tier_blocks, _wire

@@ -13,15 +13,15 @@ import pytest
 
 from radixserve.bench.server_process import ServerProcess, free_port
 from radixserve.cache import RadixCache, RadixKey
-from radixserve.cache.tiers import TierIndex
+from radixserve.cache.tiers.disk_store import DiskPageStore
+from radixserve.cache.tiers.host_arena import HostArena
+from radixserve.cache.tiers.index import TierIndex
+from radixserve.cache.tiers.kv_pages import PoolPageMover
 from radixserve.kv_events.mirror import SNAPSHOT_V2
 from radixserve.kv_events.publisher import Frames, KVEventPublisher
 from radixserve.kv_events.subscriber import KVEventSubscriber
 from radixserve.kv_events.wire import SNAPSHOT, WIRE_MEDIA, block_hashes, tier_of, wire_hash
 from radixserve.memory import TokenAllocator
-from radixserve.memory.disk_store import DiskPageStore
-from radixserve.memory.host_arena import HostArena
-from radixserve.memory.kv_pages import PoolPageMover
 from radixserve.memory.kv_pool import KVPool
 from tests.kv_events.peers import peer_kv_events
 from tests.kv_events.test_peer_decoders import PEERS, wait_for

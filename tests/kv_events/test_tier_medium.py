@@ -7,7 +7,11 @@ from pathlib import Path
 import numpy as np
 
 from radixserve.cache import KVEvent, RadixCache, RadixKey
-from radixserve.cache.tiers import TierIndex
+from radixserve.cache.tiers.disk_format import HEADER
+from radixserve.cache.tiers.disk_store import DiskPageStore
+from radixserve.cache.tiers.host_arena import HostArena
+from radixserve.cache.tiers.index import TierIndex
+from radixserve.cache.tiers.kv_pages import PoolPageMover
 from radixserve.kv_events.mirror import BlockMirror
 from radixserve.kv_events.wire import (
     AllBlocksCleared,
@@ -21,10 +25,6 @@ from radixserve.kv_events.wire import (
     wire_hash,
 )
 from radixserve.memory import TokenAllocator
-from radixserve.memory.disk_format import HEADER
-from radixserve.memory.disk_store import DiskPageStore
-from radixserve.memory.host_arena import HostArena
-from radixserve.memory.kv_pages import PoolPageMover
 from radixserve.memory.kv_pool import KVPool
 
 
