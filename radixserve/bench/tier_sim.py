@@ -91,8 +91,7 @@ class MemoryPageStore:
 def make_tiered_cache(policy: str, page_size: int, capacity: int, clock: Callable[[], float]) -> RadixCache:
     """L1 = ``capacity`` tokens, L2 = 2x, L3 unbounded; write-back, as SGLang's default."""
     size = capacity - capacity % page_size
-    cache = RadixCache(TokenAllocator(size, page_size), page_size, policy, clock)
     page_tokens = tier_page_tokens(page_size)
     disk = MemoryPageStore()
-    cache.tiers = TierIndex(TokenMover(page_tokens), page_tokens, HostArena(2 * size), disk)
-    return cache
+    tiers = TierIndex(TokenMover(page_tokens), page_tokens, HostArena(2 * size), disk)
+    return RadixCache(TokenAllocator(size, page_size), page_size, policy, clock, tiers=tiers)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from radixserve.cache import KVEvent, RadixCache, RadixKey
+from radixserve.cache import KVEvent, KVEventLog, RadixCache, RadixKey
 from radixserve.cache.tiers.disk_format import HEADER, HEADER_V1, MAGIC_V1, decode_page, encode_page
 from radixserve.cache.tiers.disk_store import DiskPageStore
 from radixserve.cache.tiers.index import TierIndex
@@ -33,11 +33,10 @@ NS = "tenant-a"
 
 
 def tiered_cache(directory: Path, events: bool) -> RadixCache:
-    cache = RadixCache(TokenAllocator(48), 1, enable_kv_events=events)
+    log = KVEventLog(1) if events else None
     disk = DiskPageStore(directory, 1 << 20, {"model": "test"})
-    cache.tiers = TierIndex(PoolPageMover(KVPool(1, 49, 1, 2), 16), 16, None, disk)
-    cache.tiers.events = cache.events
-    return cache
+    tiers = TierIndex(PoolPageMover(KVPool(1, 49, 1, 2), 16), 16, None, disk, events=log)
+    return RadixCache(TokenAllocator(48), 1, listeners=[log] if log is not None else [], tiers=tiers)
 
 
 def written(directory: Path) -> tuple[list[bytes], list[Path]]:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from radixserve.bench.server_process import ServerProcess, free_port
-from radixserve.cache import RadixCache, RadixKey
+from radixserve.cache import KVEventLog, RadixCache, RadixKey
 from radixserve.cache.tiers.disk_store import DiskPageStore
 from radixserve.cache.tiers.host_arena import HostArena
 from radixserve.cache.tiers.index import TierIndex
@@ -35,10 +35,10 @@ KEPT = np.arange(200, 232, dtype=np.int64)  # two blocks left in the pool
 def tiered(tmp_path: Path) -> Iterator[tuple[RadixCache, KVEventPublisher]]:
     """A cache whose 2-page L2 spills to disk, after three 3-page prompts went down the tiers and one stayed in
     the pool; every drain published, with a replay buffer of 2 batches (a subscriber joining now needs a snapshot)."""
-    cache = RadixCache(TokenAllocator(48), 1, enable_kv_events=True)
+    events = KVEventLog(1)
     disk = DiskPageStore(tmp_path / "kv", 1 << 20, {"model": "test"})
-    cache.tiers = TierIndex(PoolPageMover(KVPool(1, 49, 1, 2), 16), 16, HostArena(2 * PAGE_BYTES), disk)
-    cache.tiers.events = cache.events
+    tiers = TierIndex(PoolPageMover(KVPool(1, 49, 1, 2), 16), 16, HostArena(2 * PAGE_BYTES), disk, events=events)
+    cache = RadixCache(TokenAllocator(48), 1, listeners=[events], tiers=tiers)
     publisher = KVEventPublisher(f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/ev.replay", block_size=16, buffer=2)
     assert cache.events is not None
     try:

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from radixserve.cache.core.base import EMPTY_INDICES, BasePrefixCache, MatchResult
 from radixserve.cache.core.key import ROOT_HASH, RadixKey, TokenArray, page_hashes
-from radixserve.cache.events import KVEventLog
+from radixserve.cache.core.listener import CacheListener
 from radixserve.memory.allocator import IndexArray, TokenAllocator
 
 Clock = Callable[[], float]
@@ -89,10 +89,10 @@ class BlockHashCache(BasePrefixCache[Block]):
         allocator: TokenAllocator,
         block_size: int = 16,
         clock: Clock | None = None,
-        enable_kv_events: bool = False,
+        listeners: Sequence[CacheListener] = (),
         tail_first_release: bool = True,
     ) -> None:
-        super().__init__(allocator, block_size, KVEventLog(block_size) if enable_kv_events else None)
+        super().__init__(allocator, block_size, listeners)
         self.block_size = block_size
         self.clock: Clock = clock or time.monotonic  # unused: the queue order is the only recency
         self.tail_first_release = tail_first_release
@@ -157,10 +157,10 @@ class BlockHashCache(BasePrefixCache[Block]):
                 assert block.ref_cnt == 0 and block.reachable, f"{block!r} past a miss"
                 self.allocator.free(block.slots)
                 block.slots = owned[start - cached_len : start - cached_len + size]
-                run_start = self._record_store(extra_key, run_start, prefix[:start])
+                run_start = self._record_store(extra_key, run_start, prefix[:start], indices[:start])
             path.append(block)
             parent = block_hash
-        self._record_store(extra_key, run_start, prefix)
+        self._record_store(extra_key, run_start, prefix, indices)
         for block in reversed(path):  # tail first: descendants sit before ancestors
             if block.ref_cnt == 0:
                 self._free_queue[block.hash] = block
@@ -177,17 +177,19 @@ class BlockHashCache(BasePrefixCache[Block]):
         """
         freed, run_tail, run_head = 0, None, None  # a chain evicted tail to head: one remove event
         slots: list[IndexArray] = []
+        run: list[IndexArray] = []  # the chain's slots, tail first
         while freed < num_tokens and self._free_queue:
             _, block = self._free_queue.popitem(last=False)
             slots.append(block.slots)
             freed += len(block.slots)
             self._remove(block)
-            if self.events is not None:
+            if self._listeners:
                 if run_head is None or run_head.parent_hash != block.hash:
-                    self._record_remove(run_tail, run_head)
-                    run_tail = block
+                    self._record_remove(run_tail, run_head, run)
+                    run_tail, run = block, []
                 run_head = block
-        self._record_remove(run_tail, run_head)
+                run.append(block.slots)
+        self._record_remove(run_tail, run_head, run)
         if slots:  # one allocator call for the whole batch
             self.allocator.free(np.concatenate(slots))
         self.evicted_tokens += freed
@@ -314,14 +316,14 @@ class BlockHashCache(BasePrefixCache[Block]):
             self._unreachable_size += -len(block.slots) if reachable else len(block.slots)
             stack.extend(self._children.get(block.hash, ()))
 
-    def _record_store(self, extra_key: str | None, run_start: int, prefix: TokenArray) -> int:
-        """Emit one "store" for the run of new blocks ``prefix[run_start:]``; return -1 (no run)."""
-        if self.events is not None and 0 <= run_start < len(prefix):
-            self.events.record("store", run_start, RadixKey(prefix, extra_key))
+    def _record_store(self, extra_key: str | None, run_start: int, prefix: TokenArray, slots: IndexArray) -> int:
+        """Tell the listeners of the run of new blocks ``prefix[run_start:]`` (``slots``: the prefix's); return -1."""
+        if self._listeners and 0 <= run_start < len(prefix):
+            self._inserted(RadixKey(prefix, extra_key), slots, run_start)
         return -1
 
-    def _record_remove(self, tail: Block | None, head: Block | None) -> None:
-        """Emit one "remove" for the evicted chain from ``head`` down to ``tail``."""
-        if self.events is not None and tail is not None and head is not None:
+    def _record_remove(self, tail: Block | None, head: Block | None, run: list[IndexArray]) -> None:
+        """Tell the listeners of the evicted chain from ``head`` down to ``tail`` (``run``: its slots, tail first)."""
+        if tail is not None and head is not None:
             end = tail.start + len(tail.slots)
-            self.events.record("remove", head.start, RadixKey(tail.prefix[:end], tail.extra_key))
+            self._evicting(RadixKey(tail.prefix[:end], tail.extra_key), np.concatenate(run[::-1]), head.start)

@@ -14,7 +14,7 @@ from radixserve.memory.allocator import IndexArray, TokenAllocator
 
 class ChunkCache(BasePrefixCache[None]):
     def __init__(self, allocator: TokenAllocator, page_size: int = 1) -> None:
-        super().__init__(allocator, page_size, None)
+        super().__init__(allocator, page_size)  # it stores nothing: no listener has anything to hear
 
     def _clear(self) -> None:
         pass

@@ -29,6 +29,7 @@ import numpy as np
 from typing_extensions import TypeVar
 
 from radixserve.cache.core.key import RadixKey, TokenArray
+from radixserve.cache.core.listener import CacheListener
 from radixserve.cache.events import KVEventLog
 from radixserve.memory.allocator import IndexArray, TokenAllocator
 
@@ -78,17 +79,38 @@ class CacheReq(Generic[NodeT]):
 class BasePrefixCache(ABC, Generic[NodeT]):
     """Indexes KV slots by token prefix. Single-threaded: call from the scheduler only."""
 
-    def __init__(self, allocator: TokenAllocator, page_size: int, events: KVEventLog | None) -> None:
+    def __init__(
+        self,
+        allocator: TokenAllocator,
+        page_size: int,
+        listeners: Sequence[CacheListener] = (),
+        tiers: TierIndex | None = None,
+    ) -> None:
+        """``listeners`` hear every insert, eviction and reset (core/listener.py); ``tiers``: L2 / L3 below
+        the pool (radix only; None: the pool is the only tier), a listener too, told after the others."""
         if page_size % allocator.page_size:
             raise ValueError(f"cache page_size {page_size} must be a multiple of the allocator's {allocator.page_size}")
         self.allocator = allocator
         self.page_size = page_size
-        self.events = events
+        self._listeners: tuple[CacheListener, ...] = (*listeners, *((tiers,) if tiers is not None else ()))
+        self._events = next((x for x in listeners if isinstance(x, KVEventLog)), None)
+        if self._events is not None and self._events.page_size != page_size:
+            raise ValueError(f"the KV event log's page ({self._events.page_size}) must be the cache's ({page_size})")
+        self._tiers = tiers
         # Change only in lock, unlock, insert and delete (and _clear).
         self._evictable_size = 0
         self._protected_size = 0
         self.evicted_tokens = 0  # running total, for metrics
-        self.tiers: TierIndex | None = None  # L2 / L3 below the pool (radix only); None: pool only
+
+    @property
+    def events(self) -> KVEventLog | None:
+        """The KV event log among the listeners, which the server drains (None: events off)."""
+        return self._events
+
+    @property
+    def tiers(self) -> TierIndex | None:
+        """The tier index below the pool, given at construction (None: the pool is the only tier)."""
+        return self._tiers
 
     # ---- the primitives each variant implements -------------------------------------------
 
@@ -98,8 +120,8 @@ class BasePrefixCache(ABC, Generic[NodeT]):
             raise RuntimeError(f"reset with {self._protected_size} locked tokens: finish or abort requests first")
         self.allocator.free(self.cached_slots())
         self._clear()
-        if self.events is not None:
-            self.events.record_clear()
+        for listener in self._listeners:
+            listener.on_clear()
 
     @abstractmethod
     def _clear(self) -> None:
@@ -192,6 +214,16 @@ class BasePrefixCache(ABC, Generic[NodeT]):
             self.dec_lock_ref(req.last_node)
         req.kv_indices = np.concatenate([indices, req.kv_indices[aligned:]])
         req.last_node, req.cache_protected_len = node, aligned
+
+    def _inserted(self, key: RadixKey, slots: IndexArray, start: int) -> None:
+        """Tell the listeners the cache now holds ``key[start:]`` (see core/listener.py for ``slots``)."""
+        for listener in self._listeners:
+            listener.on_insert(key, slots, start)
+
+    def _evicting(self, key: RadixKey, slots: IndexArray, start: int) -> None:
+        """Tell the listeners the cache is about to free ``key[start:]`` (its slots not freed yet)."""
+        for listener in self._listeners:
+            listener.on_evict(key, slots, start)
 
     # ---- helpers the scheduler, tests and benchmarks share -------------------------------------
 

@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from radixserve.cache.core.base import EMPTY_INDICES, BasePrefixCache, MatchResult
 from radixserve.cache.core.candidates import CandidateSet
 from radixserve.cache.core.key import RadixKey, TokenArray
+from radixserve.cache.core.listener import CacheListener
 from radixserve.cache.core.policy import CandidateHooks, EvictionStrategy, create_eviction_strategy
-from radixserve.cache.events import KVEventLog
 from radixserve.memory.allocator import IndexArray, TokenAllocator
+
+if TYPE_CHECKING:
+    from radixserve.cache.tiers.index import TierIndex
 
 Clock = Callable[[], float]
 
@@ -74,9 +78,10 @@ class RadixCache(BasePrefixCache[TreeNode]):
         page_size: int = 1,
         eviction_policy: str | EvictionStrategy = "lru",
         clock: Clock | None = None,
-        enable_kv_events: bool = False,
+        listeners: Sequence[CacheListener] = (),
+        tiers: TierIndex | None = None,
     ) -> None:
-        super().__init__(allocator, page_size, KVEventLog(page_size) if enable_kv_events else None)
+        super().__init__(allocator, page_size, listeners, tiers)
         # A name from EVICTION_POLICIES, or a strategy object (the benchmarks' offline bound).
         if isinstance(eviction_policy, EvictionStrategy):
             self.strategy, self.eviction_policy = eviction_policy, type(eviction_policy).__name__
@@ -175,10 +180,7 @@ class RadixCache(BasePrefixCache[TreeNode]):
                 node = self._add_leaf(node, rest[:head].pure(), value[:head], priority, now)
                 rest, value = rest[head:], value[head:]
             self._add_leaf(node, rest.pure(), value, priority, now)
-            if self.events is not None:
-                self.events.record("store", matched_len, key)
-            if self.tiers is not None:
-                self.tiers.on_insert(key, indices, matched_len)
+            self._inserted(key, indices, matched_len)
         return matched_len
 
     # ---- eviction ---------------------------------------------------------------------------
@@ -196,12 +198,9 @@ class RadixCache(BasePrefixCache[TreeNode]):
             node = self.candidates.pop()
             if node is None:
                 break
-            if self.events is not None:
-                path = self._path_key(node)
-                self.events.record("remove", len(path) - len(node.key), path)
-            if self.tiers is not None:  # before the slots are freed: their K/V is copied down
+            if self._listeners:  # before the slots are freed: the tiers copy their K/V down
                 path, slots = self._path_key_slots(node)
-                self.tiers.on_evict(path, slots, len(path) - len(node.key))
+                self._evicting(path, slots, len(path) - len(node.key))
             freed.append(node.value)
             evicted += len(node.value)
             self._delete_leaf(node)

@@ -63,7 +63,8 @@ def build_tiers(
 ) -> TierIndex | None:
     """The tier index for ``config`` (None when neither ``hicache_size`` nor ``cache_dir`` is set).
 
-    ``events``: the log the cache reports to; what each tier gains and loses is announced there too.
+    Build it before the cache and hand it to the cache's constructor (``tiers=``). ``events``: the log
+    the cache will report to (one of its ``listeners``); what each tier gains and loses is announced there too.
     """
     if not config.hicache_size and config.cache_dir is None:
         return None
@@ -75,7 +76,7 @@ def build_tiers(
     if config.cache_dir is not None:
         capacity = int(config.cache_dir_size * GIB) if config.cache_dir_size is not None else 1 << 62
         disk = DiskPageStore(config.cache_dir, capacity, fingerprint(config, model, mover))
-    tiers = TierIndex(mover, mover.layout.page_tokens, host, disk, config.hicache_write_policy)  # type: ignore[arg-type]
-    tiers.events = events
+    policy = config.hicache_write_policy
+    tiers = TierIndex(mover, mover.layout.page_tokens, host, disk, policy, events=events)  # type: ignore[arg-type]
     logger.info("cache tiers: %s", tiers.sizes())
     return tiers

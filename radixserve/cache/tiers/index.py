@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from radixserve.cache.core.key import RadixKey
-from radixserve.cache.events import PageLabel
+from radixserve.cache.events import KVEventLog, PageLabel
 from radixserve.cache.tiers.pages import LOAD_BUCKETS_S, PageMover, PageStore, TierName, WritePolicy
 from radixserve.cache.tiers.prefetch import Prefetcher
 from radixserve.cache.tiers.store import TierStore
@@ -53,8 +53,10 @@ class TierIndex(TierStore):
         write_policy: WritePolicy = "write_back",
         clock: Callable[[], float] = time.perf_counter,
         prefetch: bool = True,
+        events: KVEventLog | None = None,
     ) -> None:
-        super().__init__(mover, page_tokens, host, disk, write_policy, clock)
+        """``events``: the log of the cache these tiers sit under (the same object in its ``listeners``)."""
+        super().__init__(mover, page_tokens, host, disk, write_policy, clock, events)
         self.prefetcher = Prefetcher(self.prefetch) if prefetch and host is not None and self.disk is not None else None
 
     # ---- loading ----------------------------------------------------------------------------

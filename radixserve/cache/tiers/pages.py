@@ -14,7 +14,7 @@ with its medium (events.py), at the log's next drain. A page stored into L2
 keeps its ``PageLabel`` (parent hash, tokens) beside it, so the page can still be
 announced in full when L2 spills it to L3, and L3 keeps it in the page file's
 header (labels.py), events on or not. The pages the disk already holds when
-events are attached (a warm restart's) are announced at the first drain, in full,
+the tiers are built (a warm restart's) are announced at the first drain, in full,
 from those headers (by hash alone for a version 1 file, which has no label).
 
 ``TierPages`` is the state the store flow (store.py) and the load-back
@@ -99,6 +99,7 @@ class TierPages:
         disk: PageStore | None,
         write_policy: WritePolicy = "write_back",
         clock: Callable[[], float] = time.perf_counter,
+        events: KVEventLog | None = None,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
@@ -111,23 +112,19 @@ class TierPages:
         self.stats = TierStats()
         self.lock = threading.RLock()  # the host arena and ``_prefetched``: the prefetch thread shares them
         self._prefetched: set[bytes] = set()  # L2 pages a prefetch brought in and no admission used yet
-        self._events: KVEventLog | None = None
-        self._announcer: TierAnnouncer | None = None
         self._labels: dict[bytes, PageLabel] = {}  # L2 pages' labels (under ``lock``), with events or a disk tier
         if self.disk is not None:
             self.disk.on_drop = self._dropped_from_disk
+        # ``events``: the cache's log; what each tier gains and loses is announced there with its medium.
+        self._events = events
+        self._announcer = TierAnnouncer(events, page_tokens, self._holds) if events is not None else None
+        if self._announcer is not None and self.disk is not None:
+            self._announcer.restored(self._disk_labels(), "disk")  # a router learns a restarted engine's disk
 
     @property
     def events(self) -> KVEventLog | None:
-        """The cache's log: what each tier gains and loses is announced with its medium (None: no events)."""
+        """The log each tier's gains and losses are announced in, given at construction (None: no events)."""
         return self._events
-
-    @events.setter
-    def events(self, log: KVEventLog | None) -> None:
-        self._events = log
-        self._announcer = TierAnnouncer(log, self.page_tokens, self._holds) if log is not None else None
-        if self._announcer is not None and self.disk is not None:
-            self._announcer.restored(self._disk_labels(), "disk")  # a router learns a restarted engine's disk
 
     def _disk_labels(self) -> list[tuple[bytes, PageLabel | None]]:
         """The disk's pages and their labels, read from the files' headers (None: a version 1 file's page). A page

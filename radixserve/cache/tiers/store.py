@@ -23,6 +23,8 @@ from radixserve.memory.allocator import IndexArray
 
 
 class TierStore(TierPages):
+    """The tiers as the cache's listener (core/listener.py): ``slots`` must cover the whole path (the radix tree's)."""
+
     def on_insert(self, key: RadixKey, slots: IndexArray, start: int) -> None:
         """The tree just cached ``key[start:]`` at ``slots[start:]``: write-through copies it down."""
         if self.write_policy == "write_through":
@@ -35,6 +37,9 @@ class TierStore(TierPages):
         was evicted again is hot, and L2 is the faster tier.
         """
         self._store(key, slots, start, host=True, disk=self.host is None)
+
+    def on_clear(self) -> None:
+        """The pool's cache was reset: L2 and L3 keep their pages (``clear_host`` drops L2)."""
 
     def flush_path(self, key: RadixKey, slots: IndexArray) -> None:
         """Shutdown: make sure every whole page of a cached path is on disk (or queued)."""

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 import radixserve.cache.baselines.block as block_module
-from radixserve.cache import BlockHashCache, CacheReq, KVEvent, RadixKey, create_prefix_cache
+from radixserve.cache import BlockHashCache, CacheReq, KVEvent, KVEventLog, RadixKey, create_prefix_cache
 from radixserve.cache.baselines.block import Block
 from radixserve.cache.core.key import TokenArray
 from radixserve.cache.core.radix_check import check_slot_conservation
@@ -34,7 +34,8 @@ BlockKey = tuple[str | None, tuple[int, ...]]
 def make_cache(
     size: int = 256, block_size: int = 4, enable_kv_events: bool = False, tail_first_release: bool = True
 ) -> BlockHashCache:
-    return BlockHashCache(TokenAllocator(size), block_size, None, enable_kv_events, tail_first_release)
+    events = [KVEventLog(block_size)] if enable_kv_events else []
+    return BlockHashCache(TokenAllocator(size), block_size, None, events, tail_first_release)
 
 
 def block_key(block: Block) -> BlockKey:
@@ -347,7 +348,7 @@ class BlockMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         allocator = TokenAllocator(12 * self.block_size, self.alloc_page)
-        self.cache = CheckedBlockCache(allocator, self.block_size, None, True, self.tail_first)
+        self.cache = CheckedBlockCache(allocator, self.block_size, None, [KVEventLog(self.block_size)], self.tail_first)
         self.cache.ref = self.ref = Reference(self.block_size, self.tail_first)
         self.live: list[CacheReq] = []
         self.replayed: set[BlockKey] = set()

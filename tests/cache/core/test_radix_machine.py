@@ -16,7 +16,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from radixserve.cache import EVICTION_POLICIES, CacheReq, KVEvent, RadixCache, RadixKey, TreeNode
+from radixserve.cache import EVICTION_POLICIES, CacheReq, KVEvent, KVEventLog, RadixCache, RadixKey, TreeNode
 from radixserve.cache.core.radix_check import check_slot_conservation
 from radixserve.memory import TokenAllocator
 from tests.cache.helpers import counter_clock
@@ -89,7 +89,9 @@ class RadixMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.allocator = TokenAllocator(24 * self.page_size, self.page_size)
-        self.cache = RadixCache(self.allocator, self.page_size, self.policy, counter_clock(), enable_kv_events=True)
+        self.cache = RadixCache(
+            self.allocator, self.page_size, self.policy, counter_clock(), listeners=[KVEventLog(self.page_size)]
+        )
         self.model: dict[PageKey, list[int]] = {}
         self.hits: dict[PageKey, int] = {}  # finished inserts that found the page already cached
         self.priority: dict[PageKey, int] = {}

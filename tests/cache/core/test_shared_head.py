@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.cache import RadixCache, RadixKey
+from radixserve.cache import KVEventLog, RadixCache, RadixKey
 from radixserve.cache.core.radix_check import check_slot_conservation
 from radixserve.memory import TokenAllocator
 
@@ -93,11 +93,11 @@ def test_matches_equal_the_brute_force_reference(case: tuple[int, list[tuple[lis
 
 
 def test_events_hash_the_head_in_the_shared_namespace() -> None:
-    cache = RadixCache(TokenAllocator(1024), enable_kv_events=True)
+    cache = RadixCache(TokenAllocator(1024), listeners=[KVEventLog(1)])
     serve(cache, PUBLIC + [40, 41], "tenant-a", len(PUBLIC))
     serve(cache, PUBLIC + [40, 41], "tenant-b", len(PUBLIC))
     a, b = cache.events.drain()  # type: ignore[union-attr]
-    unsalted = RadixCache(TokenAllocator(1024), enable_kv_events=True)
+    unsalted = RadixCache(TokenAllocator(1024), listeners=[KVEventLog(1)])
     serve(unsalted, PUBLIC, None, 0)
     [public] = unsalted.events.drain()  # type: ignore[union-attr]
     assert a.block_hashes[: len(PUBLIC)] == public.block_hashes  # the head hashes as shared
@@ -105,7 +105,7 @@ def test_events_hash_the_head_in_the_shared_namespace() -> None:
 
 
 def test_a_request_key_keeps_its_shared_head_while_it_grows_chunk_by_chunk() -> None:
-    cache = RadixCache(TokenAllocator(1024), enable_kv_events=True)
+    cache = RadixCache(TokenAllocator(1024), listeners=[KVEventLog(1)])
     req = cache.open_request(RadixKey(PUBLIC + [40, 41], "tenant-a", len(PUBLIC)))  # cold: nothing matched
     assert len(req.key) == 0 and req.key.shared_len == 0
     assert cache.extend_request(req, PUBLIC[:3])  # the first chunk stops inside the head
@@ -120,7 +120,7 @@ def test_a_request_key_keeps_its_shared_head_while_it_grows_chunk_by_chunk() -> 
 
 
 def test_a_removed_private_leaf_is_announced_under_the_head_above_it() -> None:
-    cache = RadixCache(TokenAllocator(1024), enable_kv_events=True)
+    cache = RadixCache(TokenAllocator(1024), listeners=[KVEventLog(1)])
     serve(cache, PUBLIC + [40, 41], "tenant-a", len(PUBLIC))
     [stored] = cache.events.drain()  # type: ignore[union-attr]
     [leaf] = [node for node in cache.nodes() if node.key.extra_key == "tenant-a"]

@@ -29,7 +29,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from radixserve.cache import CacheReq, RadixCache, RadixKey
+from radixserve.cache import CacheReq, KVEventLog, RadixCache, RadixKey
 from radixserve.cache.core.key import page_hashes
 from radixserve.cache.core.radix_check import check_slot_conservation
 from radixserve.cache.tiers.disk_store import DiskPageStore
@@ -73,7 +73,6 @@ class TierMachine(RuleBasedStateMachine):
     def open_cache(self) -> None:
         """A process starting: L1 and L2 empty, L3 (bounded runs) whatever ``self.dir`` holds, events from seq 0."""
         self.allocator = TokenAllocator(12 * self.page_size, self.page_size)
-        self.cache = RadixCache(self.allocator, self.page_size, "lru", counter_clock(), enable_kv_events=True)
         self.pool = KVPool(1, self.allocator.size + self.page_size, 1, 2)
         mover = PoolPageMover(self.pool, self.tier_page)
         page_bytes = mover.layout.page_bytes
@@ -82,8 +81,9 @@ class TierMachine(RuleBasedStateMachine):
         else:  # L2 = 16 tokens (L1 holds 12), L3 = 32: both tiers spill all the time
             host = HostArena(8 * page_bytes)
             disk = DiskPageStore(self.dir, 16 * (page_bytes + 64), {"test": 1})
-        self.cache.tiers = TierIndex(mover, self.tier_page, host, disk, self.write_policy)  # type: ignore[arg-type]
-        self.cache.tiers.events = self.cache.events
+        events = KVEventLog(self.page_size)
+        tiers = TierIndex(mover, self.tier_page, host, disk, self.write_policy, events=events)  # type: ignore[arg-type]
+        self.cache = RadixCache(self.allocator, self.page_size, "lru", counter_clock(), [events], tiers)
         self.announced: dict[str | None, set[int]] = {"cpu": set(), "disk": set()}  # per tier, from KV events
         self.age = 0  # steps since the start
 
