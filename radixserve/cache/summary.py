@@ -98,7 +98,7 @@ def _radix_shape(cache: RadixCache, top_k: int, visible: Callable[[str | None], 
     shared.sort(key=lambda item: (item[0], item[1]), reverse=True)
     top = []
     for hits, length, node in shared[:top_k]:
-        tokens = cache._path_tokens(node)
+        tokens = cache.path_key(node).token_ids
         top.append(
             {
                 "tokens": length,

@@ -9,6 +9,12 @@ class heaps and ghosts of ``cache/adaptive/`` for ``adaptive``. Any store (the
 radix tree, a host or disk tier) can use any policy: it calls ``add`` /
 ``discard`` / ``refresh`` as nodes become, stop being or change as
 candidates, ``pop`` to evict, and ``note_miss`` where a lookup stops.
+
+Writing a strategy (the supported way to change what the tree evicts): subclass
+``EvictionStrategy``, implement ``rank`` (set ``rank_only_grows = False`` when a
+rank can fall), optionally ``candidate_set`` (a set of your own) and ``evict_len``
+(free only a leaf's tail), and pass an instance as ``RadixCache(eviction_policy=...)``.
+A strategy that ranks by a node's whole content reads it with ``RadixCache.path_key``.
 """
 
 from __future__ import annotations
@@ -58,6 +64,17 @@ class EvictionStrategy(ABC):
     def candidate_set(self, tie_break: Callable[[Any], int], hooks: CandidateHooks) -> CandidateSet[Any]:
         """A fresh, empty candidate set ranked by this strategy (one per tree, rebuilt on reset)."""
         return CandidateHeap(self.rank, tie_break, self.rank_only_grows)
+
+    def evict_len(self, node: Any, node_len: int, wanted: int) -> int:
+        """How many tokens to free from the end of ``node``, the leaf ranked first, when ``wanted`` more
+        are needed: all ``node_len`` of them, for every online policy.
+
+        The extension point for a strategy that frees part of a leaf (the benchmarks' token-level Belady
+        bound): returning fewer makes the tree split the leaf and free only that tail, rounded up to whole
+        pages; the head stays cached and becomes a candidate itself. Called once per popped leaf, before
+        anything changed; it must not change the tree.
+        """
+        return node_len
 
 
 class LRUStrategy(EvictionStrategy):

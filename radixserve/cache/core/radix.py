@@ -22,7 +22,7 @@ import numpy as np
 
 from radixserve.cache.core.base import EMPTY_INDICES, BasePrefixCache, MatchResult
 from radixserve.cache.core.candidates import CandidateSet
-from radixserve.cache.core.key import RadixKey, TokenArray
+from radixserve.cache.core.key import RadixKey
 from radixserve.cache.core.listener import CacheListener
 from radixserve.cache.core.policy import CandidateHooks, EvictionStrategy, create_eviction_strategy
 from radixserve.memory.allocator import IndexArray, TokenAllocator
@@ -191,13 +191,19 @@ class RadixCache(BasePrefixCache[TreeNode]):
         A parent left as an unlocked leaf joins the candidates at once, so a
         dead branch is evicted bottom-up within one call. Returns the number of
         slots freed (whole nodes, so possibly more than asked; fewer only when
-        nothing evictable is left).
+        nothing evictable is left). A strategy may free only a leaf's tail
+        (``EvictionStrategy.evict_len``): the leaf is split there first.
         """
         evicted, freed = 0, []
         while evicted < num_tokens:
             node = self.candidates.pop()
             if node is None:
                 break
+            tail = self.strategy.evict_len(node, len(node.value), num_tokens - evicted)
+            if 0 < tail < len(node.value):
+                tail = -(-tail // self.page_size) * self.page_size  # whole pages
+                if tail < len(node.value):
+                    self._split(node, len(node.value) - tail)  # ``node`` keeps the tail and stays a leaf
             if self._listeners:  # before the slots are freed: the tiers copy their K/V down
                 path, slots = self._path_key_slots(node)
                 self._evicting(path, slots, len(path) - len(node.key))
@@ -252,6 +258,17 @@ class RadixCache(BasePrefixCache[TreeNode]):
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def path_key(self, node: TreeNode) -> RadixKey:
+        """The whole cached sequence ending at ``node``: its tokens from the root, in their namespace (with
+        the shared head above it, if any). Read only; O(depth in nodes). For listeners, summaries, and
+        strategies that rank a leaf by what it holds (the benchmarks' Belady bound)."""
+        edges = []
+        cursor: TreeNode | None = node
+        while cursor is not None and cursor is not self.root:
+            edges.append(cursor.key)
+            cursor = cursor.parent
+        return RadixKey.join(edges[::-1])
 
     def flush_to_disk(self) -> None:
         """Shutdown: queue every cached page (L1 and L2) that the disk tier lacks."""
@@ -333,13 +350,6 @@ class RadixCache(BasePrefixCache[TreeNode]):
         node.last_access_time = now
         self.candidates.refresh(node)
 
-    def _depth(self, node: TreeNode | None) -> int:
-        depth = 0
-        while node is not None and node is not self.root:
-            depth += len(node.key)
-            node = node.parent
-        return depth
-
     def _path_key_slots(self, node: TreeNode) -> tuple[RadixKey, IndexArray]:
         """The whole cached sequence ending at ``node`` (its namespace, shared head) and its slots."""
         values = []
@@ -347,19 +357,7 @@ class RadixCache(BasePrefixCache[TreeNode]):
         while cursor is not None and cursor is not self.root:
             values.append(cursor.value)
             cursor = cursor.parent
-        return self._path_key(node), np.concatenate(values[::-1])
-
-    def _path_tokens(self, node: TreeNode) -> TokenArray:
-        return self._path_key(node).token_ids
-
-    def _path_key(self, node: TreeNode) -> RadixKey:
-        """The key from the root down to ``node`` (with the shared head above it, if any)."""
-        edges = []
-        cursor: TreeNode | None = node
-        while cursor is not None and cursor is not self.root:
-            edges.append(cursor.key)
-            cursor = cursor.parent
-        return RadixKey.join(edges[::-1])
+        return self.path_key(node), np.concatenate(values[::-1])
 
 
 def _ghost_key(node: TreeNode) -> tuple[int, Hashable]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from radixserve.cache import RadixCache, RadixKey
+from radixserve.cache.core.policy import LRUStrategy
 from radixserve.cache.core.radix_check import check_slot_conservation
 from radixserve.memory import TokenAllocator
 from tests.cache.helpers import counter_clock, serve, start, tokens
@@ -215,3 +218,21 @@ def test_pretty_print_shows_lengths_tokens_and_locks() -> None:
     text = cache.pretty_print()
     assert "2 [1, 2] r=1" in text and "1 [3] r=0" in text
     cache.cache_finished_req(req)
+
+
+class _TailFirst(LRUStrategy):
+    """A strategy that frees one token of a leaf at a time (the extension point the Belady bound uses)."""
+
+    def evict_len(self, node: Any, node_len: int, wanted: int) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_a_strategy_may_free_only_a_leafs_tail_in_whole_pages(page_size: int) -> None:
+    cache = RadixCache(TokenAllocator(64, page_size), page_size, _TailFirst(), counter_clock())
+    serve(cache, [1, 2, 3, 4, 5, 6])
+    assert cache.evict(1) == page_size  # one token asked, rounded up to a page: the head stays cached
+    assert cache.cached_len(RadixKey([1, 2, 3, 4, 5, 6])) == 6 - page_size
+    cache.check_invariants()
+    assert cache.evict(100) == 6 - page_size  # the rest, page by page, the head last
+    assert cache.total_size() == 0 and cache.allocator.free_size() == cache.allocator.size

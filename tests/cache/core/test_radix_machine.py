@@ -183,7 +183,7 @@ class RadixMachine(RuleBasedStateMachine):
         return order
 
     def page_key(self, node: TreeNode) -> PageKey:
-        path = self.cache._path_tokens(node)
+        path = self.cache.path_key(node).token_ids
         start = len(path) - len(node.key)
         return (node.key.extra_key, tuple(path[: start + self.page_size].tolist()))
 
@@ -265,7 +265,7 @@ class RadixMachine(RuleBasedStateMachine):
         check_slot_conservation(self.cache, self.live)
         tree = {}
         for node in self.cache.nodes():
-            path = self.cache._path_tokens(node)
+            path = self.cache.path_key(node).token_ids
             start = len(path) - len(node.key)
             for i, page in enumerate(self.pages_of(node.key.extra_key, path)[start // self.page_size :]):
                 tree[page] = node.value[i * self.page_size : (i + 1) * self.page_size].tolist()

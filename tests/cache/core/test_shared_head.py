@@ -124,7 +124,7 @@ def test_a_removed_private_leaf_is_announced_under_the_head_above_it() -> None:
     serve(cache, PUBLIC + [40, 41], "tenant-a", len(PUBLIC))
     [stored] = cache.events.drain()  # type: ignore[union-attr]
     [leaf] = [node for node in cache.nodes() if node.key.extra_key == "tenant-a"]
-    path = cache._path_key(leaf)
+    path = cache.path_key(leaf)
     assert (path.extra_key, path.shared_len, path.token_ids.tolist()) == ("tenant-a", len(PUBLIC), PUBLIC + [40, 41])
     cache.evict(2)  # the private leaf only
     [removed] = cache.events.drain()  # type: ignore[union-attr]

@@ -110,7 +110,7 @@ class TierMachine(RuleBasedStateMachine):
         b = self.tier_page
         for node in self.cache.nodes():
             if not node.children:
-                ns, path = node.key.extra_key, self.cache._path_tokens(node)
+                ns, path = node.key.extra_key, self.cache.path_key(node).token_ids
                 self.ever.update(self.tier_pages(ns, path))
                 hashes = [wire_hash(h) for h in page_hashes(path, ns, b)]
                 for i, page in enumerate(hashes):
