@@ -1,9 +1,24 @@
 """Structural checks and printing for RadixCache, kept out of the tree's hot module.
 
-``check_radix_invariants`` verifies, by walking the whole tree (O(n)), every
-invariant of DESIGN.md that the tree alone can answer; tests call it after
-every step. Slot conservation across allocator, cache and requests needs the
-live requests too: see ``check_slot_conservation``.
+``check_radix_invariants`` walks the whole tree (O(n)) and checks every invariant
+the tree alone can answer; tests call it after every step. They are:
+
+- the root is permanently locked (``lock_ref >= 1``), so it is never an eviction candidate;
+- every child is stored under the child key recomputed from its edge, and its edge
+  is a whole, non-zero number of pages with one slot per token;
+- an edge lies in one namespace, and a namespace starts (below a shared head) but
+  never ends inside a path: different ``extra_key`` values never share a node;
+- ``depth`` is the number of tokens above a node's first token;
+- ``lock_ref`` is never negative and never below the sum of its children's;
+- ``evictable_size + protected_size`` equals the tokens in the tree, split by lock;
+- the eviction candidates are exactly the unlocked leaves (and the candidate
+  structure's own order holds: ``CandidateSet.check``);
+- no slot is held by two nodes, and no cached slot is on the allocator's free list.
+
+Slot conservation across allocator, cache and requests (every slot in exactly one
+place) needs the live requests too: ``check_slot_conservation``. Who owns which
+slot of a request is drawn in base.py; ``match_prefix`` against a brute-force
+reference is the state machine's job (tests/cache/core/test_radix_machine.py).
 """
 
 from __future__ import annotations
