@@ -12,6 +12,7 @@
     disk_format.py  the page file format and its checks
     kv_pages.py     ``PoolPageMover``: whole pages copied between the KV pool and the tiers (torch)
     build.py        ``build_tiers``: the tiers an engine's options ask for, and the directory's fingerprint
+    options.py      ``TierConfig`` and ``ModelIdentity``: what the engine hands in, as plain data
     metrics.py      the tiers' figures as plain data (server/tier_metrics.py renders them for Prometheus)
 
 Import the modules themselves: this package's ``__init__`` imports nothing, so ``import radixserve.cache``
