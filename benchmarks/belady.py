@@ -11,9 +11,10 @@ the cache stays a tree (prefix-closed), exactly like the online caches.
 ``FutureIndex`` knows, for any prefix, which requests' prompts start with it (a
 compressed trie of every prompt, each node listing its users in trace order).
 ``BeladyCache`` is the project's RadixCache with a strategy that ranks a leaf
-by the next use of its last token, and an ``evict`` that frees exactly the
-number of tokens asked, trimming a leaf's tail where the online caches free
-whole leaves: token-level MIN. The replay (``simulate.replay``) advances the
+by the next use of its last token and, through the strategy's ``evict_len``
+(the tree's supported extension point), frees exactly the number of tokens
+asked, trimming a leaf's tail where the online caches free whole leaves:
+token-level MIN. The replay (``simulate.replay``) advances the
 cache's clock to the index of the request being served.
 """
 
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from radixserve.cache.key import TokenArray, common_prefix_len
-from radixserve.cache.policy import EvictionStrategy, NodeStats, Rank
-from radixserve.cache.radix import Clock, RadixCache, TreeNode
+from radixserve.cache.core.key import TokenArray, common_prefix_len
+from radixserve.cache.core.policy import EvictionStrategy, NodeStats, Rank
+from radixserve.cache.core.radix import Clock, RadixCache, TreeNode
 from radixserve.memory.allocator import TokenAllocator
 
 NEVER = math.inf
@@ -99,7 +101,8 @@ class FutureIndex:
 
 
 class BeladyStrategy(EvictionStrategy):
-    """Rank = minus the next use of the leaf's last token: furthest (or never) first."""
+    """Rank = minus the next use of the leaf's last token: furthest (or never) first. Frees a leaf's
+    tail only where the tail alone is used no sooner (``evict_len``): token-level MIN."""
 
     rank_only_grows = False  # as time passes a node's next use moves later: more evictable
 
@@ -111,6 +114,13 @@ class BeladyStrategy(EvictionStrategy):
         assert self.cache is not None and isinstance(node, TreeNode)
         next_use, _ = self.cache.next_use(node)
         return (-next_use,)
+
+    def evict_len(self, node: Any, node_len: int, wanted: int) -> int:
+        """Exactly what is still ``wanted``, from the leaf's tail back to where its next use is shared."""
+        assert self.cache is not None and isinstance(node, TreeNode)
+        _, tail_start = self.cache.next_use(node)
+        end = node.depth + node_len  # tokens from the root to the leaf's end
+        return min(end - max(tail_start, end - node_len), wanted)
 
 
 class BeladyCache(RadixCache):
@@ -126,24 +136,4 @@ class BeladyCache(RadixCache):
         self.index = index
 
     def next_use(self, node: TreeNode) -> tuple[float, int]:
-        return self.index.next_use(node.key.extra_key, self._path_tokens(node), int(self.clock()))
-
-    def evict(self, num_tokens: int) -> int:
-        """Free exactly ``num_tokens`` (or all that is evictable): whole leaves, or a leaf's tail."""
-        evicted, freed = 0, []
-        while evicted < num_tokens:
-            node = self.candidates.pop()
-            if node is None:
-                break
-            _, tail_start = self.next_use(node)
-            end = self._depth(node)
-            tail = min(end - max(tail_start, end - len(node.key)), num_tokens - evicted)
-            if 0 < tail < len(node.key):
-                self._split(node, len(node.key) - tail)  # node keeps only its tail and stays a leaf
-            freed.append(node.value)
-            evicted += len(node.value)
-            self._delete_leaf(node)
-        if freed:
-            self.allocator.free(np.concatenate(freed))
-        self.evicted_tokens += evicted
-        return evicted
+        return self.index.next_use(node.key.extra_key, self.path_key(node).token_ids, int(self.clock()))

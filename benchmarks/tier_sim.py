@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from radixserve.cache import RadixCache
-from radixserve.cache.tiers import TierIndex
+from radixserve.cache.tiers.disk_store import DiskStats
+from radixserve.cache.tiers.host_arena import HostArena
+from radixserve.cache.tiers.index import TierIndex
+from radixserve.cache.tiers.kv_pages import tier_page_tokens
 from radixserve.memory import IndexArray, TokenAllocator
-from radixserve.memory.disk_store import DiskStats
-from radixserve.memory.host_arena import HostArena
-from radixserve.memory.kv_pages import tier_page_tokens
 
 
 class TokenMover:
@@ -91,8 +91,7 @@ class MemoryPageStore:
 def make_tiered_cache(policy: str, page_size: int, capacity: int, clock: Callable[[], float]) -> RadixCache:
     """L1 = ``capacity`` tokens, L2 = 2x, L3 unbounded; write-back, as SGLang's default."""
     size = capacity - capacity % page_size
-    cache = RadixCache(TokenAllocator(size, page_size), page_size, policy, clock)
     page_tokens = tier_page_tokens(page_size)
     disk = MemoryPageStore()
-    cache.tiers = TierIndex(TokenMover(page_tokens), page_tokens, HostArena(2 * size), disk)
-    return cache
+    tiers = TierIndex(TokenMover(page_tokens), page_tokens, HostArena(2 * size), disk)
+    return RadixCache(TokenAllocator(size, page_size), page_size, policy, clock, tiers=tiers)

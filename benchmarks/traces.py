@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.workloads import VOCAB_SIZE, TraceRequest, random_tokens
-from radixserve.cache.key import RadixKey, TokenArray
-from radixserve.cache.radix import RadixCache
+from radixserve.cache.core.key import RadixKey, TokenArray
+from radixserve.cache.core.radix import RadixCache
 from radixserve.memory import TokenAllocator
 
 # ---- trace files ---------------------------------------------------------------------------

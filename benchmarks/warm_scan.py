@@ -4,12 +4,11 @@
 
 Fills a cache directory once (sequences of 16 tier pages, through a ``RadixCache``
 and its tiers, as a server would write them), then in each round times, in a fresh
-process: opening the ``DiskPageStore`` (the warm scan), attaching the KV event log
-(which reads every page's label from its header), and the first drain turned into
-one wire batch (the scheduler thread's first publish). Uses only what every version
-since the disk tier has, so the same file measures an older checkout
-(``PYTHONPATH=<old checkout> python benchmarks/warm_scan.py``). The page files
-were just written, so they sit in the page cache: a cold disk adds its reads.
+process: opening the ``DiskPageStore`` (the warm scan), building the tiers with the
+KV event log (which reads every page's label from its header), and the first drain
+turned into one wire batch (the scheduler thread's first publish). A checkout from
+before the tiers took their log at construction (issue 29) needs its own copy of this
+file. The page files were just written, so they sit in the page cache: a cold disk adds its reads.
 """
 
 from __future__ import annotations
@@ -25,31 +24,34 @@ from pathlib import Path
 
 import numpy as np
 
-from radixserve.cache import RadixCache, RadixKey
-from radixserve.cache.tiers import TierIndex
+from radixserve.cache import KVEventLog, RadixCache, RadixKey
+from radixserve.cache.tiers.disk_store import DiskPageStore
+from radixserve.cache.tiers.index import TierIndex
+from radixserve.cache.tiers.kv_pages import PoolPageMover
 from radixserve.kv_events.wire import BlockStored, encode_batch, event_record
 from radixserve.memory import TokenAllocator
-from radixserve.memory.disk_store import DiskPageStore
-from radixserve.memory.kv_pages import PoolPageMover
 from radixserve.memory.kv_pool import KVPool
 
 PAGE_TOKENS, PAGES_PER_SEQUENCE = 16, 16
 
 
-def tiered(directory: Path, events: bool) -> tuple[RadixCache, TierIndex, float]:
-    """A cache over the directory's disk tier, and how long opening the directory (its warm scan) took."""
+def tiered(directory: Path, events: bool) -> tuple[RadixCache, TierIndex, float, float]:
+    """A cache over the directory's disk tier; how long opening the directory (its warm scan) took, and then
+    building the tiers (with events: reading every page's label from its header, to announce it)."""
     size = PAGE_TOKENS * PAGES_PER_SEQUENCE
-    cache = RadixCache(TokenAllocator(size), 1, enable_kv_events=events)
+    log = KVEventLog(1) if events else None
+    mover = PoolPageMover(KVPool(1, size + 1, 1, 2), PAGE_TOKENS)
     began = time.perf_counter()
     disk = DiskPageStore(directory, 1 << 40, {"bench": "warm_scan"})
-    scan = time.perf_counter() - began
-    tiers = TierIndex(PoolPageMover(KVPool(1, size + 1, 1, 2), PAGE_TOKENS), PAGE_TOKENS, None, disk)
-    cache.tiers = tiers
-    return cache, tiers, scan
+    scan, began = time.perf_counter() - began, time.perf_counter()
+    tiers = TierIndex(mover, PAGE_TOKENS, None, disk, events=log)
+    attach = time.perf_counter() - began
+    cache = RadixCache(TokenAllocator(size), 1, listeners=[log] if log is not None else [], tiers=tiers)
+    return cache, tiers, scan, attach
 
 
 def fill(directory: Path, pages: int) -> None:
-    cache, tiers, _ = tiered(directory, events=False)
+    cache, tiers, _, _ = tiered(directory, events=False)
     rng = np.random.default_rng(0)
     for _ in range(pages // PAGES_PER_SEQUENCE):
         tokens = rng.integers(3, 50_000, PAGE_TOKENS * PAGES_PER_SEQUENCE)
@@ -61,11 +63,8 @@ def fill(directory: Path, pages: int) -> None:
 
 
 def measure(directory: Path) -> dict[str, float]:
-    cache, tiers, scan = tiered(directory, events=True)
+    cache, tiers, scan, attach = tiered(directory, events=True)
     assert cache.events is not None
-    began = time.perf_counter()
-    tiers.events = cache.events
-    attach = time.perf_counter() - began
     full_gcs, began = gc.get_stats()[2]["collections"], time.perf_counter()
     records = [r for r in (event_record(e, PAGE_TOKENS) for e in cache.events.drain()) if r is not None]
     data = encode_batch(records)

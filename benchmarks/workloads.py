@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from radixserve.cache.key import TokenArray
+from radixserve.cache.core.key import TokenArray
 
 VOCAB_SIZE = 49_152  # SmolLM2's vocabulary: token ids look like the real thing
 _EMPTY: TokenArray = np.empty(0, dtype=np.int64)
@@ -282,7 +282,7 @@ def chat_and_one_offs(num_users: int = 84, seed: int = 0, vocab_size: int = VOCA
     The one-off prompts sit at the top of the radix tree and are never reused;
     the conversations' reused turns sit deep below the shared preamble. A
     policy that ranked every leaf by depth would keep the wrong ones here
-    (why ``adaptive`` weighs the top level by recency, cache/adaptive.py).
+    (why ``adaptive`` weighs the top level by recency, cache/adaptive/candidates.py).
     """
     chats = support_agent(num_users=num_users, seed=seed, vocab_size=vocab_size)
     one_offs = no_sharing(num_requests=len(chats), seed=seed + 1, vocab_size=vocab_size)

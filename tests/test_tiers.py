@@ -109,7 +109,7 @@ def test_disk_full_degrades_to_no_disk_tier(
 ) -> None:
     import errno
 
-    from radixserve.memory.disk_store import DiskPageStore
+    from radixserve.cache.tiers.disk_store import DiskPageStore
 
     def full(self: DiskPageStore, path: Path, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")

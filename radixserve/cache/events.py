@@ -14,7 +14,8 @@ down a tier (L2 spilling to L3) or up one (a prefetch into L2), or that a restar
 finds on disk, is announced as fully as a page copied straight from the pool. Only
 a version 1 disk file keeps no label: its ``store`` names only its hash.
 
-Off by default: a cache built with ``events=None`` pays one ``is None`` check.
+Off by default: a cache built without a log among its ``listeners`` records nothing (and,
+with no listener at all, pays one emptiness check per insert and eviction).
 
 One thread records and drains (the step loop's). Events that other threads
 cause (the disk writer's evictions, the prefetcher's) wait in their owner's
@@ -32,7 +33,8 @@ from typing import Literal
 
 import numpy as np
 
-from radixserve.cache.key import RadixKey, TokenArray
+from radixserve.cache.core.key import RadixKey, TokenArray
+from radixserve.memory.allocator import IndexArray
 
 EventKind = Literal["store", "remove", "clear"]  # clear: everything cached is gone (reset)
 
@@ -115,6 +117,17 @@ class KVEventLog:
         self._seq += 1
         empty = RadixKey(np.empty(0, dtype=np.int64))
         self._queue.append(KVEvent(self._seq, "store", 0, empty, page_size, medium, page_hash, label))
+
+    # ---- as a cache's listener (core/listener.py): what the pool stores and removes ----------------
+
+    def on_insert(self, key: RadixKey, slots: IndexArray, start: int) -> None:
+        self.record("store", start, key)
+
+    def on_evict(self, key: RadixKey, slots: IndexArray, start: int) -> None:
+        self.record("remove", start, key)
+
+    def on_clear(self) -> None:
+        self.record_clear()
 
     def add_source(self, source: Callable[[], None]) -> None:
         """Call ``source()`` at the start of every drain: it records what other threads left for it."""

@@ -12,9 +12,9 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.cache.base import BasePrefixCache
-from radixserve.cache.block import BlockHashCache
-from radixserve.cache.radix import RadixCache, TreeNode
+from radixserve.cache.baselines.block import BlockHashCache
+from radixserve.cache.core.base import BasePrefixCache
+from radixserve.cache.core.radix import RadixCache, TreeNode
 
 HEAD_TOKENS, TAIL_TOKENS = 48, 16  # how much of each shared prefix a summary shows
 
@@ -98,7 +98,7 @@ def _radix_shape(cache: RadixCache, top_k: int, visible: Callable[[str | None], 
     shared.sort(key=lambda item: (item[0], item[1]), reverse=True)
     top = []
     for hits, length, node in shared[:top_k]:
-        tokens = cache._path_tokens(node)
+        tokens = cache.path_key(node).token_ids
         top.append(
             {
                 "tokens": length,

@@ -9,9 +9,7 @@ from typing import Any
 
 import torch
 
-from radixserve.cache import PREFIX_CACHES
-from radixserve.cache.policy import EVICTION_POLICIES
-from radixserve.cache.tier_pages import WRITE_POLICIES
+from radixserve.cache import EVICTION_POLICIES, PREFIX_CACHES, WRITE_POLICIES
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import DTYPES as DTYPES  # re-exported: server/args.py builds --dtype from it
 from radixserve.model.precision import KV_CACHE_DTYPES, resolve_dtype
@@ -46,7 +44,7 @@ class EngineConfig:
     enable_kv_events: bool = False
     # Tiers below the KV pool (radix cache only); all off by default: the pool is the only tier.
     hicache_size: float = 0.0  # GiB of host memory (L2) for pages the pool evicts; 0: no L2
-    hicache_write_policy: str = "write_back"  # write_back | write_through (see cache/tier_store.py)
+    hicache_write_policy: str = "write_back"  # write_back | write_through (see cache/tiers/store.py)
     hicache_compress: bool = False  # int8 L2 pages with per-page scales: ~4x tokens per GiB, lossy
     cache_dir: str | None = None  # a directory for the disk tier (L3); survives restarts
     cache_dir_size: float | None = None  # GiB the disk tier may use; None: unbounded

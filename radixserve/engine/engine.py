@@ -26,14 +26,15 @@ import numpy as np
 import torch
 from typing_extensions import TypeIs
 
-from radixserve.cache import create_prefix_cache
+from radixserve.cache import KVEventLog, cache_page_size, create_prefix_cache, pool_allocator
 from radixserve.cache.summary import summarize
-from radixserve.cache.tiers import TierIndex
+from radixserve.cache.tiers.build import build_tiers
+from radixserve.cache.tiers.index import TierIndex
+from radixserve.cache.tiers.options import ModelIdentity, TierConfig
 from radixserve.core import GenerateResult, SamplingParams, is_token_ids
 from radixserve.engine.config import EngineConfig, default_pool_tokens
 from radixserve.engine.driver import Driver
 from radixserve.engine.step import StepExecutor
-from radixserve.engine.tiers import build_tiers
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.grammar import GrammarCompiler
 from radixserve.model.loader import LoadedModel, load_model
@@ -85,14 +86,9 @@ class Engine(Driver):
         pool_tokens = config.max_total_tokens or default_pool_tokens(
             KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype), self.device
         )
-        self.cache = create_prefix_cache(
-            config.prefix_cache,
-            pool_tokens,
-            config.page_size,
-            config.radix_eviction_policy,
-            enable_kv_events=config.enable_kv_events,
-        )
-        self.allocator = self.cache.allocator
+        # allocator -> pool -> tiers -> cache: the event log and the tiers are the cache's listeners from the start
+        kind, page_size = config.prefix_cache, config.page_size
+        self.allocator = pool_allocator(kind, pool_tokens, page_size)
         # size + one page of rows: the allocator's page 0 is reserved for padding writes
         self.kv_pool = KVPool(
             model.num_layers,
@@ -102,7 +98,13 @@ class Engine(Driver):
             kv_dtype,
             self.device,
         )
-        self.cache.tiers = build_tiers(config, self.loaded, self.cache, self.kv_pool)
+        events = KVEventLog(cache_page_size(kind, page_size)) if config.enable_kv_events else None
+        identity = ModelIdentity(self.loaded.path, self.loaded.model.quantization, self.tokenizer.encode)
+        tiers = build_tiers(TierConfig.of(config), identity, self.kv_pool, events)
+        listeners = [events] if events is not None else []
+        self.cache = create_prefix_cache(
+            kind, self.allocator, page_size, config.radix_eviction_policy, listeners=listeners, tiers=tiers
+        )
         eos = tuple(model.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self._grammars: GrammarCompiler | None = None

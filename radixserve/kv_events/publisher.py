@@ -26,7 +26,7 @@ from collections import deque
 import msgspec
 import zmq
 
-from radixserve.cache.events import KVEvent
+from radixserve.cache import KVEvent
 from radixserve.kv_events.mirror import SNAPSHOT_V2, BlockMirror, encode_snapshot
 from radixserve.kv_events.wire import (
     END_SEQ,

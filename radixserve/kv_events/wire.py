@@ -37,7 +37,7 @@ keeps one set per medium.
 Blocks are whole runs of ``B`` tokens (16 by default, whatever the cache's page
 size), announced once all their tokens are cached and removed as soon as one is
 evicted. A hash is the first 8 bytes, as a signed big-endian
-int64, of the chained 16-byte page hash of ``radixserve.cache.key.page_hashes``:
+int64, of the chained 16-byte page hash of ``radixserve.cache.core.key.page_hashes``:
 
     c_-1 = 16 zero bytes
     c_i  = blake2b(c_{i-1} || tag_i || int64-LE tokens of block i, digest_size=16)
@@ -54,8 +54,7 @@ import time
 
 import msgspec
 
-from radixserve.cache.events import KVEvent, PageLabel
-from radixserve.cache.key import RadixKey
+from radixserve.cache import KVEvent, PageLabel, RadixKey
 
 END_SEQ = -1  # the seq frame of the message that ends a replay (empty topic and payload)
 SNAPSHOT = b"snapshot"  # our addition on the replay socket: a request body, and the topic frame of its answer

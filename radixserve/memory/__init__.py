@@ -1,4 +1,4 @@
-"""Memory layer: KV slot allocation, the KV pool tensors, and the host (L2) and disk (L3) page tiers."""
+"""Memory layer: KV slot allocation and the KV pool tensors (the host and disk tiers are cache/tiers/)."""
 
 from radixserve.memory.allocator import AllocatorError, IndexArray, TokenAllocator
 

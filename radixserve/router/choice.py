@@ -23,8 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from radixserve.cache.key import RadixKey
-from radixserve.cache.radix import RadixCache
+from radixserve.cache import RadixCache, RadixKey
 from radixserve.memory import TokenAllocator
 
 

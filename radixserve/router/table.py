@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from radixserve.cache.key import RadixKey
+from radixserve.cache import RadixKey
 from radixserve.core import ROUTER_INDEXES, ROUTER_POLICIES
 from radixserve.kv_events.subscriber import KVEventSubscriber
 from radixserve.kv_events.wire import block_hashes

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.cache.base import BasePrefixCache, CacheReq
+from radixserve.cache import BasePrefixCache, CacheReq
 from radixserve.scheduler.request import Request
 
 # Decode headroom reserved per running request, at most this many tokens each:

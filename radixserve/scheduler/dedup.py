@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from radixserve.cache.base import BasePrefixCache, MatchResult
+from radixserve.cache import BasePrefixCache, MatchResult
 from radixserve.scheduler.request import Request
 
 # Held when a request kept earlier in the round shares at least this many tokens

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from radixserve.cache.base import BasePrefixCache
+from radixserve.cache import BasePrefixCache
 from radixserve.core import ErrorKind, FinishReason
 from radixserve.scheduler.admission import PrefillAdder, decode_reserve
 from radixserve.scheduler.batch import Mode, ScheduledBatch, ScheduledRequest, StepOutput

@@ -17,9 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
-from radixserve.cache.base import BasePrefixCache
-from radixserve.cache.chunk import ChunkCache
-from radixserve.cache.radix import RadixCache, TreeNode
+from radixserve.cache import BasePrefixCache, ChunkCache, RadixCache, TreeNode
 from radixserve.scheduler.dedup import hold_in_batch_duplicates, match_request
 from radixserve.scheduler.request import Request
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixserve.cache.base import CacheReq
-from radixserve.cache.key import RadixKey
+from radixserve.cache import CacheReq, RadixKey
 from radixserve.core import ErrorKind, FinishReason, GenerateResult, SamplingParams, TopLogprobs
 from radixserve.model.sampling import SamplingState
 

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radixserve.cache import PREFIX_CACHES
-from radixserve.cache.policy import EVICTION_POLICIES
-from radixserve.cache.tier_pages import WRITE_POLICIES
+from radixserve.cache import EVICTION_POLICIES, PREFIX_CACHES, WRITE_POLICIES
 from radixserve.core import ROUTER_INDEXES, ROUTER_POLICIES
 from radixserve.engine import DTYPES, EngineConfig
 from radixserve.engine.config import ENGINE_OPTIONS

@@ -5,7 +5,7 @@ import pytest
 
 from benchmarks.cache_ops import main, measure_growth, replay
 from benchmarks.workloads import TraceRequest, support_agent
-from radixserve.cache.key import common_prefix_len
+from radixserve.cache.core.key import common_prefix_len
 
 
 def test_support_agent_is_seeded_and_embeds_earlier_replies() -> None:

@@ -22,7 +22,7 @@ from benchmarks.workloads import (
     rag_shift,
     support_agent,
 )
-from radixserve.cache.key import common_prefix_len
+from radixserve.cache.core.key import common_prefix_len
 
 
 def same(a: list[TraceRequest], b: list[TraceRequest]) -> bool:

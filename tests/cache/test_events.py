@@ -1,7 +1,7 @@
 import numpy as np
 
-from radixserve.cache import RadixCache
-from radixserve.cache.key import ROOT_HASH, chain_hash
+from radixserve.cache import KVEventLog, RadixCache
+from radixserve.cache.core.key import ROOT_HASH, chain_hash
 from radixserve.memory import TokenAllocator
 from tests.cache.helpers import serve
 
@@ -11,7 +11,7 @@ def test_events_are_off_by_default() -> None:
 
 
 def test_store_split_and_remove_events_describe_content_not_nodes() -> None:
-    cache = RadixCache(TokenAllocator(64, 2), page_size=2, enable_kv_events=True)
+    cache = RadixCache(TokenAllocator(64, 2), page_size=2, listeners=[KVEventLog(2)])
     serve(cache, [1, 2, 3, 4], extra_key="t")
     serve(cache, [1, 2, 5, 6], extra_key="t")  # splits [1,2,3,4]: no event, content unchanged
     stored = cache.events.drain() if cache.events else []
@@ -26,7 +26,7 @@ def test_store_split_and_remove_events_describe_content_not_nodes() -> None:
 
 
 def test_block_hashes_are_the_chained_page_hashes() -> None:
-    cache = RadixCache(TokenAllocator(64, 2), page_size=2, enable_kv_events=True)
+    cache = RadixCache(TokenAllocator(64, 2), page_size=2, listeners=[KVEventLog(2)])
     serve(cache, [1, 2, 3, 4, 5])  # the partial page [5] is not cached
     (event,) = cache.events.drain() if cache.events else []
     first = chain_hash(ROOT_HASH, None, np.array([1, 2]))
@@ -34,7 +34,7 @@ def test_block_hashes_are_the_chained_page_hashes() -> None:
 
 
 def test_reset_records_a_clear_event() -> None:
-    cache = RadixCache(TokenAllocator(64), enable_kv_events=True)
+    cache = RadixCache(TokenAllocator(64), listeners=[KVEventLog(1)])
     serve(cache, [1, 2, 3])
     cache.reset()
     kinds = [e.kind for e in cache.events.drain()] if cache.events else []

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from radixserve.cache import KVEvent, RadixCache, RadixKey
-from radixserve.cache.tiers import TierIndex
+from radixserve.cache import KVEvent, KVEventLog, RadixCache, RadixKey
+from radixserve.cache.tiers.disk_format import HEADER, HEADER_V1, MAGIC_V1, decode_page, encode_page
+from radixserve.cache.tiers.disk_store import DiskPageStore
+from radixserve.cache.tiers.index import TierIndex
+from radixserve.cache.tiers.kv_pages import PoolPageMover
 from radixserve.kv_events.wire import BlockStored, block_hashes, encode_batch, event_record, wire_hash
 from radixserve.memory import TokenAllocator
-from radixserve.memory.disk_format import HEADER, HEADER_V1, MAGIC_V1, decode_page, encode_page
-from radixserve.memory.disk_store import DiskPageStore
-from radixserve.memory.kv_pages import PoolPageMover
 from radixserve.memory.kv_pool import KVPool
 from tests.kv_events.peers import sglang_kv_events
 from tests.kv_events.test_tier_medium import MediumMirror, _tier_blocks, _wire
@@ -33,11 +33,10 @@ NS = "tenant-a"
 
 
 def tiered_cache(directory: Path, events: bool) -> RadixCache:
-    cache = RadixCache(TokenAllocator(48), 1, enable_kv_events=events)
+    log = KVEventLog(1) if events else None
     disk = DiskPageStore(directory, 1 << 20, {"model": "test"})
-    cache.tiers = TierIndex(PoolPageMover(KVPool(1, 49, 1, 2), 16), 16, None, disk)
-    cache.tiers.events = cache.events
-    return cache
+    tiers = TierIndex(PoolPageMover(KVPool(1, 49, 1, 2), 16), 16, None, disk, events=log)
+    return RadixCache(TokenAllocator(48), 1, listeners=[log] if log is not None else [], tiers=tiers)
 
 
 def written(directory: Path) -> tuple[list[bytes], list[Path]]:

@@ -11,16 +11,16 @@ import msgspec
 import numpy as np
 import pytest
 
-from radixserve.cache import RadixCache, RadixKey
-from radixserve.cache.tiers import TierIndex
+from radixserve.cache import KVEventLog, RadixCache, RadixKey
+from radixserve.cache.tiers.disk_store import DiskPageStore
+from radixserve.cache.tiers.host_arena import HostArena
+from radixserve.cache.tiers.index import TierIndex
+from radixserve.cache.tiers.kv_pages import PoolPageMover
 from radixserve.kv_events.mirror import SNAPSHOT_V2
 from radixserve.kv_events.publisher import Frames, KVEventPublisher
 from radixserve.kv_events.subscriber import KVEventSubscriber
 from radixserve.kv_events.wire import SNAPSHOT, WIRE_MEDIA, block_hashes, tier_of, wire_hash
 from radixserve.memory import TokenAllocator
-from radixserve.memory.disk_store import DiskPageStore
-from radixserve.memory.host_arena import HostArena
-from radixserve.memory.kv_pages import PoolPageMover
 from radixserve.memory.kv_pool import KVPool
 from tests.kv_events.peers import peer_kv_events
 from tests.kv_events.test_peer_decoders import PEERS, wait_for
@@ -35,10 +35,10 @@ KEPT = np.arange(200, 232, dtype=np.int64)  # two blocks left in the pool
 def tiered(tmp_path: Path) -> Iterator[tuple[RadixCache, KVEventPublisher]]:
     """A cache whose 2-page L2 spills to disk, after three 3-page prompts went down the tiers and one stayed in
     the pool; every drain published, with a replay buffer of 2 batches (a subscriber joining now needs a snapshot)."""
-    cache = RadixCache(TokenAllocator(48), 1, enable_kv_events=True)
+    events = KVEventLog(1)
     disk = DiskPageStore(tmp_path / "kv", 1 << 20, {"model": "test"})
-    cache.tiers = TierIndex(PoolPageMover(KVPool(1, 49, 1, 2), 16), 16, HostArena(2 * PAGE_BYTES), disk)
-    cache.tiers.events = cache.events
+    tiers = TierIndex(PoolPageMover(KVPool(1, 49, 1, 2), 16), 16, HostArena(2 * PAGE_BYTES), disk, events=events)
+    cache = RadixCache(TokenAllocator(48), 1, listeners=[events], tiers=tiers)
     publisher = KVEventPublisher(f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/ev.replay", block_size=16, buffer=2)
     assert cache.events is not None
     try:

@@ -6,8 +6,12 @@ from pathlib import Path
 
 import numpy as np
 
-from radixserve.cache import KVEvent, RadixCache, RadixKey
-from radixserve.cache.tiers import TierIndex
+from radixserve.cache import KVEvent, KVEventLog, RadixCache, RadixKey
+from radixserve.cache.tiers.disk_format import HEADER
+from radixserve.cache.tiers.disk_store import DiskPageStore
+from radixserve.cache.tiers.host_arena import HostArena
+from radixserve.cache.tiers.index import TierIndex
+from radixserve.cache.tiers.kv_pages import PoolPageMover
 from radixserve.kv_events.mirror import BlockMirror
 from radixserve.kv_events.wire import (
     AllBlocksCleared,
@@ -21,18 +25,14 @@ from radixserve.kv_events.wire import (
     wire_hash,
 )
 from radixserve.memory import TokenAllocator
-from radixserve.memory.disk_format import HEADER
-from radixserve.memory.disk_store import DiskPageStore
-from radixserve.memory.host_arena import HostArena
-from radixserve.memory.kv_pages import PoolPageMover
 from radixserve.memory.kv_pool import KVPool
 
 
 def test_demoted_blocks_carry_their_medium_and_leave_the_pool_mirror_exact() -> None:
-    cache = RadixCache(TokenAllocator(32), 1, enable_kv_events=True)
+    events = KVEventLog(1)
     mover = PoolPageMover(KVPool(1, 33, 1, 2), 16)
-    cache.tiers = TierIndex(mover, 16, HostArena(1 << 20), None)
-    cache.tiers.events = cache.events
+    tiers = TierIndex(mover, 16, HostArena(1 << 20), None, events=events)
+    cache = RadixCache(TokenAllocator(32), 1, listeners=[events], tiers=tiers)
     assert cache.events is not None
     tokens = np.arange(3, 35, dtype=np.int64)  # two 16-token blocks
     req = cache.open_request(RadixKey(tokens))
@@ -114,9 +114,9 @@ def _page_record(tokens: np.ndarray, index: int, medium: str) -> BlockStored:  #
 
 
 def test_a_page_the_host_tier_drops_is_announced_once_with_medium_cpu() -> None:
-    cache = RadixCache(TokenAllocator(32), 1, enable_kv_events=True)
-    cache.tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, HostArena(PAGE_BYTES), None)
-    cache.tiers.events = cache.events
+    events = KVEventLog(1)
+    tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, HostArena(PAGE_BYTES), None, events=events)
+    cache = RadixCache(TokenAllocator(32), 1, listeners=[events], tiers=tiers)
     a, b = np.arange(3, 19, dtype=np.int64), np.arange(50, 66, dtype=np.int64)  # one page each
     (first,), (second,) = block_hashes(RadixKey(a), 16), block_hashes(RadixKey(b), 16)
     mirror = MediumMirror()
@@ -142,10 +142,10 @@ def test_a_page_the_host_tier_drops_is_announced_once_with_medium_cpu() -> None:
 
 
 def test_a_page_the_disk_writer_evicts_is_announced_at_the_next_drain_with_medium_disk(tmp_path: Path) -> None:
-    cache = RadixCache(TokenAllocator(32), 1, enable_kv_events=True)
+    events = KVEventLog(1)
     disk = DiskPageStore(tmp_path, HEADER.size + PAGE_BYTES, {"model": "test"})  # room for one page file
-    cache.tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, None, disk)
-    cache.tiers.events = cache.events
+    tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, None, disk, events=events)
+    cache = RadixCache(TokenAllocator(32), 1, listeners=[events], tiers=tiers)
     a, b = np.arange(3, 19, dtype=np.int64), np.arange(50, 66, dtype=np.int64)  # one page each
     (first,), (second,) = block_hashes(RadixKey(a), 16), block_hashes(RadixKey(b), 16)
     mirror = MediumMirror()
@@ -167,10 +167,10 @@ def test_a_page_the_disk_writer_evicts_is_announced_at_the_next_drain_with_mediu
 
 
 def test_a_page_the_host_tier_spills_to_disk_is_announced_as_stored_on_disk(tmp_path: Path) -> None:
-    cache = RadixCache(TokenAllocator(48), 1, enable_kv_events=True)
+    events = KVEventLog(1)
     disk = DiskPageStore(tmp_path, 1 << 20, {"model": "test"})
-    cache.tiers = TierIndex(PoolPageMover(KVPool(1, 49, 1, 2), 16), 16, HostArena(2 * PAGE_BYTES), disk)
-    cache.tiers.events = cache.events
+    tiers = TierIndex(PoolPageMover(KVPool(1, 49, 1, 2), 16), 16, HostArena(2 * PAGE_BYTES), disk, events=events)
+    cache = RadixCache(TokenAllocator(48), 1, listeners=[events], tiers=tiers)
     tokens = np.arange(3, 51, dtype=np.int64)  # three pages
     hashes = block_hashes(RadixKey(tokens), 16)
     mirror = MediumMirror()
@@ -197,10 +197,10 @@ def test_a_page_the_host_tier_spills_to_disk_is_announced_as_stored_on_disk(tmp_
 
 
 def test_the_pool_mirror_keeps_a_block_the_pool_holds_when_a_tier_drops_its_copy() -> None:
-    cache = RadixCache(TokenAllocator(32), 1, enable_kv_events=True)
+    events = KVEventLog(1)
     mover = PoolPageMover(KVPool(1, 33, 1, 2), 16)
-    cache.tiers = TierIndex(mover, 16, HostArena(1 << 20), None, write_policy="write_through")
-    cache.tiers.events = cache.events
+    tiers = TierIndex(mover, 16, HostArena(1 << 20), None, write_policy="write_through", events=events)
+    cache = RadixCache(TokenAllocator(32), 1, listeners=[events], tiers=tiers)
     tokens = np.arange(3, 35, dtype=np.int64)
     req = cache.open_request(RadixKey(tokens))
     assert cache.extend_request(req, tokens)
@@ -219,9 +219,9 @@ def test_a_read_only_disk_tier_announces_no_copies_it_did_not_take(tmp_path: Pat
     owner = DiskPageStore(tmp_path, 1 << 20, {"model": "test"})  # holds the directory's lock
     reader = DiskPageStore(tmp_path, 1 << 20, {"model": "test"})
     assert reader.enabled and not reader.writable
-    cache = RadixCache(TokenAllocator(32), 1, enable_kv_events=True)
-    cache.tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, None, reader)
-    cache.tiers.events = cache.events
+    events = KVEventLog(1)
+    tiers = TierIndex(PoolPageMover(KVPool(1, 33, 1, 2), 16), 16, None, reader, events=events)
+    cache = RadixCache(TokenAllocator(32), 1, listeners=[events], tiers=tiers)
     try:
         _cached_and_evicted(cache, np.arange(3, 35, dtype=np.int64))
         assert [e.medium for e in _wire(cache)] == [None, None]  # the pool's store and removal only

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from radixserve.cache import RadixCache, RadixKey
+from radixserve.cache import KVEventLog, RadixCache, RadixKey
 from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.kv_events.wire import block_hashes
 from radixserve.memory import TokenAllocator
@@ -250,7 +250,7 @@ class Replica:
     """A RadixCache with KV events on, publishing each change as one batch."""
 
     def __init__(self) -> None:
-        self.cache = RadixCache(TokenAllocator(4096), enable_kv_events=True)
+        self.cache = RadixCache(TokenAllocator(4096), listeners=[KVEventLog(1)])
         self.publisher = KVEventPublisher("tcp://127.0.0.1:*", block_size=BLOCK)
 
     def serve(self, prompt: Sequence[int], namespace: str | None = None, shared_len: int = 0) -> None:

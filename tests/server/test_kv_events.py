@@ -31,7 +31,7 @@ def expected_blocks(cache: RadixCache) -> set[int]:
     blocks: set[int] = set()
     for node in cache.nodes():
         if not node.children:
-            blocks.update(block_hashes(cache._path_key(node), BLOCK))
+            blocks.update(block_hashes(cache.path_key(node), BLOCK))
     return blocks
 
 

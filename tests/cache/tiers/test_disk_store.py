@@ -1,0 +1,187 @@
+"""The disk tier under faults: every bad page is caught, counted and dropped, never returned."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+
+from radixserve.cache.tiers.disk_format import HEADER, HEADER_V1, MAGIC_V1
+from radixserve.cache.tiers.disk_store import DiskPageStore
+
+FINGERPRINT = {"weights": "abc", "dtype": "float32", "page_tokens": 16}
+
+
+def h(i: int) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+
+
+def payload(i: int) -> bytes:
+    return bytes([i % 251]) * 1000 + i.to_bytes(4, "little")
+
+
+def store_with(tmp_path: Path, pages: range, capacity: int = 1 << 30) -> DiskPageStore:
+    store = DiskPageStore(tmp_path / "dir", capacity, FINGERPRINT)
+    for i in pages:
+        assert store.put(h(i), payload(i))
+    assert store.flush(30)
+    return store
+
+
+def test_round_trip_and_warm_reopen(tmp_path: Path) -> None:
+    store = store_with(tmp_path, range(5))
+    assert [store.get(h(i)) for i in range(5)] == [payload(i) for i in range(5)]
+    assert store.stats.pages_written == 5 and store.state(h(0)) == "on_disk"
+    store.close()
+    again = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
+    assert again.writable and len(again) == 5
+    assert again.get(h(3)) == payload(3) and again.get(h(9)) is None
+    again.close()
+
+
+def test_labels_come_back_from_the_headers_alone(tmp_path: Path) -> None:
+    store = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
+    for i in range(3):
+        assert store.put(h(i), payload(i), label=b"label %d" % i)
+    assert store.labels() == [(h(i), b"label %d" % i) for i in range(3)]  # queued: from memory
+    store.close()
+    again = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
+    path = again._path(h(1))
+    path.write_bytes(path.read_bytes()[: HEADER.size + 6] + b"\0" * (len(payload(1)) + 1))  # label damaged, same size
+    assert sorted(again.labels()) == sorted([(h(0), b"label 0"), (h(2), b"label 2")])
+    assert again.stats.corrupt == 1 and again.state(h(1)) == "absent" and not path.exists()
+    assert again.get(h(2)) == payload(2) and again.stats.bytes_read == len(payload(2))  # labels() read no K/V
+    again.close()
+
+
+def test_version_1_files_still_load_without_a_label(tmp_path: Path) -> None:
+    store = store_with(tmp_path, range(1))
+    checksum = hashlib.blake2b(payload(0), digest_size=16).digest()
+    old = HEADER_V1.pack(MAGIC_V1, h(0), store.digest, checksum, len(payload(0))) + payload(0)
+    store._path(h(0)).write_bytes(old)
+    assert store.labels() == [(h(0), b"")] and store.get(h(0)) == payload(0)
+    store._path(h(0)).write_bytes(old[:-1] + b"x")  # and are checked as before
+    assert store.get(h(0)) is None and store.stats.corrupt == 1
+    store.close()
+
+
+def test_pages_are_readable_while_queued(tmp_path: Path) -> None:
+    store = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
+    release = threading.Event()
+    write = store._write_file
+    store._write_file = lambda path, data: (release.wait(30), write(path, data))  # type: ignore[method-assign,func-returns-value]
+    assert store.put(h(1), payload(1))
+    assert store.state(h(1)) == "queued" and store.get(h(1)) == payload(1)
+    release.set()
+    assert store.flush(30) and store.state(h(1)) == "on_disk" and store.get(h(1)) == payload(1)
+    store.close()
+
+
+@pytest.mark.parametrize("fault", ["truncate", "flip_payload", "flip_header", "swap_files"])
+def test_corrupt_page_is_dropped_and_counted(tmp_path: Path, fault: str) -> None:
+    store = store_with(tmp_path, range(2))
+    path, other = store._path(h(0)), store._path(h(1))
+    data = bytearray(path.read_bytes())
+    if fault == "truncate":
+        data = data[: len(data) // 2]
+    elif fault == "flip_payload":
+        data[-7] ^= 0x40
+    elif fault == "flip_header":
+        data[HEADER.size - 3] ^= 1  # the label length
+    else:  # a valid page, under the wrong name
+        data = bytearray(other.read_bytes())
+    path.write_bytes(bytes(data))
+    assert store.get(h(0)) is None
+    assert store.stats.corrupt == 1 and not path.exists() and store.state(h(0)) == "absent"
+    assert store.get(h(1)) == payload(1)
+    store.close()
+
+
+def test_file_deleted_before_read(tmp_path: Path) -> None:
+    store = store_with(tmp_path, range(2))
+    store._path(h(0)).unlink()
+    assert store.get(h(0)) is None and store.stats.missing == 1
+    assert store.get(h(1)) == payload(1)
+    store.close()
+
+
+def test_disk_full_turns_writing_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = store_with(tmp_path, range(1))
+
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store._write_file = full  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING):
+        assert store.put(h(1), payload(1))
+        assert store.flush(30)
+    assert store.stats.write_errors == 1 and not store.writable
+    assert "disk full" in caplog.text
+    assert not store.put(h(2), payload(2))  # off: nothing queued, nothing fails
+    assert store.get(h(1)) is None and store.get(h(0)) == payload(0)  # what landed stays readable
+    store.close()
+
+
+def test_another_models_directory_is_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store_with(tmp_path, range(3)).close()
+    with caplog.at_level(logging.WARNING):
+        other = DiskPageStore(tmp_path / "dir", 1 << 30, {**FINGERPRINT, "weights": "different"})
+    assert not other.enabled and not other.writable and other.get(h(0)) is None
+    assert "another model" in caplog.text and "weights" in caplog.text
+    other.close()
+    assert (tmp_path / "dir" / "fingerprint.json").read_text().count("abc") == 1  # left as it was
+
+
+def test_pages_bind_to_the_fingerprint(tmp_path: Path) -> None:
+    """A page copied in from another model's directory fails its header check."""
+    store_with(tmp_path / "a", range(1)).close()
+    theirs = DiskPageStore(tmp_path / "b" / "dir", 1 << 30, {**FINGERPRINT, "weights": "other"})
+    assert theirs.put(h(0), payload(0)) and theirs.flush(30)
+    ours = DiskPageStore(tmp_path / "a" / "dir", 1 << 30, FINGERPRINT)
+    ours._path(h(0)).write_bytes(theirs._path(h(0)).read_bytes())
+    assert ours.get(h(0)) is None and ours.stats.corrupt == 1
+    ours.close()
+    theirs.close()
+
+
+def test_second_server_runs_read_only(tmp_path: Path) -> None:
+    first = store_with(tmp_path, range(2))
+    second = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
+    assert second.enabled and not second.writable
+    assert not second.put(h(7), payload(7))
+    assert second.get(h(1)) == payload(1)
+    second.close()
+    first.close()
+    third = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
+    assert third.writable
+    third.close()
+
+
+def test_unusable_directory_degrades(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    store = DiskPageStore(tmp_path / "file" / "dir", 1 << 30, FINGERPRINT)
+    assert not store.enabled and not store.put(h(0), payload(0)) and store.get(h(0)) is None
+    store.close()
+
+
+def test_capacity_evicts_least_recent(tmp_path: Path) -> None:
+    size = HEADER.size + len(payload(0))
+    store = store_with(tmp_path, range(2), capacity=2 * size)
+    assert store.get(h(0)) is not None  # 0 is now more recent than 1
+    assert store.put(h(2), payload(2)) and store.flush(30)
+    assert store.state(h(1)) == "absent" and store.get(h(0)) == payload(0) and store.get(h(2)) == payload(2)
+    assert store.stats.evicted == 1 and store.used_bytes == 2 * size
+    store.close()
+
+
+def test_leftover_temp_files_are_removed(tmp_path: Path) -> None:
+    store_with(tmp_path, range(1)).close()
+    stray = tmp_path / "dir" / "pages" / "ab" / "ab.kv.123.tmp"
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"torn")
+    DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT).close()
+    assert not stray.exists()
