@@ -27,6 +27,7 @@ from typing_extensions import TypeIs
 from radixserve.cache import create_prefix_cache
 from radixserve.core import GenerateResult, SamplingParams, is_token_ids
 from radixserve.engine.config import EngineConfig, default_pool_tokens
+from radixserve.engine.output import OutputStage
 from radixserve.engine.step import StepExecutor
 from radixserve.engine.tiers import build_tiers
 from radixserve.memory.kv_pool import KVPool
@@ -90,11 +91,11 @@ class Engine:
         self.eos_token_ids = eos
         self._grammars: GrammarCompiler | None = None
         runner = ModelRunner(self.loaded.model, model, self.kv_pool, self.device)
-        self.executor = StepExecutor(runner, self.tokenizer.decode_continuation, eos)
+        self.executor = StepExecutor(runner)
+        self.output = OutputStage(self.tokenizer, eos)
         self.scheduler = Scheduler(
             self.cache,
-            self.tokenizer.decode_continuation,
-            eos,
+            self.output,
             config.max_running_requests,
             config.chunked_prefill_size,
             create_schedule_policy(config.schedule_policy, config.in_batch_dedup, config.schedule_seed),
@@ -285,9 +286,8 @@ class Engine:
         grammar = sp.grammar
         # Compiling is memoised: the server compiles on a worker thread first, so this is a cache hit there.
         compiled = None if grammar is None else self.grammars.compile(*grammar)  # type: ignore[arg-type]
-        req = Request(next(self._rids), ids, sp, extra_key)
-        if compiled is not None:
-            req.sampling.grammar = self.grammars.matcher(compiled)
+        matcher = None if compiled is None else self.grammars.matcher(compiled)
+        req = Request(next(self._rids), ids, sp, extra_key, grammar=matcher)
         req.ask_prompt_logprobs(logprob_start_len)
         if extra_key is not None and shared_len > 0:
             req.shared_len = min(shared_len, len(ids)) - min(shared_len, len(ids)) % self.config.page_size

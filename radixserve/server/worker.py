@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from radixserve.core import ErrorKind, GenerateResult, TopLogprobs
 from radixserve.engine import Engine
+from radixserve.engine.output import LogprobTokens, OutputCursor
 from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.scheduler.request import Request
 from radixserve.server.metrics import ServerMetrics
@@ -43,6 +44,8 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    text: str = ""  # new text (the engine's output stage: never past a stop string, never half a character)
+    listed: LogprobTokens = field(default_factory=lambda: LogprobTokens([], [], [], []))  # tokens to list logprobs of
     result: GenerateResult | None = None
 
 
@@ -54,7 +57,7 @@ class _Live:
     req: Request
     sink: Sink
     index: int
-    sent: int = 0  # output tokens already delivered
+    cursor: OutputCursor = field(default_factory=OutputCursor)  # what was delivered
     last_token_time: float = 0.0
 
 
@@ -206,7 +209,7 @@ class EngineWorker:
         for rid, live in self._live.items():
             req = live.req
             finished = req.finish_reason is not None
-            if len(req.output_ids) > live.sent or finished:
+            if len(req.output_ids) > live.cursor.tokens or finished:
                 self._observe_tokens(live, now)
                 self._deliver(live, final=finished)
             if finished:
@@ -229,9 +232,9 @@ class EngineWorker:
             self.events.publish(log.drain())
 
     def _observe_tokens(self, live: _Live, now: float) -> None:
-        if self.metrics is None or len(live.req.output_ids) == live.sent:
+        if self.metrics is None or len(live.req.output_ids) == live.cursor.tokens:
             return
-        if live.sent == 0:
+        if live.cursor.tokens == 0:
             self.metrics.ttft.observe(now - live.req.arrival_time)
         else:
             self.metrics.itl.observe(now - live.last_token_time)
@@ -239,14 +242,8 @@ class EngineWorker:
 
     def _deliver(self, live: _Live, final: bool) -> None:
         req = live.req
-        delta = Delta(
-            req.rid,
-            live.index,
-            req.output_ids[live.sent :],
-            req.output_logprobs[live.sent :],
-            req.output_top_logprobs[live.sent :],
-        )
-        live.sent = len(req.output_ids)
+        new = live.cursor.take(req)
+        delta = Delta(req.rid, live.index, new.token_ids, new.logprobs, new.top_logprobs, new.text, new.listed)
         if final:
             with self._count_lock:
                 self._in_flight -= 1
