@@ -33,7 +33,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from radixserve.core import FinishReason, GenerateResult, TopLogprobs
 from radixserve.model.tokenizer import DECODE_CONTEXT_TOKENS, IncrementalDecoder, Tokenizer, find_stop, partial_stop_len
@@ -132,23 +132,43 @@ class LogprobTokens(NamedTuple):
     starts: list[int]
 
 
-def listed_len(starts: Sequence[int], released_len: int, reason: FinishReason | None, matched_stop: object) -> int:
-    """How many leading tokens a choice lists: those starting before ``released_len`` characters of text;
-    once finished (``reason`` set) all of them, except after a stop string (module docstring)."""
-    if reason is not None and not isinstance(matched_stop, str):
-        return len(starts)
-    return bisect_left(starts, released_len)
+class _Output(Protocol):
+    """A request's output as a ``Request`` holds it and a ``GenerateResult`` returns it."""
+
+    @property
+    def output_ids(self) -> list[int]: ...
+    @property
+    def output_logprobs(self) -> list[float]: ...
+    @property
+    def output_top_logprobs(self) -> list[TopLogprobs]: ...
+    @property
+    def text_offsets(self) -> list[int]: ...
+    @property
+    def finish_reason(self) -> FinishReason | None: ...
+    @property
+    def matched_stop(self) -> int | str | None: ...
+
+
+def listed_len(out: _Output, released_len: int) -> int:
+    """How many leading tokens a choice lists: those starting before the ``released_len`` characters
+    released; once finished all of them, except after a stop string (see the module docstring)."""
+    if out.finish_reason is not None and not isinstance(out.matched_stop, str):
+        return len(out.text_offsets)
+    return bisect_left(out.text_offsets, released_len)
+
+
+def _logprob_tokens(out: _Output, start: int, end: int) -> LogprobTokens:
+    return LogprobTokens(
+        out.output_ids[start:end],
+        out.output_logprobs[start:end],
+        out.output_top_logprobs[start:end],
+        out.text_offsets[start:end],
+    )
 
 
 def listed_tokens(result: GenerateResult) -> LogprobTokens:
-    """A finished choice's listed tokens (a whole answer: the stream's, concatenated)."""
-    end = listed_len(result.text_offsets, len(result.text), result.finish_reason, result.matched_stop)
-    return LogprobTokens(
-        result.output_ids[:end],
-        result.output_logprobs[:end],
-        result.output_top_logprobs[:end],
-        result.text_offsets[:end],
-    )
+    """A finished choice's listed tokens (a whole answer: its stream's, concatenated)."""
+    return _logprob_tokens(result, 0, listed_len(result, len(result.text)))
 
 
 class OutputChunk(NamedTuple):
@@ -174,18 +194,6 @@ class OutputCursor:
         text = "".join(req.text_pieces[self.pieces :])
         self.pieces, self.chars = len(req.text_pieces), self.chars + len(text)
         start, self.tokens = self.tokens, len(req.output_ids)
-        first = self.listed
-        self.listed = max(first, listed_len(req.text_offsets, self.chars, req.finish_reason, req.matched_stop))
-        listed = LogprobTokens(
-            req.output_ids[first : self.listed],
-            req.output_logprobs[first : self.listed],
-            req.output_top_logprobs[first : self.listed],
-            req.text_offsets[first : self.listed],
-        )
-        return OutputChunk(
-            req.output_ids[start:],
-            req.output_logprobs[start:],
-            req.output_top_logprobs[start:],
-            text,
-            listed,
-        )
+        first, self.listed = self.listed, max(self.listed, listed_len(req, self.chars))
+        new = _logprob_tokens(req, start, self.tokens)
+        return OutputChunk(new.token_ids, new.logprobs, new.top, text, _logprob_tokens(req, first, self.listed))
