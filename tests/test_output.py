@@ -11,15 +11,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import radixserve.engine.output as output_module
 from radixserve import Engine
-from radixserve.bench.tiny_model import EOS, save_word_tokenizer
 from radixserve.core import SamplingParams
 from radixserve.engine.output import OutputCursor, OutputStage, listed_tokens
 from radixserve.model.tokenizer import Tokenizer, find_stop
 from radixserve.scheduler.batch import StepOutput
 from radixserve.scheduler.request import Request
+from tests.model.tiny import EOS, save_word_tokenizer
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -162,3 +164,61 @@ def test_listed_logprob_tokens_streamed_equal_the_whole_answer(word_tokenizer: T
     # " w13" starts at the end of the cut text " w10 w11 ": the stop string's token is not listed
     assert streamed == whole.token_ids == [10, 11, 12]
     assert whole.starts == [0, 4, 8] and whole.logprobs == [0.0, -1.0, -2.0]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(byte_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_hf_folder(byte_model_dir)  # one token per byte: characters split across tokens
+
+
+def decode_everything_each_token(
+    tok: Tokenizer, prompt: list[int], ids: list[int], stops: list[str]
+) -> tuple[str, str | None, int]:
+    """The reference: the whole output decoded again after each token, find_stop on all of it."""
+    for taken in range(1, len(ids) + 1):
+        match = find_stop(tok.decode_continuation(ids[:taken], prompt), stops)
+        if match is not None:
+            return match.text, match.stop, taken
+    return tok.decode_continuation(ids, prompt), None, len(ids)
+
+
+TEXT = st.text(alphabet="ab é😀\n", max_size=24)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=TEXT, stops=st.lists(st.text(alphabet="ab é😀\n", min_size=1, max_size=4), max_size=3), cut=st.integers(0, 3)
+)
+def test_text_and_stops_equal_decoding_everything_each_token(
+    byte_tokenizer: Tokenizer, text: str, stops: list[str], cut: int
+) -> None:
+    """Same text, same stop, same token count as the O(n^2) reference, also when the output ends
+    inside a character (``cut`` bytes off: the final text keeps decode's U+FFFD)."""
+    prompt = byte_tokenizer.encode("p", add_special_tokens=False)
+    ids = byte_tokenizer.encode(text, add_special_tokens=False)
+    ids = ids[: max(len(ids) - cut, 0)] or ids
+    if not ids:
+        return
+    stage, cursor = OutputStage(byte_tokenizer, ()), OutputCursor()
+    req = request(prompt, stop=stops, max_new_tokens=len(ids))
+    stop, streamed = None, ""
+    while stop is None and len(req.output_ids) < len(ids):
+        stop = stage.append(req, StepOutput(ids[len(req.output_ids)]))
+        streamed += cursor.take(req).text
+    stage.finish(req)
+    streamed += cursor.take(req).text
+    assert (req.text, stop, len(req.output_ids)) == decode_everything_each_token(byte_tokenizer, prompt, ids, stops)
+    assert streamed == req.text
+
+
+def test_a_stop_string_before_an_unfinished_character_stops_at_that_token() -> None:
+    """SmolLM2's " \\xf0\\x9f\\x98" token ends inside an emoji: the space before it is text already, as a
+    whole decode shows it ("a \\ufffd"), so the stop "a " matches at that token, not one later."""
+    tok = Tokenizer.from_model_path(None)
+    prompt, ids = tok.encode("p", add_special_tokens=False), tok.encode("a 😀 b", add_special_tokens=False)
+    stage = OutputStage(tok, ())
+    req = request(prompt, stop=["a "])
+    stops = [stage.append(req, StepOutput(token)) for token in ids[:2]]
+    stage.finish(req)
+    assert stops == [None, "a "] and tok.decode(ids[:2]) == "a \ufffd"
+    assert (req.text, stops[-1], 2) == decode_everything_each_token(tok, prompt, ids, ["a "]) == ("", "a ", 2)
