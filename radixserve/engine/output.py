@@ -66,7 +66,8 @@ class OutputStage:
     def append(self, req: Request, out: StepOutput) -> int | str | None:
         """Take ``out.token`` into ``req``; what it stopped on (its matched_stop), or None.
 
-        In order: a stop token (eos unless ignored, ``stop_token_ids``), a stop string, the grammar's end.
+        In order: a stop token (eos unless ignored, ``stop_token_ids``), a stop string, the grammar's end
+        (it took its stop token: with ignore_eos nothing else would stop it).
         Raises (``req`` alone should fail) when its detokenizer or its grammar breaks; the id is kept.
         """
         token = out.token
