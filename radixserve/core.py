@@ -178,6 +178,9 @@ class GenerateResult:
     # Prompt logprobs (SGLang's logprob_start_len): per prompt token from that start, log P(token | tokens
     # before it); the first is None (nothing before it was scored). None: not asked for.
     input_logprobs: list[float | None] | None = None
+    # Per output token: where its text starts in ``text`` (after a stop string, the stop's tokens start
+    # at or past its end): what OpenAI's logprobs ``text_offset`` counts.
+    text_offsets: list[int] = field(default_factory=list)
 
     @property
     def retryable(self) -> bool:

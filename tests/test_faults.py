@@ -98,14 +98,19 @@ def test_a_sampler_error_for_one_request(
 
 def test_a_detokenizer_error_for_one_request(tiny_model_dir: Path, clean: list[list[int]]) -> None:
     def patch(engine: Engine) -> None:
-        detokenize = engine.executor.detokenize
+        make_decoder = engine.output.make_decoder
 
-        def fragile(output_ids: Any, prompt_ids: Any) -> str:
-            if POISON in list(prompt_ids):
-                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-            return detokenize(output_ids, prompt_ids)
+        def fragile(req: Any) -> Any:
+            decoder = make_decoder(req)
+            if POISON in req.prompt_ids.tolist():
 
-        engine.executor.detokenize = fragile
+                def push(new_ids: Any) -> str:
+                    raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+                decoder.push = push
+            return decoder
+
+        engine.output.make_decoder = fragile  # type: ignore[method-assign]
 
     engine, outs = run_with(tiny_model_dir, patch, {**PARAMS, "stop": ["never-generated"]})
     check_contained(engine, outs, clean, "UnicodeDecodeError")

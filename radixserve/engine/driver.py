@@ -29,6 +29,7 @@ from typing import NamedTuple, TypeVar
 
 from radixserve.cache.events import KVEvent
 from radixserve.core import ErrorKind, GenerateResult, TopLogprobs
+from radixserve.engine.output import LogprobTokens, OutputCursor
 from radixserve.engine.step import StepExecutor
 from radixserve.scheduler.loop import Scheduler
 from radixserve.scheduler.request import Request
@@ -47,6 +48,8 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    text: str = ""  # new text (the engine's output stage: never past a stop string, never half a character)
+    listed: LogprobTokens = field(default_factory=lambda: LogprobTokens([], [], [], []))  # tokens to list logprobs of
     result: GenerateResult | None = None
 
 
@@ -88,7 +91,7 @@ class _Live:
     req: Request
     sink: Sink
     index: int
-    sent: int = 0  # output tokens already delivered
+    cursor: OutputCursor = field(default_factory=OutputCursor)  # what was delivered
     last_token_time: float = 0.0
 
 
@@ -293,7 +296,7 @@ class Driver:
         for rid, live in self._live.items():
             req = live.req
             finished = req.finish_reason is not None
-            if len(req.output_ids) > live.sent or finished:
+            if len(req.output_ids) > live.cursor.tokens or finished:
                 self._observe_tokens(live, now)
                 self._deliver(live, final=finished)
             if finished:
@@ -309,22 +312,16 @@ class Driver:
             self._listener.on_kv_events(log.drain())
 
     def _observe_tokens(self, live: _Live, now: float) -> None:
-        if self._listener is None or len(live.req.output_ids) == live.sent:
+        if self._listener is None or len(live.req.output_ids) == live.cursor.tokens:
             return
-        first = live.sent == 0
+        first = live.cursor.tokens == 0
         self._listener.on_tokens(first, now - (live.req.arrival_time if first else live.last_token_time))
         live.last_token_time = now
 
     def _deliver(self, live: _Live, final: bool) -> None:
         req = live.req
-        delta = Delta(
-            req.rid,
-            live.index,
-            req.output_ids[live.sent :],
-            req.output_logprobs[live.sent :],
-            req.output_top_logprobs[live.sent :],
-        )
-        live.sent = len(req.output_ids)
+        new = live.cursor.take(req)
+        delta = Delta(req.rid, live.index, new.token_ids, new.logprobs, new.top_logprobs, new.text, new.listed)
         if final:
             delta.result = result = req.result()
             if self._listener is not None:

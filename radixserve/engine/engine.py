@@ -34,6 +34,7 @@ from radixserve.cache.tiers.options import ModelIdentity, TierConfig
 from radixserve.core import GenerateResult, SamplingParams, is_token_ids
 from radixserve.engine.config import EngineConfig, default_pool_tokens
 from radixserve.engine.driver import Driver
+from radixserve.engine.output import OutputStage
 from radixserve.engine.step import StepExecutor
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.grammar import GrammarCompiler
@@ -109,11 +110,11 @@ class Engine(Driver):
         self.eos_token_ids = eos
         self._grammars: GrammarCompiler | None = None
         runner = ModelRunner(self.loaded.model, model, self.kv_pool, self.device)
-        executor = StepExecutor(runner, self.tokenizer.decode_continuation, eos)
+        executor = StepExecutor(runner)
+        self.output = OutputStage(self.tokenizer, eos)
         scheduler = Scheduler(
             self.cache,
-            self.tokenizer.decode_continuation,
-            eos,
+            self.output,
             config.max_running_requests,
             config.chunked_prefill_size,
             create_schedule_policy(config.schedule_policy, config.in_batch_dedup, config.schedule_seed),
@@ -324,9 +325,8 @@ class Engine(Driver):
         grammar = sp.grammar
         # Compiling is memoised: the server compiles on a worker thread first, so this is a cache hit there.
         compiled = None if grammar is None else self.grammars.compile(*grammar)  # type: ignore[arg-type]
-        req = Request(next(self._rids), ids, sp, extra_key)
-        if compiled is not None:
-            req.sampling.grammar = self.grammars.matcher(compiled)
+        matcher = None if compiled is None else self.grammars.matcher(compiled)
+        req = Request(next(self._rids), ids, sp, extra_key, grammar=matcher)
         req.ask_prompt_logprobs(logprob_start_len)
         if extra_key is not None and shared_len > 0:
             req.shared_len = min(shared_len, len(ids)) - min(shared_len, len(ids)) % self.config.page_size

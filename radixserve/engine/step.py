@@ -1,9 +1,10 @@
-"""The engine step: one scheduled batch through the model, sampled, stop strings checked.
+"""The engine step: one scheduled batch through the model, then a token sampled for each entry that samples.
 
-``StepExecutor.run(batch)`` returns one ``StepOutput`` per entry and changes no
-request: ``Scheduler.process`` applies the outputs. A request that breaks the
-step fails alone, the others go on: a failed forward is retried one request at
-a time, a row of NaN/inf logits or a sampling or detokenizing error becomes
+``StepExecutor.run(batch)`` returns one ``StepOutput`` per entry (tokens and
+logprobs) and changes no request, its sampling state included: ``Scheduler.process``
+applies the outputs, through the output stage (``output.py``: text, stop strings).
+A request that breaks the step fails alone, the others go on: a failed forward is
+retried one request at a time, a row of NaN/inf logits or a sampling error becomes
 that request's ``error``.
 """
 
@@ -11,30 +12,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from radixserve.core import TopLogprobs
 from radixserve.model.runner import ModelRunner, StepInput
 from radixserve.model.sampling import sample
 from radixserve.scheduler.batch import BatchMode, ScheduledBatch, ScheduledRequest, StepOutput
-from radixserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
-# (output ids, prompt ids) -> the output's text as it reads after the prompt
-Detokenize = Callable[[Sequence[int], Sequence[int]], str]
 NON_FINITE = "the model produced non-finite logits (NaN or inf)"
 PromptLogprobs = tuple[tuple[int, float], ...]
 
 
 class StepExecutor:
-    def __init__(self, runner: ModelRunner, detokenize: Detokenize, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.detokenize = detokenize
-        self.eos_token_ids = frozenset(eos_token_ids)
 
     def run(self, batch: ScheduledBatch) -> list[StepOutput]:
         """One forward over ``batch``, then a token for each entry that samples."""
@@ -120,8 +115,7 @@ class StepExecutor:
         try:
             out = sample(logits[[row for row, _ in wanted]], [req.sampling for req in reqs])
             return {
-                i: self._output(
-                    reqs[k],
+                i: StepOutput(
                     out.token_ids[k],
                     out.logprobs[k] if out.logprobs else None,
                     out.top_logprobs[k] if out.top_logprobs else None,
@@ -139,27 +133,8 @@ class StepExecutor:
                 errors[i] = _message(exc)
                 continue
             top = one.top_logprobs[0] if one.top_logprobs else None
-            outputs[i] = self._output(req, one.token_ids[0], one.logprobs[0] if one.logprobs else None, top)
+            outputs[i] = StepOutput(one.token_ids[0], one.logprobs[0] if one.logprobs else None, top)
         return outputs
-
-    def _output(self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None) -> StepOutput:
-        """The sampled token, with the stop string it completes (a detokenizer error fails only ``req``)."""
-        try:
-            stop = self._stop_string(req, token)
-        except Exception as exc:
-            return StepOutput(token, logprob, top, error=_message(exc))
-        return StepOutput(token, logprob, top, stop_string=stop)
-
-    def _stop_string(self, req: Request, token: int) -> tuple[str, str] | None:
-        """(text up to the first stop string, that string) once the output with ``token`` holds one."""
-        if not req.params.stop or req.stops_on(token, self.eos_token_ids):
-            return None  # a stop token ends it first
-        text = self.detokenize([*req.output_ids, token], req.prompt_ids[-16:].tolist())
-        hits = [(text.find(s), s) for s in req.params.stop if s in text]
-        if not hits:
-            return None
-        position, stop = min(hits)
-        return text[:position], stop
 
 
 def _scores_prompt(entry: ScheduledRequest) -> bool:

@@ -12,6 +12,13 @@ row-wise, and a filter the row does not use is an exact no-op on it, so a seeded
 gets the same tokens whatever else is in its batch and at whatever position (given the
 same logits row: a model whose logits depend on the batch is a separate matter).
 
+State: ``sample`` reads each request's ``SamplingState`` and returns tokens; only
+``SamplingState.append``, once per taken token, advances it (the engine's output stage
+calls it). A draw starts from the generator position the last taken token left, so sampling
+one state twice (a batch retried row by row) gives the same token. What ``sample`` touches
+besides (the generator it draws with, penalty tensors that catch up with appended tokens)
+are caches of that state, not changes to it.
+
 Device: the generator lives on the logits' device (created at the first step), so sampling
 never copies a vocabulary-sized row to the host. The price: one seed gives different
 streams on CPU and CUDA; reproducibility holds per device type.
@@ -41,15 +48,15 @@ class SampleOutput(NamedTuple):
 
 
 class SamplingState:
-    """One request's sampling state: its params, its own seeded generator, its penalty counts.
+    """One request's sampling state: its params, its seed, its tokens so far (penalty counts), its grammar.
 
-    Call ``append(token_id)`` once per generated token. Penalty bookkeeping is O(new tokens)
-    per step: appended ids wait in a short list and are added, at the next ``sample``, to
-    per-vocabulary tensors on the logits' device (``seen``: in prompt or output; ``counts``:
-    occurrences in output). Those tensors exist only when a penalty is set.
+    Call ``append(token_id)`` once per generated token: the one call that advances it. Penalty
+    bookkeeping is O(new tokens) per step: appended ids wait in a short list and are added, at
+    the next ``sample``, to per-vocabulary tensors on the logits' device (``seen``: in prompt or
+    output; ``counts``: occurrences in output). Those tensors exist only when a penalty is set.
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], grammar: GrammarState | None = None) -> None:
         self.params = params
         self.prompt_ids = tuple(prompt_ids)
         # No seed: draw one from the OS so runs differ; kept so that a run can be replayed.
@@ -57,9 +64,10 @@ class SamplingState:
         self.penalized = params.repetition_penalty != 1 or params.frequency_penalty != 0 or params.presence_penalty != 0
         self._pending: list[int] = []
         self._generator: torch.Generator | None = None
+        self._position: torch.Tensor | None = None  # the generator's state after the last taken token's draw
         self._seen: torch.Tensor | None = None  # [V] bool
         self._counts: torch.Tensor | None = None  # [V] float32
-        self.grammar: GrammarState | None = None  # constrained decoding: set by the engine when params ask
+        self.grammar = grammar  # constrained decoding (the params' json_schema / regex / ebnf, compiled)
 
     def append(self, token_id: int) -> None:
         """Record one generated token (O(1); penalty tensors catch up at the next ``sample``).
@@ -68,18 +76,24 @@ class SamplingState:
         """
         if token_id < 0:
             raise ValueError(f"token id must be >= 0, got {token_id}")
+        if self._generator is not None:  # its draw for this token is the one to go on from
+            self._position = self._generator.get_state()
         if self.penalized:
             self._pending.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
 
     def generator(self, device: torch.device) -> torch.Generator:
-        """The request's generator, created and seeded on ``device`` at first use."""
+        """The generator for the next draw (created and seeded on ``device`` at first use), set back
+        to where the last taken token's draw left it: a draw depends on the state alone."""
         if self._generator is None:
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(self.seed)
+            self._position = self._generator.get_state()
         elif self._generator.device != device:
             raise ValueError(f"request sampled on {self._generator.device}, now given {device}")
+        assert self._position is not None
+        self._generator.set_state(self._position)
         return self._generator
 
     def penalty_tensors(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +122,8 @@ class SamplingState:
 def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutput:
     """Choose one token per row of ``logits`` [B, V], row i under ``states[i]``.
 
-    Does not modify ``logits``; mutates each state's generator and penalty tensors (not
-    its token history: call ``append`` with the result). Logprobs, when any state asks,
+    Does not modify ``logits`` and does not advance the states (call ``append`` with the
+    tokens a request takes): the same states give the same tokens. Logprobs, when any state asks,
     are of the chosen token under the model's raw distribution, log_softmax of the
     unmodified logits (before penalties, temperature and filters): they describe the
     model, not the sampling settings (a greedy or top_k=1 row would otherwise always

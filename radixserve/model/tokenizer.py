@@ -5,7 +5,8 @@ HF folder (``tokenizer.json`` + ``tokenizer_config.json``) or from a GGUF file's
 vocabulary (built from the metadata our reader parsed, ``gguf_tokenizer.py``; transformers'
 own GGUF conversion for a tokenizer that module does not build exactly). ``IncrementalDecoder``
 turns output ids into text deltas that never split a multi-byte character; ``find_stop`` /
-``partial_stop_len`` implement stop strings.
+``partial_stop_len`` implement stop strings. The engine's output stage (``engine/output.py``)
+runs one ``IncrementalDecoder`` per request: the one place output text is made.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 # Prompt tokens an IncrementalDecoder keeps as context, so a first output token decodes as
 # it would mid-text (SentencePiece decoders drop a space at the start of a decode).
-_DECODE_CONTEXT_TOKENS = 5
+DECODE_CONTEXT_TOKENS = 5
 
 
 class Tokenizer:
@@ -92,7 +93,7 @@ class Tokenizer:
         Decoded after the prompt's last few tokens, so a first token keeps the space a
         SentencePiece or word-level decoder would drop at the start of a text.
         """
-        context = list(prompt_ids[-_DECODE_CONTEXT_TOKENS:])
+        context = list(prompt_ids[-DECODE_CONTEXT_TOKENS:])
         if not context:
             return self.decode(output_ids)
         return self.decode(context + list(output_ids))[len(self.decode(context)) :]
@@ -141,22 +142,36 @@ class IncrementalDecoder:
     decode a short window, ``ids[prefix_offset:]``, and emit only what it adds beyond
     ``ids[prefix_offset:read_offset]`` (already emitted), and only once it no longer ends in
     U+FFFD; then the window slides forward. Concatenated deltas plus ``flush()`` equal
-    ``decode(all output ids)``.
+    ``decode(all output ids)``. Each push decodes the window twice: a few tokens, whatever
+    the output's length.
+
+    Why not ``tokenizers``' ``DecodeStream`` (the same window algorithm, in Rust): it has no
+    ``flush``, so an output that ends inside a character would lose its last U+FFFD that
+    ``decode`` (and so ``decode_continuation``) keeps.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-_DECODE_CONTEXT_TOKENS:])
+        self._ids: list[int] = list(prompt_ids[-DECODE_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self.text = ""  # everything emitted so far
+        self._deltas: list[str] = []
+        # Decoded but not emitted (a character still incomplete, so it may end in U+FFFD): what
+        # flush() would emit now.
+        self.pending = ""
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._deltas)
 
     def push(self, new_ids: Iterable[int]) -> str:
         """Append output ids; return the new text that is now complete (may be empty)."""
         self._ids.extend(new_ids)
         prefix_text, window_text = self._decode_window()
         if len(window_text) <= len(prefix_text) or window_text.endswith("\ufffd"):
+            self.pending = window_text[len(prefix_text) :]
             return ""  # nothing new yet, or a character still incomplete
         return self._emit(window_text[len(prefix_text) :])
 
@@ -173,7 +188,8 @@ class IncrementalDecoder:
     def _emit(self, delta: str) -> str:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self.text += delta
+        self._deltas.append(delta)
+        self.pending = ""
         return delta
 
 

@@ -2,9 +2,11 @@
 
 ``Scheduler.schedule()`` returns a ``ScheduledBatch``: per request, its mode,
 the tokens to compute and the slots of its whole context. The engine step runs
-the forward, samples and checks stop strings, and returns one ``StepOutput``
-per entry; ``Scheduler.process(batch, outputs)`` applies them (tokens, stop
-checks, finishing). The step never changes a request's state.
+the forward and samples, and returns one ``StepOutput`` per entry; it never
+changes a request. ``Scheduler.process(batch, outputs)`` applies them: it decides
+which requests take their token and hands each to the ``OutputStage`` (the
+engine's ``engine/output.py``: ids, logprobs, sampling state, text, stop checks),
+then finishes those that stopped.
 
 Each entry carries its own mode: with ``enable_mixed_chunk`` one forward carries a
 prefill chunk next to the running decodes (``ScheduledBatch.mode`` is then "mixed").
@@ -13,7 +15,7 @@ prefill chunk next to the running decodes (``ScheduledBatch.mode`` is then "mixe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -64,9 +66,20 @@ class StepOutput:
     token: int | None = None
     logprob: float | None = None
     top_logprobs: TopLogprobs | None = None
-    # A stop string the output now contains: (the output's text up to it, the stop string).
-    stop_string: tuple[str, str] | None = None
     computed: bool = True  # the forward ran for it (its K/V is written)
     # Prompt logprobs this chunk scored: (prompt position, log P(token there | tokens before)).
     prompt_logprobs: tuple[tuple[int, float], ...] = ()
-    error: str | None = None  # the step failed for this request alone: it aborts, its K/V is never cached
+    error: str | None = None  # the step failed for this request alone (no token): it aborts, its K/V is never cached
+
+
+class OutputStage(Protocol):
+    """Where a taken token goes: the one place a request's output advances (engine/output.py)."""
+
+    def append(self, req: Request, out: StepOutput) -> int | str | None:
+        """Take ``out.token`` into ``req``; what it stopped on (matched_stop: a token id or a stop
+        string), or None. Raises if only this request should fail (its detokenizer, its grammar)."""
+        ...
+
+    def finish(self, req: Request, keep_text: bool) -> None:
+        """``req`` ends: write its final text (``keep_text=False``, it failed: ""), drop its decoder."""
+        ...

@@ -26,23 +26,19 @@ from collections.abc import Callable, Sequence
 from radixserve.cache import BasePrefixCache
 from radixserve.core import ErrorKind, FinishReason
 from radixserve.scheduler.admission import PrefillAdder, decode_reserve
-from radixserve.scheduler.batch import Mode, ScheduledBatch, ScheduledRequest, StepOutput
+from radixserve.scheduler.batch import Mode, OutputStage, ScheduledBatch, ScheduledRequest, StepOutput
 from radixserve.scheduler.policy import BaseSchedulePolicy, create_schedule_policy
 from radixserve.scheduler.request import Request, Status
 from radixserve.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-# (output ids, prompt ids) -> the output's text as it reads after the prompt
-Detokenize = Callable[[Sequence[int], Sequence[int]], str]
-
 
 class Scheduler:
     def __init__(
         self,
         cache: BasePrefixCache,
-        detokenize: Detokenize,
-        eos_token_ids: tuple[int, ...],
+        output: OutputStage,
         max_running_requests: int = 64,
         chunked_prefill_size: int = 8192,
         policy: BaseSchedulePolicy | None = None,
@@ -50,8 +46,7 @@ class Scheduler:
         enable_mixed_chunk: bool = False,
     ) -> None:
         self.cache = cache
-        self.detokenize = detokenize
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.output = output
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.policy = policy or create_schedule_policy("fcfs")
@@ -146,14 +141,14 @@ class Scheduler:
         """Apply one step's outputs (one per entry); return the requests that finished.
 
         A failed entry aborts alone (its K/V is freed, never cached: it may be
-        garbage); the others take their token, then the stop checks.
+        garbage); the others take their token (the output stage checks the stops).
         """
         entries = list(zip(batch.entries, outputs, strict=True))
         self.stats.prefill_tokens += sum(
             len(entry.new_token_ids) for entry, out in entries if entry.mode == "extend" and out.computed
         )
         for entry, out in entries:
-            if out.error is not None and out.token is None:
+            if out.error is not None:
                 self._fail(entry.req, out.error)
             for position, logprob in out.prompt_logprobs:
                 assert entry.req.input_logprobs is not None
@@ -168,20 +163,16 @@ class Scheduler:
         return [*batch.finished, *finished, *failed]
 
     def _take(self, req: Request, out: StepOutput) -> bool:
-        """Append a sampled token and check whether ``req`` is done; True: it finished."""
+        """Give ``req`` its sampled token and finish it if that stopped it; True: it finished."""
         if req.status is not Status.RUNNING:
             return False
         req.prefill_done = True
         if req.params.max_new_tokens == 0:  # it ran to cache its prompt (or score it): the sampled token is dropped
             self._finish(req, "length")
             return True
-        if out.logprob is not None:
-            req.output_logprobs.append(out.logprob)
-        if out.top_logprobs is not None and req.params.top_logprobs:
-            req.output_top_logprobs.append(out.top_logprobs)
         try:
             return self._append_token(req, out)
-        except Exception as exc:  # e.g. the detokenizer, on the final text
+        except Exception as exc:  # its detokenizer or its grammar broke on it: it fails alone
             self._fail(req, exc)
             return False
 
@@ -318,27 +309,16 @@ class Scheduler:
 
     def _fail(self, req: Request, error: BaseException | str) -> None:
         message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        self._finish(req, "abort", error=message, insert=False, decode=False)
+        self._finish(req, "abort", error=message, insert=False, keep_text=False)
 
     # ---- finishing --------------------------------------------------------------------------------
 
     def _append_token(self, req: Request, out: StepOutput) -> bool:
-        assert out.token is not None
-        token = out.token
-        req.output_ids.append(token)
-        req.sampling.append(token)
+        stop = self.output.append(req, out)
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
-        if out.error is not None:  # its stop-string check failed: the token is kept, the request fails
-            self._fail(req, out.error)
-        elif req.stops_on(token, self.eos_token_ids):
-            req.matched_stop = token
-            self._finish(req, "stop")
-        elif out.stop_string is not None:
-            req.text, req.matched_stop = out.stop_string
-            self._finish(req, "stop", decode=False)
-        elif req.sampling.grammar is not None and req.sampling.grammar.terminated:
-            req.matched_stop = token  # the grammar took its stop token (with ignore_eos, nothing else stops it)
+        if stop is not None:  # a stop token, a stop string, or the grammar's end
+            req.matched_stop = stop
             self._finish(req, "stop")
         elif len(req.output_ids) >= req.params.max_new_tokens:
             self._finish(req, "length")
@@ -352,13 +332,12 @@ class Scheduler:
         error: str | None = None,
         kind: ErrorKind = "engine",
         insert: bool = True,
-        decode: bool = True,
+        keep_text: bool = True,
     ) -> None:
         if req.kv is not None:
             self.cache.cache_finished_req(req.kv, is_insert=insert)
             req.kv = None
-        if decode:
-            req.text = self.detokenize(req.output_ids, req.prompt_ids[-16:].tolist())
+        self.output.finish(req, keep_text)
         req.finish(reason, error, kind)
         self.stats.count_finish(reason)
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
 from radixserve.cache import CacheReq, RadixKey
 from radixserve.core import ErrorKind, FinishReason, GenerateResult, SamplingParams, TopLogprobs
+from radixserve.model.grammar import GrammarState
 from radixserve.model.sampling import SamplingState
 
 
@@ -44,10 +45,15 @@ class Request:
     status: Status = Status.WAITING
     match_len: int = 0  # cached prefix length found by the last scheduling round (policy input)
     match_node: object = None  # the cache node that match ended on (same round only)
+    # The output, advanced one taken token at a time by the engine's output stage (engine/output.py).
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
-    text: str = ""
+    # Its text as released so far, piece by piece: complete characters only, never a stop string nor
+    # a tail that may still become one. Once finished the pieces are the whole text.
+    text_pieces: list[str] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)  # per output token: where its text starts
+    text: str = ""  # set when it finishes: the pieces joined (the stop string cut; "" after an error)
     kv: CacheReq | None = None
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     prefill_done: bool = False  # this admission's prefill has produced a token
@@ -61,10 +67,11 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    sampling: SamplingState = field(init=False, repr=False)  # penalties and the seeded generator
+    sampling: SamplingState = field(init=False, repr=False)  # seed, penalties, grammar
+    grammar: InitVar[GrammarState | None] = None  # the compiled constraint its params ask for
 
-    def __post_init__(self) -> None:
-        self.sampling = SamplingState(self.params, self.prompt_ids.tolist())
+    def __post_init__(self, grammar: GrammarState | None) -> None:
+        self.sampling = SamplingState(self.params, self.prompt_ids.tolist(), grammar)
 
     def ask_prompt_logprobs(self, start: int) -> None:
         """Score the prompt from position ``start`` (clipped to the prompt; negative: don't)."""
@@ -113,6 +120,7 @@ class Request:
         return GenerateResult(
             text=self.text,
             output_ids=list(self.output_ids),
+            text_offsets=list(self.text_offsets),
             prompt_tokens=len(self.prompt_ids),
             cached_tokens=self.cached_tokens,
             finish_reason=self.finish_reason,

@@ -3,9 +3,9 @@
 ``ServerState`` holds what every handler needs. ``Generation`` submits a call's
 requests (prompts x choices) to the scheduler thread and yields their deltas on
 the event loop; closing it early (client gone, handler cancelled) aborts what is
-still running, so locks and slots come back at once. ``TextStream`` turns a
-choice's token deltas into text deltas that never pass a stop string and never
-split a character.
+still running, so locks and slots come back at once. Each delta carries its text
+and the tokens whose logprobs it lists, made once by the engine's output stage
+(``engine/output.py``): the server never detokenizes output.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from radixserve.core import GenerateResult, SamplingParams
 from radixserve.engine import Engine
 from radixserve.engine.driver import Delta
-from radixserve.model.tokenizer import IncrementalDecoder, Tokenizer, find_stop, partial_stop_len
+from radixserve.model.tokenizer import Tokenizer
 from radixserve.scheduler.request import Request
 from radixserve.server.args import ServerArgs
 from radixserve.server.errors import APIError
@@ -252,30 +252,3 @@ async def finish_unless_disconnected(
         if not task.done():
             generation.abort()
             task.cancel()
-
-
-class TextStream:
-    """Text deltas of one choice: complete characters only, held back while a stop string may form."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stops: Sequence[str]) -> None:
-        self._decoder = IncrementalDecoder(tokenizer, prompt_ids)
-        self._stops = tuple(s for s in stops if s)
-        self.sent = ""
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        self._decoder.push(token_ids)
-        text = self._decoder.text
-        if self._stops:
-            match = find_stop(text, self._stops, len(self.sent) - max(map(len, self._stops)) + 1)
-            text = match.text if match else text[: len(text) - partial_stop_len(text, self._stops)]
-        return self._emit(text)
-
-    def finish(self, final_text: str) -> str:
-        """The rest of the choice's text, given the engine's final text (stop strings cut)."""
-        return self._emit(final_text)
-
-    def _emit(self, text: str) -> str:
-        if len(text) <= len(self.sent) or not text.startswith(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent) :], text
-        return delta

@@ -18,7 +18,7 @@ from typing import Any
 from radixserve.core import GenerateResult, SamplingParams, is_token_ids
 from radixserve.scheduler.request import Request
 from radixserve.server.errors import APIError, error_event, raise_first_error
-from radixserve.server.generation import Generation, ServerState, TextStream, finish_unless_disconnected
+from radixserve.server.generation import Generation, ServerState, finish_unless_disconnected
 from radixserve.server.openai_api import SSE_DONE, sse
 from radixserve.server.protocol import GenerateRequest
 from radixserve.server.sglang_fields import native_sampling, triage
@@ -41,7 +41,6 @@ class NativeCall:
         self.state, self.body, self.namespace = state, body, namespace
         self.arrival = time.perf_counter()
         self.single = True
-        self.streams: list[TextStream] = []
         self.rids: list[str | None] = []
         self.return_logprob: list[bool] = []
         ignored, problem = triage(dict(body.model_extra or {}))
@@ -101,14 +100,13 @@ class NativeCall:
             params.setdefault("logprobs", True)
             params.setdefault("top_logprobs", top)
         try:
-            stops = SamplingParams.from_dict(params).stop
+            SamplingParams.from_dict(params)  # say which field is wrong, in SGLang's terms
         except (TypeError, ValueError) as exc:
             raise APIError(400, f"sampling_params: {exc}", param="sampling_params") from None
         explicit = "max_new_tokens" in params
         req = self.state.make_request(ids, params, explicit, self.namespace, self.arrival)
         req.priority = self.body.priority or 0
         req.routing_key = self.body.routing_key
-        self.streams.append(TextStream(self.state.tokenizer, ids, stops))
         return req
 
     def answer(self, index: int, req: Request, result: GenerateResult) -> dict[str, Any]:
@@ -144,10 +142,10 @@ class NativeCall:
     async def stream(self, generation: Generation) -> AsyncIterator[str]:
         try:
             output_ids: list[list[int]] = [[] for _ in generation.requests]
+            texts = ["" for _ in generation.requests]
             async for delta in generation.deltas():
                 i, req = delta.index, generation.requests[delta.index]
-                stream = self.streams[i]
-                stream.push(delta.token_ids)
+                texts[i] += delta.text
                 output_ids[i].extend(delta.token_ids)
                 if delta.result is not None and delta.result.error is not None:
                     yield sse(error_event(delta.result))
@@ -159,9 +157,8 @@ class NativeCall:
                     "finish_reason": None,
                 }
                 if delta.result is not None:
-                    stream.finish(delta.result.text)
                     meta = self.answer(i, req, delta.result)["meta_info"]
-                yield sse({"text": stream.sent, "output_ids": output_ids[i], "index": i, "meta_info": meta})
+                yield sse({"text": texts[i], "output_ids": output_ids[i], "index": i, "meta_info": meta})
             yield SSE_DONE
         finally:
             generation.abort()

@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from radixserve.core import GenerateResult, is_texts, is_token_ids
+from radixserve.engine.output import LogprobTokens, listed_tokens
 from radixserve.server.errors import APIError, error_event, raise_first_error
-from radixserve.server.generation import Generation, ServerState, TextStream, finish_unless_disconnected
-from radixserve.server.logprobs import LogprobCursor, Released, final_visible, whole
+from radixserve.server.generation import Generation, ServerState, finish_unless_disconnected
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from radixserve.server.structured import precompile, response_format_params
 
@@ -63,8 +63,7 @@ class OpenAICall:
         if ignored:
             logger.info("ignoring unknown request fields %s", ignored)
         self.prompts: list[list[int]] = []
-        self.streams: list[TextStream] = []
-        self.cursors: list[LogprobCursor] = []
+        self.num_choices = 0
 
     # ---- building ------------------------------------------------------------------------------
 
@@ -101,9 +100,7 @@ class OpenAICall:
             for j in range(n):
                 choice = dict(params, seed=None if seed is None else seed + j)
                 requests.append(self.state.make_request(ids, choice, explicit_max, self.namespace, self.arrival))
-        stops = params["stop"]
-        self.streams = [TextStream(self.state.tokenizer, req.prompt_ids.tolist(), stops) for req in requests]
-        self.cursors = [LogprobCursor(self.state.tokenizer, req.prompt_ids.tolist()) for req in requests]
+        self.num_choices = len(requests)
         return Generation(self.state, requests)
 
     # ---- shared response parts -------------------------------------------------------------------
@@ -136,7 +133,7 @@ class OpenAICall:
     def response(self, results: list[GenerateResult]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk(self, index: int, delta_text: str, released: Released, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, index: int, delta_text: str, listed: LogprobTokens, finish_reason: str | None) -> dict[str, Any]:
         raise NotImplementedError
 
     def wants_logprobs(self) -> bool:
@@ -164,22 +161,13 @@ class OpenAICall:
             for chunk in self.first_chunks():
                 yield sse(chunk)
             async for delta in generation.deltas():
-                stream, cursor = self.streams[delta.index], self.cursors[delta.index]
-                text = stream.push(delta.token_ids)
-                if self.wants_logprobs():  # the cursor decodes token by token: only when asked for
-                    cursor.push(delta.token_ids, delta.logprobs, delta.top_logprobs)
                 result = delta.result
-                visible: int | None = len(stream.sent)
-                if result is not None:
-                    if result.error is not None:
-                        yield sse(error_event(result))
-                        continue
-                    text += stream.finish(result.text)
-                    visible = final_visible(result)
-                released = cursor.release(visible)
-                if text or delta.token_ids or result is not None:
+                if result is not None and result.error is not None:
+                    yield sse(error_event(result))
+                    continue
+                if delta.text or delta.token_ids or result is not None:
                     finish = result.finish_reason if result is not None else None
-                    yield sse(self.chunk_envelope([self.chunk(delta.index, text, released, finish)]))
+                    yield sse(self.chunk_envelope([self.chunk(delta.index, delta.text, delta.listed, finish)]))
             options = self.body.stream_options
             results = [r for r in generation.results if r is not None]
             if options is not None and options.include_usage and len(results) == len(generation.results):
@@ -221,13 +209,13 @@ class CompletionCall(OpenAICall):
             return ""
         return self.state.tokenizer.decode(self.prompts[index // self.body.n])
 
-    def logprobs_block(self, released: Released, echo_len: int) -> dict[str, Any]:
-        top = released.top
+    def logprobs_block(self, listed: LogprobTokens, echo_len: int) -> dict[str, Any]:
+        top = listed.top
         return {
-            "tokens": [self.token_text(t) for t in released.token_ids],
-            "token_logprobs": released.logprobs,
+            "tokens": [self.token_text(t) for t in listed.token_ids],
+            "token_logprobs": listed.logprobs,
             "top_logprobs": [{self.token_text(t): lp for t, lp in step} for step in top] if top else None,
-            "text_offset": [echo_len + start for start in released.starts],
+            "text_offset": [echo_len + start for start in listed.starts],
         }
 
     def response(self, results: list[GenerateResult]) -> dict[str, Any]:
@@ -236,7 +224,7 @@ class CompletionCall(OpenAICall):
             echo = self.echo_text(index)
             logprobs = None
             if self.body.logprobs is not None:
-                logprobs = self.logprobs_block(whole(self.cursors[index], result), len(echo))
+                logprobs = self.logprobs_block(listed_tokens(result), len(echo))
             choices.append(
                 {
                     "index": index,
@@ -260,13 +248,13 @@ class CompletionCall(OpenAICall):
             return []
         return [
             self.chunk_envelope([{"index": i, "text": self.echo_text(i), "logprobs": None, "finish_reason": None}])
-            for i in range(len(self.streams))
+            for i in range(self.num_choices)
         ]
 
-    def chunk(self, index: int, delta_text: str, released: Released, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, index: int, delta_text: str, listed: LogprobTokens, finish_reason: str | None) -> dict[str, Any]:
         block = None
         if self.body.logprobs is not None:
-            block = self.logprobs_block(released, len(self.echo_text(index)))
+            block = self.logprobs_block(listed, len(self.echo_text(index)))
         return {"index": index, "text": delta_text, "logprobs": block, "finish_reason": finish_reason}
 
 
@@ -291,8 +279,8 @@ class ChatCall(OpenAICall):
     def wants_logprobs(self) -> bool:
         return self.body.logprobs
 
-    def logprobs_content(self, released: Released) -> list[dict[str, Any]]:
-        token_ids, logprobs, top = released.token_ids, released.logprobs, released.top
+    def logprobs_content(self, listed: LogprobTokens) -> list[dict[str, Any]]:
+        token_ids, logprobs, top = listed.token_ids, listed.logprobs, listed.top
 
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = self.token_text(token_id)
@@ -309,7 +297,7 @@ class ChatCall(OpenAICall):
         for index, result in enumerate(results):
             logprobs = None
             if self.body.logprobs:
-                logprobs = {"content": self.logprobs_content(whole(self.cursors[index], result))}
+                logprobs = {"content": self.logprobs_content(listed_tokens(result))}
             choices.append(
                 {
                     "index": index,
@@ -333,12 +321,12 @@ class ChatCall(OpenAICall):
             self.chunk_envelope(
                 [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
             )
-            for i in range(len(self.streams))
+            for i in range(self.num_choices)
         ]
 
-    def chunk(self, index: int, delta_text: str, released: Released, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, index: int, delta_text: str, listed: LogprobTokens, finish_reason: str | None) -> dict[str, Any]:
         block = None
         if self.body.logprobs:
-            block = {"content": self.logprobs_content(released)}
+            block = {"content": self.logprobs_content(listed)}
         delta = {"content": delta_text} if delta_text or finish_reason is None else {}
         return {"index": index, "delta": delta, "logprobs": block, "finish_reason": finish_reason}

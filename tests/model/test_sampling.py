@@ -199,6 +199,16 @@ def test_different_seeds_give_different_tokens() -> None:
     assert len({tuple(r) for r in runs}) == 4
 
 
+def test_sample_reads_the_state_and_only_append_advances_it() -> None:
+    """The step may sample one state twice (a batch retried row by row): the same token both times."""
+    st = state(seed=3, temperature=5.0, frequency_penalty=0.5)
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+    drawn = {sample(logits, [st]).token_ids[0] for _ in range(8)}
+    assert len(drawn) == 1
+    st.append(drawn.pop())
+    assert len({sample(logits, [st]).token_ids[0] for _ in range(8)}) == 1
+
+
 def test_no_seed_draws_a_fresh_one_per_request() -> None:
     assert len({state().seed for _ in range(8)}) == 8
     assert state(seed=5).seed == 5

@@ -1,19 +1,16 @@
-"""The server's parts without a server: flags, the hit-rate window, streamed text and stop strings."""
+"""The server's parts without a server: flags, the hit-rate window (streamed text: tests/test_output.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from radixserve.engine import EngineConfig
 from radixserve.engine.config import ENGINE_OPTIONS
-from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.args import ServerArgs, build_parser, parse_args
-from radixserve.server.generation import TextStream
 from radixserve.server.metrics import ServerMetrics
 
 FLAGS = [
@@ -145,34 +142,6 @@ def test_hit_rate_gauge_averages_the_window_and_keeps_its_value() -> None:
     text = metrics.render().decode()
     assert "radixserve:evicted_tokens_total 25.0" in text and "radixserve:retractions_total 1.0" in text
     assert 'radixserve:requests_total{finish_reason="stop"} 4.0' in text
-
-
-@pytest.fixture(scope="module")
-def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    from tests.support.tiny_model import save_word_tokenizer
-
-    folder: Path = tmp_path_factory.mktemp("tok")
-    save_word_tokenizer(folder)
-    return Tokenizer.from_hf_folder(folder)
-
-
-def test_text_stream_holds_back_a_forming_stop_and_matches_the_engine_text(word_tokenizer: Tokenizer) -> None:
-    prompt, output = [3, 4], [10, 11, 12, 13, 14]
-    stream = TextStream(word_tokenizer, prompt, stops=["w12 w13"])
-    deltas = [stream.push([t]) for t in output]
-    # "w12" may start the stop: held back (the space before it goes); " w13" completes it: cut there
-    assert deltas == [" w10", " w11", " ", "", ""]
-    full = word_tokenizer.decode_continuation(output, prompt)
-    final = full[: full.index("w12 w13")]
-    assert stream.finish(final) == "" and stream.sent == final == " w10 w11 "
-
-
-def test_text_stream_without_stops_equals_decode_continuation(word_tokenizer: Tokenizer) -> None:
-    prompt, output = [5, 6, 7], [20, 2, 21, 1, 22]  # specials (eos, bos) are skipped
-    stream = TextStream(word_tokenizer, prompt, stops=[])
-    text = "".join(stream.push([t]) for t in output)
-    assert text == word_tokenizer.decode_continuation(output, prompt) == " w20 w21 w22"
-    assert stream.finish(text) == ""
 
 
 def test_keywords_and_flags_take_one_path_to_the_engine_config() -> None:
