@@ -100,5 +100,5 @@ def resolve_quantization(
         block_kernel = paged_kernel.load()
     if not block_kernel:
         return "none", f"auto: none, the block kernel did not build (see the log; GGUF matrices: {listing})"
-    # q4_1-exact, not q4_1: int8 activations are faster but lossy (README, Precision); auto loses nothing.
+    # q4_1-exact, not q4_1: int8 activations are faster but lossy (docs: server/precision.md); auto loses nothing.
     return "q4_1-exact", f"auto: q4_1-exact, the GGUF stores its matrices as {listing}: kept as these blocks, lossless"

@@ -130,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     _server_flags(server)
     _kv_event_flags(server)
-    _tenancy_flags(parser.add_argument_group("tenants (see README: Security)"))
+    _tenancy_flags(parser.add_argument_group("tenants (see docs/server/security.md)"))
     _limit_flags(server)
-    _scale_out_flags(parser.add_argument_group("scale-out on Ray Serve (see README: Scaling out)"))
+    _scale_out_flags(parser.add_argument_group("scale-out on Ray Serve (see docs/scale-out.md)"))
     return parser
 
 
