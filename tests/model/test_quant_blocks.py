@@ -215,7 +215,10 @@ def test_kept_blocks_run_exactly_the_float_model_at_prefill_and_closely_at_decod
     q4 = logits["q4_1-exact"][0]
     assert isinstance(gguf_model(q4_gguf, "q4_1-exact").embed_tokens, BlockEmbedding)
     assert torch.equal(q4[:-1], logits["none"][0][:-1])  # the last row's lm_head alone: the kernel
-    assert (logits["q4_1-exact"][1] - logits["none"][1]).abs().max().item() <= 1e-4
+    # Relative to the logits' scale (max |logit| ~23 here): float32 rounding after two layers summed in another
+    # order. Measured 1.1e-4 absolute on a Xeon (MKL's sgemm), under 1e-4 on an EPYC; the bound is 2.3e-4.
+    scale = logits["none"][1].abs().max().item()
+    assert (logits["q4_1-exact"][1] - logits["none"][1]).abs().max().item() <= 1e-5 * scale
     assert torch.equal(logits["q4_1-exact"][1].argmax(-1), logits["none"][1].argmax(-1))
 
 

@@ -107,13 +107,15 @@ def test_adding_into_the_residual_in_place_keeps_the_bits(dtype: torch.dtype) ->
         residual = (torch.randn(KERNEL_MAX_ROWS + 40, 576, generator=generator) * 4).to(dtype)
         expected = tiled(x, blocks, residual, tile)
         kept = residual.clone()
-        assert torch.equal(linear_add(layer, x, residual), torch.addmm(residual, x, blocks.dequantize().to(dtype).t()))
+        by_copy = linear_add(layer, x, residual)
+        assert torch.equal(by_copy, torch.addmm(residual, x, blocks.dequantize().to(dtype).t()))
         assert torch.equal(residual, kept)
         got = torch.ops.radixserve.block_linear_tiled_add_(residual, x, blocks.qs, blocks.d, blocks.m, tile)
         assert got.data_ptr() == residual.data_ptr() and torch.equal(got, expected)
         residual = kept.clone()
+        # the layer's own tile width: with AMX, oneDNN's bf16 GEMM gives other bits at another width
         got = linear_add(layer, x, residual, overwrite_residual=True)
-        assert got.data_ptr() == residual.data_ptr() and torch.equal(got, expected)
+        assert got.data_ptr() == residual.data_ptr() and torch.equal(got, by_copy)
     with pytest.raises(RuntimeError, match="residual: contiguous"):
         torch.ops.radixserve.block_linear_tiled_add_(residual.t(), x, blocks.qs, blocks.d, blocks.m, 48)
 
