@@ -102,8 +102,9 @@ def off_the_main_thread(build: Callable[[], T]) -> T:
     that thread exits. Loaded on the main thread, which lives on to serve HTTP, the model would leave the main
     thread's pool behind; the scheduler thread then makes a second one, and with more OpenMP threads than cores
     libgomp stops spinning at its barriers (each wake-up a futex call): at ``--num-threads 2`` on 2 cores a
-    SmolLM2 decode step took 17 ms instead of 9, slower than one thread (docs: benchmarks/history, §12). Built here, that
-    pool ends with the thread. A daemon thread, joined: Ctrl-C during the load still stops the server at once."""
+    SmolLM2 decode step took 17 ms instead of 9, slower than one thread (docs: benchmarks/history, §12).
+    Built here, that pool ends with the thread. A daemon thread, joined: Ctrl-C during the load still stops the
+    server at once."""
     done: list[T] = []
     failed: list[BaseException] = []
 
