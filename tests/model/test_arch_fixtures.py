@@ -14,6 +14,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
@@ -49,7 +50,7 @@ HF_TODAY: dict[str, str] = {
     "gemma3": "ModelConfig.from_hf refuses Gemma3ForCausalLM",
 }
 # HF settings that switch a fixture's feature off: its logits must move far more than the 1e-3 tolerance.
-ABLATIONS: dict[str, dict[str, object]] = {
+ABLATIONS: dict[str, dict[str, Any]] = {
     "llama3 rope scaling": {"name": "llama3", "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
     "mistral sliding window": {"name": "mistral", "sliding_window": None},
     "gemma2 sliding window": {"name": "gemma2", "sliding_window": 4096},

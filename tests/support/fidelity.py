@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -44,14 +45,15 @@ def load_gguf_reference(path: Path, config: transformers.PretrainedConfig | None
     config = config or gguf_reference_config(path)
     config._attn_implementation = "eager"
     model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]  # type: ignore[no-untyped-call]
     state = {name: torch.as_tensor(value) for name, value in tensors.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
         raise ValueError(f"{path.name}: missing {missing}, unexpected {unexpected} (transformers' GGUF reading)")
     model.tie_weights()
-    return model.eval()  # type: ignore[no-untyped-call]
+    model.eval()  # type: ignore[no-untyped-call]
+    return model
 
 
 @functools.cache
@@ -61,19 +63,22 @@ def reference_model(path: str) -> PreTrainedModel:
         model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation="eager"
         )
-        return model.eval()  # type: ignore[no-untyped-call]
+        model.eval()  # type: ignore[no-untyped-call]
+        return model
     return load_gguf_reference(Path(path))
 
 
 def reference_logits(path: str | Path, ids: Sequence[int]) -> torch.Tensor:
     """float32 logits [len(ids), vocab] of every position of one prompt, by transformers."""
+    model: Any = reference_model(str(path))
     with torch.no_grad():
-        return reference_model(str(path))(torch.tensor([list(ids)])).logits[0].float()
+        logits: torch.Tensor = model(torch.tensor([list(ids)])).logits[0].float()
+    return logits
 
 
 def reference_greedy(path: str | Path, ids: Sequence[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation of ``ids``: exactly ``max_new_tokens`` ids (no stop token)."""
-    model = reference_model(str(path))
+    model: Any = reference_model(str(path))
     with torch.no_grad():
         out = model.generate(
             torch.tensor([list(ids)]),

@@ -121,7 +121,7 @@ def corpus() -> Iterator[str]:
 
 def train_spm(style: str, vocab_size: int) -> bytes:
     """A SentencePiece BPE model (``tokenizer.model`` bytes) in the given style's layout."""
-    import sentencepiece as spm
+    import sentencepiece as spm  # type: ignore[import-not-found]  # only in the script's venv
 
     options = {k: v for k, v in SPM_STYLES[style].items() if k != "hf_class"}
     model = io.BytesIO()
