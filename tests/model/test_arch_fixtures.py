@@ -25,7 +25,7 @@ from radixserve.model.hf_loader import load_hf_folder
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.tokenizer import Tokenizer
 from tests.model.test_llama import greedy, prefill
-from tests.support.archs import GGUF_DIR, SPECS, build_arch_model, gguf_path
+from tests.support.archs import GGUF_DIR, SPECS, TOKENIZERS_DIR, build_arch_model, gguf_path
 from tests.support.fidelity import fixture_prompt, reference_greedy, reference_logits
 
 NAMES = list(SPECS)
@@ -155,6 +155,7 @@ def test_radixserve_tokenizes_each_kind_like_transformers_gguf_conversion(name: 
 
     text = "Hello wörld! 🚀 ✅ 3.14 12345 你好，世界 Привет\ndef f(x):\n    return x  <end_of_turn> tail"
     expected = AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=f"{name}.gguf")(text).input_ids
+    assert AutoTokenizer.from_pretrained(TOKENIZERS_DIR / SPECS[name].tokenizer)(text).input_ids == expected
     assert Tokenizer.from_gguf(gguf_path(name)).encode(text) == expected
 
 

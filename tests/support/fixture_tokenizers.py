@@ -4,7 +4,8 @@
   special tokens, the 256 bytes and the first 751 merges. Any text still encodes; the pre-tokenizer is
   SmolLM2's, which llama.cpp's converter calls "smollm" (``smollm_pre_check`` asks it).
 - ``spm-llama`` / ``spm-gemma``: SentencePiece BPE models with byte fallback, trained with the
-  ``sentencepiece`` package on this repository's docs plus a few multilingual, code and emoji lines, in
+  ``sentencepiece`` package on ``corpus.txt`` (an extract of this repository's docs plus a few
+  multilingual, code and emoji lines), in
   the layout of Llama 2 / Mistral v0.1 / Phi-3 (``<unk> <s> </s>``, a dummy prefix) and of Gemma
   (``<pad> <eos> <bos> <unk> <mask>``, no dummy prefix, ``<start_of_turn>`` / ``<end_of_turn>``).
 
@@ -15,23 +16,17 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from tests.support.archs import TOKENIZER_IDS, TOKENIZERS_DIR
 
-REPO = TOKENIZERS_DIR.parent.parent.parent
-EXTRA_LINES = [
-    "Hello, world! Bonjour le monde. Hallo Welt. ¡Hola, mundo! Привет, мир! Γειά σου κόσμε.",
-    "你好，世界。こんにちは世界。안녕하세요 세계. مرحبا بالعالم. שלום עולם. नमस्ते दुनिया।",
-    "Emoji: 🚀 ✅ 🦙 😶‍🌫️ 👍🏽 🇫🇷 ❤️ — and “quotes”, ‘apostrophes’, … ellipses.",
-    "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
-    'for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }  // C',
-    "SELECT name, COUNT(*) FROM users WHERE age >= 18 GROUP BY name;  3.14159 2718281828 1e-5",
-]
+# The SentencePiece training text, committed so the models are reproducible: README.md and three docs pages
+# as of issue 29 (commit 8fe031b), then a few multilingual, code and emoji lines.
+CORPUS = TOKENIZERS_DIR / "corpus.txt"
 SPM_STYLES: dict[str, dict[str, Any]] = {
     "spm-llama": dict(
         unk_id=0,
@@ -112,13 +107,6 @@ def cut_bpe(full_folder: Path, size: int) -> Any:
     )
 
 
-def corpus() -> Iterator[str]:
-    """The SentencePiece training text: this repository's markdown, then ``EXTRA_LINES``."""
-    for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
-        yield from (line for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
-    yield from EXTRA_LINES
-
-
 def train_spm(style: str, vocab_size: int) -> bytes:
     """A SentencePiece BPE model (``tokenizer.model`` bytes) in the given style's layout."""
     import sentencepiece as spm  # type: ignore[import-not-found]  # only in the script's venv
@@ -126,7 +114,7 @@ def train_spm(style: str, vocab_size: int) -> bytes:
     options = {k: v for k, v in SPM_STYLES[style].items() if k != "hf_class"}
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=corpus(),
+        sentence_iterator=iter(CORPUS.read_text(encoding="utf-8").splitlines()),
         model_writer=model,
         vocab_size=vocab_size,
         model_type="bpe",
@@ -147,7 +135,8 @@ def save_spm(style: str, folder: Path) -> None:
     """Train ``style``'s SentencePiece model into ``folder`` and save transformers' tokenizer for it beside."""
     import transformers
 
-    folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)  # else from_pretrained reads the old tokenizer.json
+    folder.mkdir(parents=True)
     (folder / "tokenizer.model").write_bytes(train_spm(style, TOKENIZER_IDS[style]["vocab_size"]))
     hf_class = getattr(transformers, SPM_STYLES[style]["hf_class"])
     tok = hf_class.from_pretrained(folder, add_bos_token=True)  # as Llama 2, Mistral and Gemma do
@@ -157,12 +146,20 @@ def save_spm(style: str, folder: Path) -> None:
     config = json.loads(config_path.read_text())
     for machine_specific in ("vocab_file", "is_local", "local_files_only"):
         config.pop(machine_specific, None)
+    # As real checkpoints' configs list them (transformers 5 no longer writes it): llama.cpp's converter
+    # types a SentencePiece piece CONTROL only when this says it is special.
+    config["added_tokens_decoder"] = {
+        str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip}
+        | {"single_word": t.single_word, "special": t.special}
+        for i, t in sorted(tok.added_tokens_decoder.items())
+    }
     config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def make_tokenizers(full_folder: Path) -> None:
     """Re-make every committed tokenizer folder under tests/fixtures/tokenizers/."""
     bpe = cut_bpe(save_full_smollm(full_folder), TOKENIZER_IDS["bpe-smollm"]["vocab_size"])
+    shutil.rmtree(TOKENIZERS_DIR / "bpe-smollm", ignore_errors=True)
     bpe.save_pretrained(TOKENIZERS_DIR / "bpe-smollm")
     for style in SPM_STYLES:
         save_spm(style, TOKENIZERS_DIR / style)

@@ -11,9 +11,10 @@ and has ``sentencepiece`` (the converter needs it, and so does training the Sent
 
 Without ``--llama-cpp`` it downloads the llama-cpp-python source distribution (``pip download
 --no-binary``; ~77 MB) into a temporary folder and uses its ``vendor/llama.cpp`` (``convert_hf_to_gguf.py``
-+ ``gguf-py``). ``--tokenizers`` also re-makes the tokenizers (SmolLM2's cut from the embedded GGUF; the two
-SentencePiece models trained on this repo's docs): their bytes change when the docs do, so by default the
-committed ones are kept. Writes tests/fixtures/gguf/<name>.gguf and manifest.json (sha256, sizes, converter).
++ ``gguf-py``). ``--tokenizers`` first re-makes the committed tokenizers (SmolLM2's cut from the embedded
+GGUF; the two SentencePiece models trained on tests/fixtures/tokenizers/corpus.txt): byte for byte the
+same unless the code, the corpus or a library changed. Writes tests/fixtures/gguf/<name>.gguf and
+manifest.json (sizes, sha256, the converter, each fixture's reference route).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def make_ggufs(llama_cpp: Path, work: Path) -> dict[str, object]:
         "converter": f"{CONVERTER} vendor/llama.cpp/convert_hf_to_gguf.py --outtype {OUTTYPE}",
         "made_by": "tests/support/make_gguf_fixtures.py",
         "tokenizers": {
-            f"{d.name}/{p.name}": sha256(p) for d in sorted(TOKENIZERS_DIR.iterdir()) for p in sorted(d.iterdir())
+            p.relative_to(TOKENIZERS_DIR).as_posix(): sha256(p) for p in sorted(TOKENIZERS_DIR.rglob("*.*"))
         },
         "fixtures": fixtures,
     }
