@@ -4,6 +4,7 @@
 """
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from tests.model.tiny import build_byte_engine_folder, build_engine_folder
+from tests.support.archs import build_arch_folder
 from tests.support.server_process import ServerProcess
 
 # One thread: libgomp's spinning pool makes 2 threads 3-50x slower on a busy 2-core box.
@@ -46,3 +48,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def byte_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama over a byte-level tokenizer (any text encodes): grammars, SGLang programs."""
     return build_byte_engine_folder(tmp_path_factory.mktemp("models") / "tiny-byte-llama")
+
+
+@pytest.fixture(scope="session")
+def arch_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Fixture name (tests/support/archs.py SPECS: "qwen2", "gemma3", ...) -> its tiny HF folder, built once."""
+    built: dict[str, Path] = {}
+
+    def folder(name: str) -> Path:
+        if name not in built:
+            built[name] = build_arch_folder(name, tmp_path_factory.mktemp("archs") / name)
+        return built[name]
+
+    return folder

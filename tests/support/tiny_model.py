@@ -44,14 +44,19 @@ def build_hf_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) -> 
     torch.manual_seed(seed)
     model: PreTrainedModel = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     model.eval()  # type: ignore[no-untyped-call]
+    perturb_norms_and_biases(model)
+    model.save_pretrained(folder)
+    return model
+
+
+def perturb_norms_and_biases(model: PreTrainedModel) -> None:
+    """Norm weights + N(0, 0.1), biases ~ N(0, 0.1), in place (HF inits them to ones/zeros, which hides bugs)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(0.1 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
-    model.save_pretrained(folder)
-    return model
 
 
 VOCAB, EOS = int(TINY["vocab_size"]), 2
