@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, SwiGLU MLP, rotary embeddings.
+"""Building blocks of the decoder: RMSNorm, the gated MLP (SwiGLU / GeGLU), rotary embeddings.
 
 Numerics follow HF transformers step for step (norm in float32, rotary tables
 in float32 then cast), so our logits match theirs to float rounding.
@@ -80,19 +80,28 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul: SwiGLU (silu) or GeGLU (gelu tanh)."""
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         self.intermediate_size = inter
+        self.hidden_act = config.hidden_act
         self.gate_up_proj = uninitialised(nn.Linear, hidden, 2 * inter, bias=False, device=device, dtype=dtype)
         self.down_proj = uninitialised(nn.Linear, inter, hidden, bias=False, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, overwrite_residual: bool = False) -> torch.Tensor:
-        """[T, hidden] -> residual + MLP(x), [T, hidden] (``overwrite_residual``: see linear_add)."""
-        return linear_add(self.down_proj, swiglu(self.gate_up_proj(x)), residual, overwrite_residual)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, overwrite_residual: bool = False
+    ) -> torch.Tensor:
+        """[T, hidden] -> residual + MLP(x), [T, hidden] (``overwrite_residual``: see linear_add); MLP(x) alone
+        without a residual."""
+        gate_up = self.gate_up_proj(x)
+        act = swiglu(gate_up) if self.hidden_act == "silu" else geglu(gate_up)
+        if residual is None:
+            out: torch.Tensor = self.down_proj(act)
+            return out
+        return linear_add(self.down_proj, act, residual, overwrite_residual)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -102,6 +111,17 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     gate, up = torch.split(gate_up, gate_up.shape[-1] // 2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def geglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * inter] (gate | up) -> gelu_tanh(gate) * up, [T, inter] (gemma's ``gelu_pytorch_tanh``)."""
+    gate, up = torch.split(gate_up, gate_up.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): gemma2's soft-capping of attention scores and final logits."""
+    return torch.tanh(x / cap) * cap
 
 
 def linear_add(
@@ -157,6 +177,8 @@ def _dynamic_inv_freq(config: ModelConfig, seq_len: int, device: torch.device) -
 def compute_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] (float32) for sequences within max_position_embeddings."""
     inv_freq = _base_inv_freq(config.rope_theta, config.head_dim, device)
+    if config.rope_freq_factors is not None:  # a GGUF's rope_freqs.weight, llama.cpp's form of llama3 scaling
+        return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device=device)
     if config.rope_type == "linear":
         return inv_freq / float((config.rope_scaling or {})["factor"])
     if config.rope_type == "llama3":
