@@ -262,13 +262,11 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        # Qwen2 has a bias on q, k, v only; Llama's attention_bias also covers o_proj.
-        o_bias = config.attention_bias and config.architecture != "qwen2"
         hidden = config.hidden_size
         self.qkv_proj = uninitialised(
             nn.Linear, hidden, q_size + 2 * kv_size, bias=config.attention_bias, device=device, dtype=dtype
         )
-        self.o_proj = uninitialised(nn.Linear, q_size, hidden, bias=o_bias, device=device, dtype=dtype)
+        self.o_proj = uninitialised(nn.Linear, q_size, hidden, bias=config.o_proj_bias, device=device, dtype=dtype)
         # qwen3, gemma3: RMSNorm over each head of q and k, before rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype) if config.qk_norm else None

@@ -91,6 +91,11 @@ class ModelConfig:
             return "default"
         return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
 
+    @property
+    def o_proj_bias(self) -> bool:
+        """attention_bias covers o_proj too, except in qwen2 (q, k, v only)."""
+        return self.attention_bias and self.architecture != "qwen2"
+
     def is_sliding(self, layer: int) -> bool:
         """Layer ``layer`` attends through a sliding window."""
         return bool(self.sliding_window) and bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
@@ -101,7 +106,8 @@ class ModelConfig:
 
     def attention_scale(self) -> float:
         """The factor on q . k: head_dim ** -0.5, or gemma's query_pre_attn_scalar ** -0.5."""
-        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        scale: float = float(self.query_pre_attn_scalar or self.head_dim) ** -0.5  # transformers' arithmetic
+        return scale
 
     def rope_summary(self) -> str:
         """Rope in words, for the start-up log: theta, scaling, the sliding layers' theta."""

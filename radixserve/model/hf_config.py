@@ -95,16 +95,18 @@ def _default_layer_types(hf: dict[str, Any], arch: str, num_layers: int) -> list
 
 
 def _window_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
-    """sliding_window and layer_types; none at all where no layer's window can mask a key (a window as long as
-    the context, or qwen's use_sliding_window off): those models keep every attention path."""
     window = hf.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    if arch == "llama" or (arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False)):
         window = None
-    if arch == "llama" or not window or int(window) >= int(hf.get("max_position_embeddings", 8192)):
-        return {"sliding_window": None, "layer_types": ()}
     num_layers = int(hf["num_hidden_layers"])
     layer_types = hf.get("layer_types") or _default_layer_types(hf, arch, num_layers)
-    if "sliding_attention" not in layer_types:
+    return window_fields(window, layer_types, int(hf.get("max_position_embeddings", 8192)))
+
+
+def window_fields(window: int | None, layer_types: list[str], context_len: int) -> dict[str, Any]:
+    """ModelConfig's sliding_window and layer_types; none at all where no layer's window can mask a key (no
+    window, one as long as the context, no sliding layer): those models keep every attention path."""
+    if not window or int(window) >= context_len or "sliding_attention" not in layer_types:
         return {"sliding_window": None, "layer_types": ()}
     return {"sliding_window": int(window), "layer_types": tuple(layer_types)}
 

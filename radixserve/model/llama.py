@@ -114,7 +114,8 @@ class DecoderLayer(nn.Module):
         assert self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None
         attended = self.self_attn(x, cos, sin, out_slots, plan, kv_pool, residual=None, tail=tail)
         h = (h if tail is None else h[tail[0]]) + self.post_attention_layernorm(attended)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        out: torch.Tensor = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return out
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """HF parameter name -> the (view of the) tensor it is copied into."""

@@ -13,7 +13,7 @@ import torch
 from radixserve.model.hf_loader import load_hf_folder
 from radixserve.model.llama import LlamaForCausalLM
 from tests.model.tiny import alloc, make_batch, make_pool
-from tests.support.archs import build_arch_model
+from tests.support.arch_builders import build_arch_model
 
 WINDOW = 8  # every sliding case's window; prompts are 20-40 tokens
 GEMMA3_ROPE = {
@@ -73,12 +73,16 @@ def prompt(length: int, seed: int = 1) -> list[int]:
 
 def hf_logits(hf_model: Any, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
+        logits: torch.Tensor = hf_model(torch.tensor([ids])).logits[0].float()
+    return logits
 
 
 def prefill(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     pool, allocator = make_pool(model.config)
-    return model(make_batch("extend", [(ids, alloc(allocator, len(ids)))]), pool, return_all_logits=True)
+    logits: torch.Tensor = model(
+        make_batch("extend", [(ids, alloc(allocator, len(ids)))]), pool, return_all_logits=True
+    )
+    return logits
 
 
 def greedy(model: LlamaForCausalLM, ids: list[int], max_new_tokens: int) -> list[int]:
