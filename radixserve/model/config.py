@@ -111,12 +111,11 @@ class ModelConfig:
 
     def rope_summary(self) -> str:
         """Rope in words, for the start-up log: theta, scaling, the sliding layers' theta."""
-        text = f"theta {self.rope_theta:g}, {self.rope_type}"
+        kind = "llama3 as the GGUF's rope_freqs factors" if self.rope_freq_factors is not None else self.rope_type
+        text = f"theta {self.rope_theta:g}, {kind}"
         if self.rope_scaling:
             params = {k: v for k, v in self.rope_scaling.items() if k not in ("rope_type", "type", "rope_theta")}
             text += f" {params}"
-        if self.rope_freq_factors is not None:
-            text += " (per-frequency factors from the GGUF's rope_freqs)"
         if self.rope_local_base_freq is not None:
             text += f"; sliding layers theta {self.rope_local_base_freq:g}, default"
         return text

@@ -102,8 +102,9 @@ def off_the_main_thread(build: Callable[[], T]) -> T:
     that thread exits. Loaded on the main thread, which lives on to serve HTTP, the model would leave the main
     thread's pool behind; the scheduler thread then makes a second one, and with more OpenMP threads than cores
     libgomp stops spinning at its barriers (each wake-up a futex call): at ``--num-threads 2`` on 2 cores a
-    SmolLM2 decode step took 17 ms instead of 9, slower than one thread (docs: benchmarks/history, §12). Built here, that
-    pool ends with the thread. A daemon thread, joined: Ctrl-C during the load still stops the server at once."""
+    SmolLM2 decode step took 17 ms instead of 9, slower than one thread (docs: benchmarks/history, §12). Built
+    here, that pool ends with the thread. A daemon thread, joined: Ctrl-C during the load still stops the server
+    at once."""
     done: list[T] = []
     failed: list[BaseException] = []
 
@@ -126,10 +127,13 @@ def serve(args: ServerArgs) -> None:
     logger.info("resolved server args: %s", json.dumps(args.resolved(), sort_keys=True))
     sock = listen_socket(args.host, args.port)  # before the model loads: fail fast
     from radixserve.engine import Engine
+    from radixserve.model.summary import format_summary
     from radixserve.server.app import create_app
 
     engine = off_the_main_thread(lambda: Engine(args.engine))
-    logger.info("engine: %s", json.dumps(engine.describe(), sort_keys=True))
+    info = engine.describe()
+    logger.info("%s", format_summary(info))
+    logger.info("engine: %s", json.dumps(info, sort_keys=True))
     app = create_app(engine, args)
     config = uvicorn.Config(
         app,
