@@ -38,10 +38,10 @@ from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace, grouped_matmul_attention
 from radixserve.model.layers import (
     FUSED_DTYPES,
-    RMSNorm,
     apply_rotary,
     fused_ops_apply,
     linear_add,
+    make_norm,
     softcap,
     uninitialised,
 )
@@ -268,8 +268,8 @@ class Attention(nn.Module):
         )
         self.o_proj = uninitialised(nn.Linear, q_size, hidden, bias=config.o_proj_bias, device=device, dtype=dtype)
         # qwen3, gemma3: RMSNorm over each head of q and k, before rotary
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype) if config.qk_norm else None
+        self.q_norm = make_norm(config, self.head_dim, device, dtype) if config.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim, device, dtype) if config.qk_norm else None
         self.window = config.layer_window(layer_id)
         self.softcap = float(config.attn_logit_softcapping or 0.0)
         self.scale = config.attention_scale()

@@ -63,10 +63,19 @@ def uninitialised(cls: type[M], *args: Any, **kwargs: Any) -> M:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+    """``float32_scale`` (gemma's (1 + w) norms): the weight stays float32 and scales the float32 normed rows
+    before they are rounded to x's dtype, as transformers' Gemma RMSNorm computes; otherwise (llama) the rows
+    are rounded first and scaled by a weight in x's dtype."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, device: torch.device, dtype: torch.dtype, float32_scale: bool = False
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, device=device, dtype=torch.float32 if float32_scale else dtype)
+        )
         self.eps = eps
+        self.float32_scale = float32_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., hidden]; the mean of squares is taken in float32."""
@@ -77,7 +86,14 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.float32_scale:
+            return (x32 * self.weight).to(x.dtype)
         return self.weight * x32.to(x.dtype)
+
+
+def make_norm(config: ModelConfig, size: int, device: torch.device, dtype: torch.dtype) -> RMSNorm:
+    """An RMSNorm over ``size`` as the architecture computes it (gemma: (1 + w) scaling in float32)."""
+    return RMSNorm(size, config.rms_norm_eps, device, dtype, float32_scale=config.norm_unit_offset)
 
 
 class GatedMLP(nn.Module):

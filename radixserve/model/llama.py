@@ -34,7 +34,7 @@ from radixserve.model.attention import Attention, AttentionPlan, tail_lens
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace
-from radixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, rotary_cos_sin, softcap, uninitialised
+from radixserve.model.layers import GatedMLP, RotaryEmbedding, make_norm, rotary_cos_sin, softcap, uninitialised
 from radixserve.model.paged_kernel import resolve_backend
 from radixserve.model.quant import BLOCK_QUANTIZATIONS, QUANTIZATIONS, Int8Linear, quantize_linears
 from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks, kept_blocks
@@ -69,14 +69,15 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_id: int, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps, device, dtype)
+        self.input_layernorm = make_norm(config, config.hidden_size, device, dtype)
         self.self_attn = Attention(config, layer_id, device, dtype)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, device, dtype)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size, device, dtype)
         self.mlp = GatedMLP(config, device, dtype)
         self.sandwich = config.sandwich_norms
-        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, device, dtype) if self.sandwich else None
-        self.post_feedforward_layernorm = RMSNorm(hidden, eps, device, dtype) if self.sandwich else None
+        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, device, dtype) if self.sandwich else None
+        self.post_feedforward_layernorm = (
+            make_norm(config, config.hidden_size, device, dtype) if self.sandwich else None
+        )
         self.fused_checkpoint = config.architecture == "phi3"
         self.local_rope = config.rope_local_base_freq is not None and config.is_sliding(layer_id)
 
@@ -171,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
             local = replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None, rope_freq_factors=None)
             self.local_rotary = RotaryEmbedding(local, device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, device, dtype) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.norm = make_norm(config, config.hidden_size, device, dtype)
         self.lm_head: nn.Module | None = None  # None: tied to the embedding
         if not config.tie_word_embeddings:
             self.lm_head = uninitialised(

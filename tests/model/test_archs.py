@@ -164,3 +164,45 @@ def test_extend_on_cached_prefix_and_mixed_batches_match_cold_runs(
         alone = prefill(model, ids + [7 + i])
         assert (batched[i] - alone[-2]).abs().max().item() <= 1e-4
         assert (batched_decode[i] - alone[-1]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "mistral_window", "qwen3"])
+def test_last_rows_tail_and_mixed_steps_match_whole_runs(
+    models: dict[str, tuple[Any, Path]], case: str, backend: str
+) -> None:
+    """Steps past TAIL_MIN_ROWS (the last layer goes on with a tail of rows) and a mixed step (a prefill chunk
+    next to decodes) give the logits of whole-row runs."""
+    model = load(models[case][1], backend)
+    prompts = [prompt(50, seed=11), prompt(41, seed=12)]
+    pool, allocator = make_pool(model.config)
+    contexts = [alloc(allocator, len(p)) for p in prompts]
+    last_rows = model(make_batch("extend", list(zip(prompts, contexts))), pool)
+    for i, ids in enumerate(prompts):
+        assert (last_rows[i] - prefill(model, ids)[-1]).abs().max().item() <= 1e-4
+    # mixed: request 0 decodes one token while a new prompt prefills a 30-token chunk
+    chunk = prompt(30, seed=13)
+    decode_context = torch.cat([contexts[0], alloc(allocator, 1)])
+    items = [([5], decode_context), (chunk, alloc(allocator, 30))]
+    mixed = model(make_batch("mixed", items), pool)
+    assert (mixed[0] - prefill(model, prompts[0] + [5])[-1]).abs().max().item() <= 1e-4
+    assert (mixed[1] - prefill(model, chunk)[-1]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "qwen3", "phi3_window"])
+def test_bfloat16_and_quantized_models_stay_close_to_float32(models: dict[str, tuple[Any, Path]], case: str) -> None:
+    """bf16 weights and pool, int8 and q4_1 weights: no crash, logits near float32's (tiny random models
+    amplify rounding; bounds about twice what was measured)."""
+    ids = prompt(30, seed=14)
+    reference = prefill(load(models[case][1]), ids)
+    config, state_dict = load_hf_folder(models[case][1])
+    bf16 = LlamaForCausalLM(config, dtype=torch.bfloat16)
+    bf16.load_weights(state_dict)
+    pool, allocator = make_pool(config, dtype=torch.bfloat16)
+    out = bf16(make_batch("extend", [(ids, alloc(allocator, 30))]), pool, return_all_logits=True)
+    for model, bound in ((None, 0.05), ("int8", 0.05), ("q4_1", 0.5)):
+        if model is not None:
+            quantized = load(models[case][1])
+            quantized.quantize(model)
+            out = prefill(quantized, ids)
+        assert float((out - reference).norm() / reference.norm()) <= bound, model
