@@ -132,16 +132,23 @@ def config_from_reader(reader: gguf.GGUFReader) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
         qk_norm="attn_q_norm" in arch.layer_names,
-        **window_fields(key("attention.sliding_window", None), _layer_types(arch, num_layers), context),
+        **window_fields(key("attention.sliding_window", None), _layer_types(arch, key, num_layers), context),
         **_gemma_fields(arch, key, hidden, num_heads, head_dim, num_layers),
     )
 
 
-def _layer_types(arch: GGUFArch, num_layers: int) -> list[str]:
-    """gemma's fixed patterns (llama.cpp's set_swa_pattern: sliding unless the layer ends a pattern); every
+def _layer_types(arch: GGUFArch, key: Any, num_layers: int) -> list[str]:
+    """``{arch}.attention.sliding_window_pattern`` where the file has it (a bool per layer, or a period), else
+    gemma's fixed patterns (llama.cpp's set_swa_pattern: sliding unless the layer ends a pattern); every
     layer sliding for the others, where a file names a window at all (phi3 does)."""
-    pattern = arch.sliding_pattern
-    sliding = [not pattern or i % pattern < pattern - 1 for i in range(num_layers)]
+    pattern = key("attention.sliding_window_pattern", arch.sliding_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {num_layers} layers")
+        sliding = [bool(s) for s in pattern]
+    else:
+        pattern = int(pattern)
+        sliding = [not pattern or i % pattern < pattern - 1 for i in range(num_layers)]
     return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 

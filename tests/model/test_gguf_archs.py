@@ -202,3 +202,21 @@ def test_unsupported_hf_configs_fail_at_load_naming_what_is_supported(tmp_path: 
     torch.save({}, tmp_path / "unused.bin")
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_hf_folder(tmp_path)
+
+
+def test_a_files_own_sliding_window_pattern_wins(built: dict[str, tuple[Any, Path]], tmp_path: Path) -> None:
+    """Newer converters write the pattern (a bool per layer); it replaces gemma's fixed one."""
+    reader = gguf.GGUFReader(built["gemma2"][1] / "f32.gguf")
+    writer = gguf.GGUFWriter(str(tmp_path / "pattern.gguf"), "gemma2")
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
+    writer.add_array("gemma2.attention.sliding_window_pattern", [False, True, True])
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = load_gguf(tmp_path / "pattern.gguf")[0]
+    assert config.layer_types == ("full_attention", "sliding_attention", "sliding_attention")
