@@ -40,8 +40,8 @@ from radixserve.memory.kv_pool import KVPool
 from radixserve.model.grammar import GrammarCompiler
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.precision import resolve_kv_cache_dtype
-from radixserve.model.quant import weight_bytes
 from radixserve.model.runner import ModelRunner
+from radixserve.model.summary import describe_model
 from radixserve.scheduler.loop import Scheduler
 from radixserve.scheduler.policy import create_schedule_policy
 from radixserve.scheduler.request import Request
@@ -340,6 +340,7 @@ class Engine(Driver):
         kv_bytes = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_pool.dtype)
         return {
             **dataclasses.asdict(self.config),
+            **describe_model(str(self.loaded.path), model, self.loaded.tokenizer, self.loaded.model),
             "resolved_model_path": str(self.loaded.path),
             "resolved_device": str(self.device),
             "resolved_dtype": str(self.loaded.model.dtype).removeprefix("torch."),
@@ -349,11 +350,9 @@ class Engine(Driver):
             "resolved_quantization": self.loaded.model.quantization,
             "quantization_reason": self.loaded.quantization_reason,
             "quantization_detail": self.loaded.model.quantization_detail,
-            "weight_bytes": weight_bytes(self.loaded.model),
             "kv_pool_tokens": self.allocator.size,
             "context_length": self.context_length,
             "vocab_size": model.vocab_size,
-            "num_layers": model.num_layers,
             "kv_bytes_per_token": kv_bytes,
             "kv_tokens_per_gib": (1 << 30) // kv_bytes,
         }

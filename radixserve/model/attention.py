@@ -36,7 +36,15 @@ from radixserve.memory.kv_pool import KVPool
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace, grouped_matmul_attention
-from radixserve.model.layers import FUSED_DTYPES, apply_rotary, fused_ops_apply, linear_add, uninitialised
+from radixserve.model.layers import (
+    FUSED_DTYPES,
+    apply_rotary,
+    fused_ops_apply,
+    linear_add,
+    make_norm,
+    softcap,
+    uninitialised,
+)
 from radixserve.model.paged_kernel import PagedIndex, extend_attention, extend_kernel_built, paged_attention
 from radixserve.model.precision import CpuFeatures
 
@@ -111,9 +119,10 @@ class Routes:
     extend_rows: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, batch: ForwardBatch, backend: str, cascade: bool, extend_kernel: bool) -> Routes:
+    def build(cls, batch: ForwardBatch, backend: str, cascade: bool, extend_kernel: bool, window: int = 0) -> Routes:
         """``extend_kernel``: the bf16 extend kernel takes every extend request (a prefill chunk, a
-        cache hit's tail), but not the one-row requests of a mixed step, which are decodes."""
+        cache hit's tail), but not the one-row requests of a mixed step, which are decodes. ``window``: the
+        reference paths' masks keep each query's last ``window`` keys (0: all)."""
         groups: dict[str, list[int]] = {"extend": [], "paged": [], "decode": [], "spans": []}
         for i, extend_len in enumerate(batch.extend_lens):
             if extend_kernel and (batch.mode == "extend" or (batch.mode == "mixed" and extend_len > 1)):
@@ -131,11 +140,12 @@ class Routes:
             contexts = [batch.context_slots[i] for i in groups[name]]
             lens = [batch.extend_lens[i] for i in groups[name]]
             indices[name] = PagedIndex.build(contexts, lens, cascade and name == "paged") if contexts else None
-        decode = _decode_group([batch.context_slots[i] for i in groups["decode"]]) if groups["decode"] else None
+        decode_contexts = [batch.context_slots[i] for i in groups["decode"]]
+        decode = _decode_group(decode_contexts, window) if decode_contexts else None
         spans, start = [], 0
         for i in groups["spans"]:
             extend_len = batch.extend_lens[i]
-            spans.append(_span(start, extend_len, batch.context_slots[i]))
+            spans.append(_span(start, extend_len, batch.context_slots[i], window))
             start += extend_len
         return cls(
             spans,
@@ -161,7 +171,7 @@ class AttentionPlan:
     batch: ForwardBatch
     backend: str = "reference"
     cascade: bool = True
-    _routes: dict[bool, Routes] = field(default_factory=dict, compare=False, repr=False)
+    _routes: dict[tuple[bool, str, int], Routes] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -171,12 +181,23 @@ class AttentionPlan:
         ``cascade``: the paged kernel reads a prefix that several requests share once for all of them."""
         return cls(workspace, batch, backend, cascade)
 
-    def routes(self, extend_kernel: bool) -> Routes:
-        """The step's routes, with or without the extend kernel (built on first use, then reused)."""
-        extend_kernel = extend_kernel and self.backend == "paged"
-        if extend_kernel not in self._routes:
-            self._routes[extend_kernel] = Routes.build(self.batch, self.backend, self.cascade, extend_kernel)
-        return self._routes[extend_kernel]
+    def routes(self, extend_kernel: bool, backend: str | None = None, window: int = 0) -> Routes:
+        """The step's routes, with or without the extend kernel, on ``backend`` (default: the plan's) with
+        ``window`` (a sliding layer's; 0: none). Built on first use, then reused by every layer alike."""
+        backend = backend or self.backend
+        key = (extend_kernel and backend == "paged", backend, window)
+        if key not in self._routes:
+            self._routes[key] = Routes.build(self.batch, backend, self.cascade, key[0], window)
+        return self._routes[key]
+
+
+def layer_backend(backend: str, window: int, softcap: float, scale: float, head_dim: int) -> str:
+    """The backend a layer's attention takes. The paged and extend kernels take no sliding window, score
+    soft-capping or scale other than head_dim ** -0.5 yet: a layer with any of them takes the reference path
+    (gather + SDPA with an explicit mask, or softcapped scores). The one place to switch once they do."""
+    if window or softcap or scale != head_dim**-0.5:
+        return "reference"
+    return backend
 
 
 def _rows(members: list[int], starts: list[int], batch: ForwardBatch) -> torch.Tensor | None:
@@ -187,25 +208,32 @@ def _rows(members: list[int], starts: list[int], batch: ForwardBatch) -> torch.T
     return torch.cat(ranges).to(batch.input_ids.device) if ranges else None
 
 
-def _span(start: int, extend_len: int, slots: torch.Tensor) -> ExtendSpan:
+def _span(start: int, extend_len: int, slots: torch.Tensor, window: int = 0) -> ExtendSpan:
+    """``window`` (0: none): a query at position p sees keys p - window + 1 .. p only."""
     prefix_len = slots.shape[0] - extend_len
     mask = None
-    if prefix_len > 0:  # causal, shifted right by the cached prefix
+    if prefix_len > 0 or 0 < window < slots.shape[0]:  # causal, shifted right by the cached prefix
         device = slots.device
         cols = torch.arange(slots.shape[0], device=device)
         rows = torch.arange(extend_len, device=device) + prefix_len
         mask = cols[None, :] <= rows[:, None]
+        if window:
+            mask &= cols[None, :] > rows[:, None] - window
     return ExtendSpan(start, start + extend_len, slots, mask)
 
 
-def _decode_group(context_slots: list[torch.Tensor]) -> DecodeGroup:
+def _decode_group(context_slots: list[torch.Tensor], window: int = 0) -> DecodeGroup:
     lens = [slots.shape[0] for slots in context_slots]
     padded = nn.utils.rnn.pad_sequence(context_slots, batch_first=True, padding_value=0)
     mask = None
-    if min(lens) != max(lens):
+    if min(lens) != max(lens) or 0 < window < max(lens):
         device = padded.device
         lens_t = torch.tensor(lens, device=device)
-        mask = (torch.arange(max(lens), device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+        cols = torch.arange(max(lens), device=device)[None, :]
+        mask = cols < lens_t[:, None]
+        if window:  # the query is at position len - 1
+            mask &= cols >= lens_t[:, None] - window
+        mask = mask[:, None, None, :]
     return DecodeGroup(padded, mask)
 
 
@@ -234,13 +262,17 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        # Qwen2 has a bias on q, k, v only; Llama's attention_bias also covers o_proj.
-        o_bias = config.attention_bias and config.architecture != "qwen2"
         hidden = config.hidden_size
         self.qkv_proj = uninitialised(
             nn.Linear, hidden, q_size + 2 * kv_size, bias=config.attention_bias, device=device, dtype=dtype
         )
-        self.o_proj = uninitialised(nn.Linear, q_size, hidden, bias=o_bias, device=device, dtype=dtype)
+        self.o_proj = uninitialised(nn.Linear, q_size, hidden, bias=config.o_proj_bias, device=device, dtype=dtype)
+        # qwen3, gemma3: RMSNorm over each head of q and k, before rotary
+        self.q_norm = make_norm(config, self.head_dim, device, dtype) if config.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim, device, dtype) if config.qk_norm else None
+        self.window = config.layer_window(layer_id)
+        self.softcap = float(config.attn_logit_softcapping or 0.0)
+        self.scale = config.attention_scale()
 
     def forward(
         self,
@@ -250,16 +282,18 @@ class Attention(nn.Module):
         out_slots: torch.Tensor,
         plan: AttentionPlan,
         kv_pool: KVPool,
-        residual: torch.Tensor,
+        residual: torch.Tensor | None,
         overwrite_residual: bool = False,
         tail: tuple[torch.Tensor, AttentionPlan] | None = None,
     ) -> torch.Tensor:
-        """x [T, hidden] -> residual + attention(x) [T, hidden]; writes the new tokens' K/V at ``out_slots`` first.
-        ``overwrite_residual``: the caller no longer needs ``residual`` (see layers.linear_add). ``tail``: rows
-        and their plan (ForwardBatch.tail): every row's K/V is written, then only those rows attend and are
-        returned ([len(rows), hidden])."""
+        """x [T, hidden] -> residual + attention(x) [T, hidden] (attention(x) alone where ``residual`` is None);
+        writes the new tokens' K/V at ``out_slots`` first. ``overwrite_residual``: the caller no longer needs
+        ``residual`` (see layers.linear_add). ``tail``: rows and their plan (ForwardBatch.tail): every row's K/V
+        is written, then only those rows attend and are returned ([len(rows), hidden])."""
         qkv = self.qkv_proj(x)
         num_rows = x.shape[0]
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_qk(qkv)
         if cos.dtype == qkv.dtype and kv_pool.dtype in FUSED_DTYPES and fused_ops_apply(qkv):
             q = kv_pool.write_rotated(self.layer_id, out_slots, qkv, cos, sin, self.num_heads)
         else:
@@ -271,28 +305,41 @@ class Attention(nn.Module):
             kv_pool.write(self.layer_id, out_slots, k, v)
         if tail is not None:
             rows, plan = tail
-            q, residual = q[rows], residual[rows]
-        out = self._attend(q, plan, kv_pool)
-        return linear_add(self.o_proj, out.reshape(q.shape[0], -1), residual, overwrite_residual)
+            q = q[rows]
+            residual = None if residual is None else residual[rows]
+        out = self._attend(q, plan, kv_pool).reshape(q.shape[0], -1)
+        if residual is None:
+            attended: torch.Tensor = self.o_proj(out)
+            return attended
+        return linear_add(self.o_proj, out, residual, overwrite_residual)
+
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
+        """RMSNorm each head of q and k in place in ``qkv`` [T, q | k | v] (before rotary)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        q_size, kv_size = self.split_sizes[0], self.split_sizes[1]
+        num_rows = qkv.shape[0]
+        q = qkv[:, :q_size].reshape(num_rows, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].reshape(num_rows, self.num_kv_heads, self.head_dim)
+        qkv[:, :q_size] = self.q_norm(q).reshape(num_rows, q_size)
+        qkv[:, q_size : q_size + kv_size] = self.k_norm(k).reshape(num_rows, kv_size)
 
     def _extend_one(
         self, q: torch.Tensor, span: ExtendSpan, workspace: GatherWorkspace, kv_pool: KVPool
     ) -> torch.Tensor:
         """One request: q [L, H, D] against its context [Hkv, S, D] -> [L, H, D]."""
         k, v = workspace.gather(kv_pool, self.layer_id, span.context_slots)
+        q4, k4, v4 = q.transpose(0, 1)[None], k.to(q.dtype)[None], v.to(q.dtype)[None]
+        if self.softcap:
+            return softcapped_attention(q4, k4, v4, span.mask, self.scale, self.softcap)[0].transpose(0, 1)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.to(q.dtype)[None],
-            v.to(q.dtype)[None],
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            enable_gqa=True,
+            q4, k4, v4, attn_mask=span.mask, is_causal=span.mask is None, scale=self.scale, enable_gqa=True
         )
         return out[0].transpose(0, 1)
 
     def _attend(self, q: torch.Tensor, plan: AttentionPlan, kv_pool: KVPool) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]: each group of requests on its path, written back to its rows."""
-        routes = plan.routes(extend_kernel_applies(q, kv_pool))
+        backend = layer_backend(plan.backend, self.window, self.softcap, self.scale, self.head_dim)
+        routes = plan.routes(extend_kernel_applies(q, kv_pool), backend, self.window)
         k_pool, v_pool = kv_pool.k[self.layer_id], kv_pool.v[self.layer_id]
         parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         for index, rows, kernel in (
@@ -319,7 +366,32 @@ class Attention(nn.Module):
         """One row per request: q [B, H, D] against padded contexts [B, Hkv, S_max, D] -> [B, H, D]."""
         k, v = workspace.gather(kv_pool, self.layer_id, group.padded_slots)
         k, v = k.to(q.dtype), v.to(q.dtype)  # the pool may store another dtype
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        if self.softcap:
+            return softcapped_attention(q[:, :, None, :], k, v, group.mask, self.scale, self.softcap)[:, :, 0, :]
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and self.scale == self.head_dim**-0.5:
             return grouped_matmul_attention(q, k, v, group.mask)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=group.mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], k, v, attn_mask=group.mask, scale=self.scale, enable_gqa=True
+        )
         return out[:, :, 0, :]
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, cap: float
+) -> torch.Tensor:
+    """Attention with soft-capped scores, as transformers' eager gemma2 computes it: q [B, H, L, D], k/v
+    [B, Hkv, S, D], ``mask`` [L, S] or [B, 1, 1, S] (True: attend) or None (causal, the last L of S keys) ->
+    [B, H, L, D]. Scores cap * tanh(q . k * scale / cap), then the mask, softmax in float32."""
+    batch, num_heads, q_len, head_dim = q.shape
+    num_kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q.reshape(batch, num_kv_heads, group * q_len, head_dim)  # the heads sharing a K/V head, stacked
+    scores = softcap(torch.matmul(qg, k.transpose(-1, -2)) * scale, cap)
+    scores = scores.view(batch, num_kv_heads, group, q_len, kv_len)
+    if mask is None:
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+    elif mask.dim() == 4:
+        mask = mask[:, :, None]  # [B, 1, 1, 1, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.float().softmax(dim=-1).to(v.dtype).view(batch, num_kv_heads, group * q_len, kv_len)
+    return torch.matmul(probs, v).view(batch, num_heads, q_len, head_dim)

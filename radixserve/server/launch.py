@@ -127,10 +127,13 @@ def serve(args: ServerArgs) -> None:
     logger.info("resolved server args: %s", json.dumps(args.resolved(), sort_keys=True))
     sock = listen_socket(args.host, args.port)  # before the model loads: fail fast
     from radixserve.engine import Engine
+    from radixserve.model.summary import format_summary
     from radixserve.server.app import create_app
 
     engine = off_the_main_thread(lambda: Engine(args.engine))
-    logger.info("engine: %s", json.dumps(engine.describe(), sort_keys=True))
+    info = engine.describe()
+    logger.info("%s", format_summary(info))
+    logger.info("engine: %s", json.dumps(info, sort_keys=True))
     app = create_app(engine, args)
     config = uvicorn.Config(
         app,

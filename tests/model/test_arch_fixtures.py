@@ -31,24 +31,6 @@ from tests.support.fidelity import fixture_prompt, reference_greedy, reference_l
 NAMES = list(SPECS)
 PROMPT_LEN = 40  # > the sliding window (8) of mistral / gemma2 / gemma3
 MANIFEST = json.loads((GGUF_DIR / "manifest.json").read_text())
-ARCH_WORK = "needs issue 30's architecture work (arch helper: ModelConfig + the one decoder + gguf_loader)"
-# What today's code cannot serve, and why; the merge of the arch helper's branch empties these.
-GGUF_TODAY: dict[str, str] = {
-    "llama3": "gguf_loader refuses rope_freqs.weight (llama3 rope scaling as a tensor)",
-    "llama3-untied": "gguf_loader refuses rope_freqs.weight (llama3 rope scaling as a tensor)",
-    "qwen2": "gguf_loader refuses architecture 'qwen2'",
-    "qwen3": "gguf_loader refuses architecture 'qwen3'",
-    "phi3": "gguf_loader refuses architecture 'phi3'",
-    "gemma2": "gguf_loader refuses architecture 'gemma2'",
-    "gemma3": "gguf_loader refuses architecture 'gemma3'",
-}
-HF_TODAY: dict[str, str] = {
-    "qwen3": "ModelConfig.from_hf refuses Qwen3ForCausalLM",
-    "mistral": "ModelConfig.from_hf refuses a sliding_window",
-    "phi3": "ModelConfig.from_hf refuses Phi3ForCausalLM",
-    "gemma2": "ModelConfig.from_hf refuses Gemma2ForCausalLM",
-    "gemma3": "ModelConfig.from_hf refuses Gemma3ForCausalLM",
-}
 # HF settings that switch a fixture's feature off: its logits must move far more than the 1e-3 tolerance.
 ABLATIONS: dict[str, dict[str, Any]] = {
     "llama3 rope scaling": {"name": "llama3", "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
@@ -65,13 +47,6 @@ ABLATIONS: dict[str, dict[str, Any]] = {
         },
     },
 }
-
-
-def today(name: str, reasons: dict[str, str]) -> list[pytest.MarkDecorator]:
-    if name not in reasons:
-        return []
-    # raises=ValueError: today's refusal is a clear load-time error; wrong logits would fail, not xfail
-    return [pytest.mark.xfail(strict=True, raises=ValueError, reason=f"{name}: {reasons[name]}; {ARCH_WORK}")]
 
 
 def load_ours(path: Path) -> LlamaForCausalLM:
@@ -162,12 +137,12 @@ def test_radixserve_tokenizes_each_kind_like_transformers_gguf_conversion(name: 
 # ---- radixserve against the reference -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=today(n, GGUF_TODAY)) for n in NAMES])
+@pytest.mark.parametrize("name", NAMES)
 def test_radixserve_gguf_logits_and_greedy_tokens_match_transformers(name: str) -> None:
     assert_matches_reference(gguf_path(name), gguf_path(name))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=today(n, HF_TODAY)) for n in NAMES])
+@pytest.mark.parametrize("name", NAMES)
 def test_radixserve_hf_folder_logits_and_greedy_tokens_match_transformers(
     name: str, arch_folder: Callable[[str], Path]
 ) -> None:

@@ -151,12 +151,12 @@ def test_untied_output_and_unknown_tensor(tmp_path: Path) -> None:
         writer.add_uint32(f"llama.{key}", value)
     writer.add_head_count(2)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    writer.add_tensor("rope_freqs.weight", np.ones(4, np.float32))
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.ones((2, 8, 8), np.float32))  # MoE experts
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="rope_freqs"):
+    with pytest.raises(ValueError, match="ffn_gate_exps.*known per layer"):
         load_gguf(bad)
 
 
