@@ -77,6 +77,8 @@ class ArchSpec:
     gguf_reference: str
     config: dict[str, Any] = field(default_factory=dict)
     note: str = ""
+    # settings the converter does not carry into the GGUF: the GGUF is the HF model with these overrides
+    gguf_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 SPECS: dict[str, ArchSpec] = {
@@ -134,6 +136,7 @@ SPECS: dict[str, ArchSpec] = {
             dict(tie_word_embeddings=False, sliding_window=WINDOW),
             "The HF folder has sliding_window 8; llama.cpp converts MistralForCausalLM as general.architecture "
             "'llama' and writes no sliding window, so the GGUF is a full-attention Llama (as real Mistral GGUFs are).",
+            gguf_overrides=dict(sliding_window=None),
         ),
         ArchSpec(
             "phi3",
