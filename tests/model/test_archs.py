@@ -116,9 +116,7 @@ def test_extend_on_cached_prefix_and_mixed_batches_match_cold_runs(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["gemma2", "gemma3", "mistral_window", "qwen3"])
-def test_last_rows_tail_and_mixed_steps_match_whole_runs(
-    folders: dict[str, Path], case: str, backend: str
-) -> None:
+def test_last_rows_tail_and_mixed_steps_match_whole_runs(folders: dict[str, Path], case: str, backend: str) -> None:
     """Steps past TAIL_MIN_ROWS (the last layer goes on with a tail of rows) and a mixed step (a prefill chunk
     next to decodes) give the logits of whole-row runs."""
     model = load_ours(folders[case], backend=backend)
