@@ -36,11 +36,19 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "gemma2 sliding window": {"name": "gemma2", "sliding_window": 4096},
     "gemma2 attention soft-cap": {"name": "gemma2", "attn_logit_softcapping": None},
     "gemma2 final soft-cap": {"name": "gemma2", "final_logit_softcapping": None},
+    "phi3 sliding window": {"name": "phi3", "sliding_window": 4096},
     "gemma3 sliding window": {"name": "gemma3", "sliding_window": 4096},
-    "gemma3 local rope base": {
+    "gemma3 linear rope scaling": {
         "name": "gemma3",
         "rope_parameters": {
             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
+    "gemma3 local rope base": {
+        "name": "gemma3",
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0},
         },
     },
@@ -85,7 +93,7 @@ def test_each_gguf_names_its_architecture_and_tokenizer(name: str) -> None:
         assert (field("tokenizer.ggml.model"), field("tokenizer.ggml.pre")) == ("gpt2", "smollm")
     else:
         assert (field("tokenizer.ggml.model"), field("tokenizer.ggml.pre")) == ("llama", "default")
-    if name in ("gemma2", "gemma3"):
+    if name in ("phi3", "gemma2", "gemma3"):
         assert field(f"{name}.attention.sliding_window") == 8
     assert reader.get_field("tokenizer.chat_template") is not None
 

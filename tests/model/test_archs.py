@@ -31,8 +31,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_tied": ("qwen3", {}),
     "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
     "mistral_window": ("mistral", {}),
-    "phi3": ("phi3", {}),
-    "phi3_window": ("phi3", {"sliding_window": WINDOW}),
+    "phi3": ("phi3", {"sliding_window": None}),
+    "phi3_window": ("phi3", {}),
     "gemma2": ("gemma2", {"num_hidden_layers": 3, "query_pre_attn_scalar": 24, "tie_word_embeddings": True}),
     "gemma3": (
         "gemma3",

@@ -56,6 +56,8 @@ def test_gguf_config_matches_the_hf_folders(name: str, arch_folder: Callable[...
     assert config.architecture == spec.gguf_arch  # mistral converts as llama
     for field in SAME_FIELDS:
         assert getattr(config, field) == getattr(hf_config, field), field
+    if not name.startswith("llama3"):  # llama3 scaling comes as the rope_freqs tensor (the next test)
+        assert config.rope_summary() == hf_config.rope_summary()
 
 
 def test_llama3_rope_comes_from_the_rope_freqs_tensor() -> None:
