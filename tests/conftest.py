@@ -6,6 +6,7 @@
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,13 +52,15 @@ def byte_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def arch_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """Fixture name (tests/support/archs.py SPECS: "qwen2", "gemma3", ...) -> its tiny HF folder, built once."""
+def arch_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """(fixture name of tests/support/archs.py SPECS: "qwen2", "gemma3", ..., **config overrides) -> its tiny
+    HF folder, built once per name and overrides for the whole session."""
     built: dict[str, Path] = {}
 
-    def folder(name: str) -> Path:
-        if name not in built:
-            built[name] = build_arch_folder(name, tmp_path_factory.mktemp("archs") / name)
-        return built[name]
+    def folder(name: str, **overrides: Any) -> Path:
+        key = f"{name} {sorted(overrides.items())!r}"
+        if key not in built:
+            built[key] = build_arch_folder(name, tmp_path_factory.mktemp("archs") / name, **overrides)
+        return built[key]
 
     return folder

@@ -3,6 +3,7 @@ cold run gives, on prompts longer than the sliding window; describe() says what 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,6 @@ import pytest
 from radixserve import Engine
 from radixserve.model.summary import format_summary
 from tests.model.test_archs import CASES
-from tests.support.arch_builders import build_arch_model
-from tests.support.tiny_model import EOS, save_word_tokenizer
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 SHARED = list(range(3, 43))  # 40 tokens: five 8-token windows
@@ -21,15 +20,9 @@ ENGINE_CASES = ["qwen3", "mistral_window", "phi3_window", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = {}
-    for name in ENGINE_CASES:
-        arch, overrides = CASES[name]
-        folder = tmp_path_factory.mktemp(name)
-        build_arch_model(arch, folder, **{**overrides, "eos_token_id": EOS, "bos_token_id": 1, "pad_token_id": 0})
-        save_word_tokenizer(folder)
-        out[name] = folder
-    return out
+def folders(arch_folder: Callable[..., Path]) -> dict[str, Path]:
+    """The HF folders of tests/model/test_archs.py's cases (with their fixture tokenizers), built once."""
+    return {case: arch_folder(CASES[case][0], **CASES[case][1]) for case in ENGINE_CASES}
 
 
 def make_engine(folder: Path, **options: Any) -> Engine:
@@ -55,8 +48,8 @@ def test_describe_names_the_architecture_and_its_differences(folders: dict[str, 
     assert info["sliding_window"] == 8 and info["layer_types"] == "3 sliding, 1 full"
     assert "theta 1e+06, linear" in info["rope"] and "sliding layers theta 10000" in info["rope"]
     assert info["tokenizer"] and info["chat_template_source"]
-    assert info["weight_bytes"] > 0 and info["context_length"] == 256
+    assert info["weight_bytes"] > 0 and info["context_length"] == 512
     text = format_summary(info)  # what `radixserve serve` logs at start
-    assert "architecture gemma3, 4 layers, heads 4, kv heads 2, head dim 16, context 256" in text
+    assert "architecture gemma3, 4 layers, heads 4, kv heads 2, head dim 16, context 512" in text
     assert "sliding window 8 (3 sliding, 1 full)" in text and "chat template: chat_template.jinja" in text
-    assert "tokenizer WordLevel (tokenizer files)" in text and "MiB (float32, quantization none)" in text
+    assert "tokenizer BPE (tokenizer files)" in text and "MiB (float32, quantization none)" in text

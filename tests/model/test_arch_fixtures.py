@@ -4,8 +4,7 @@ First the fixtures themselves: the committed GGUFs are the ones the manifest lis
 architecture, transformers reads each back to exactly its HF folder's logits, and each HF model really
 uses the feature it stands for (switching it off moves the logits). Then radixserve: its float32
 logits and greedy tokens equal transformers' on a prompt longer than the sliding window, from the GGUF
-and from the HF folder. Today's code serves only Llama: the other architectures are marked
-xfail(strict=True) until the arch helper's work on issue 30 lands (then they pass and the marks go).
+and from the HF folder, on the reference and the default attention backends.
 """
 
 from __future__ import annotations
@@ -20,16 +19,15 @@ import gguf
 import pytest
 import torch
 
-from radixserve.model.gguf_loader import load_gguf
-from radixserve.model.hf_loader import load_hf_folder
-from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.tokenizer import Tokenizer
 from tests.model.test_llama import greedy, prefill
+from tests.model.tiny import load_ours
 from tests.support.archs import GGUF_DIR, SPECS, TOKENIZERS_DIR, build_arch_model, gguf_path
 from tests.support.fidelity import fixture_prompt, reference_greedy, reference_logits
 
 NAMES = list(SPECS)
 PROMPT_LEN = 40  # > the sliding window (8) of mistral / gemma2 / gemma3
+BACKENDS = ("reference", "auto")
 MANIFEST = json.loads((GGUF_DIR / "manifest.json").read_text())
 # HF settings that switch a fixture's feature off: its logits must move far more than the 1e-3 tolerance.
 ABLATIONS: dict[str, dict[str, Any]] = {
@@ -38,32 +36,32 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "gemma2 sliding window": {"name": "gemma2", "sliding_window": 4096},
     "gemma2 attention soft-cap": {"name": "gemma2", "attn_logit_softcapping": None},
     "gemma2 final soft-cap": {"name": "gemma2", "final_logit_softcapping": None},
+    "phi3 sliding window": {"name": "phi3", "sliding_window": 4096},
     "gemma3 sliding window": {"name": "gemma3", "sliding_window": 4096},
-    "gemma3 local rope base": {
+    "gemma3 linear rope scaling": {
         "name": "gemma3",
         "rope_parameters": {
             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
+    "gemma3 local rope base": {
+        "name": "gemma3",
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0},
         },
     },
 }
 
 
-def load_ours(path: Path) -> LlamaForCausalLM:
-    """radixserve's float32 model of an HF folder or a GGUF, as load_model builds it (tokenizer aside)."""
-    config, weights = load_hf_folder(path) if path.is_dir() else load_gguf(path)
-    model = LlamaForCausalLM(config, dtype=torch.float32)
-    model.load_weights(weights)
-    return model.eval()
-
-
-def assert_matches_reference(ours_path: Path, reference_path: Path) -> None:
+def assert_matches_reference(path: Path, backend: str) -> None:
     ids = fixture_prompt(PROMPT_LEN)
-    ours = load_ours(ours_path)
+    ours = load_ours(path, backend=backend)
     with torch.no_grad():
-        error = (prefill(ours, ids) - reference_logits(reference_path, ids)).abs().max().item()
+        error = (prefill(ours, ids) - reference_logits(path, ids)).abs().max().item()
         assert error <= 1e-3, f"max |logit error| {error:.2e}"
-        assert greedy(ours, ids, 12) == reference_greedy(reference_path, ids, 12)
+        assert greedy(ours, ids, 12) == reference_greedy(path, ids, 12)
 
 
 # ---- the fixtures themselves ------------------------------------------------------------------------
@@ -95,21 +93,18 @@ def test_each_gguf_names_its_architecture_and_tokenizer(name: str) -> None:
         assert (field("tokenizer.ggml.model"), field("tokenizer.ggml.pre")) == ("gpt2", "smollm")
     else:
         assert (field("tokenizer.ggml.model"), field("tokenizer.ggml.pre")) == ("llama", "default")
-    if name in ("gemma2", "gemma3"):
+    if name in ("phi3", "gemma2", "gemma3"):
         assert field(f"{name}.attention.sliding_window") == 8
     assert reader.get_field("tokenizer.chat_template") is not None
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_transformers_reads_each_gguf_back_to_its_hf_folder(name: str, arch_folder: Callable[[str], Path]) -> None:
+def test_transformers_reads_each_gguf_back_to_its_hf_folder(name: str, arch_folder: Callable[..., Path]) -> None:
     """Also the staleness check: a change to archs.py or to HF's init needs make_gguf_fixtures.py re-run."""
     ids = fixture_prompt(PROMPT_LEN)
-    folder = arch_folder(name)
-    if name == "mistral":  # the converter drops the sliding window: the GGUF is the full-attention model
-        with torch.no_grad():
-            expected = build_arch_model(name, sliding_window=None)(torch.tensor([ids])).logits[0]
-    else:
-        expected = reference_logits(folder, ids)
+    # what the converter drops (mistral's sliding window: the GGUF is the full-attention model)
+    folder = arch_folder(name, **SPECS[name].gguf_overrides)
+    expected = reference_logits(folder, ids)
     assert (reference_logits(gguf_path(name), ids) - expected).abs().max().item() <= 1e-5
 
 
@@ -137,13 +132,15 @@ def test_radixserve_tokenizes_each_kind_like_transformers_gguf_conversion(name: 
 # ---- radixserve against the reference -----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", NAMES)
-def test_radixserve_gguf_logits_and_greedy_tokens_match_transformers(name: str) -> None:
-    assert_matches_reference(gguf_path(name), gguf_path(name))
+def test_radixserve_gguf_logits_and_greedy_tokens_match_transformers(name: str, backend: str) -> None:
+    assert_matches_reference(gguf_path(name), backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", NAMES)
 def test_radixserve_hf_folder_logits_and_greedy_tokens_match_transformers(
-    name: str, arch_folder: Callable[[str], Path]
+    name: str, backend: str, arch_folder: Callable[..., Path]
 ) -> None:
-    assert_matches_reference(arch_folder(name), arch_folder(name))
+    assert_matches_reference(arch_folder(name), backend)

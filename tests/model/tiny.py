@@ -14,6 +14,7 @@ from radixserve.memory import TokenAllocator
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
+from radixserve.model.gguf_loader import load_gguf
 from radixserve.model.hf_loader import load_hf_folder
 from radixserve.model.llama import LlamaForCausalLM
 from tests.support.tiny_model import (  # noqa: F401  (re-exported for the tests)
@@ -29,11 +30,12 @@ from tests.support.tiny_model import (  # noqa: F401  (re-exported for the tests
 )
 
 
-def load_ours(folder: Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    config, state_dict = load_hf_folder(folder)
-    model = LlamaForCausalLM(config, dtype=dtype)
-    model.load_weights(state_dict)
-    return model
+def load_ours(path: Path, dtype: torch.dtype = torch.float32, backend: str = "auto") -> LlamaForCausalLM:
+    """Our model of an HF folder or a ``.gguf`` file, as load_model builds it (tokenizer aside)."""
+    config, weights = load_hf_folder(path) if path.is_dir() else load_gguf(path)
+    model = LlamaForCausalLM(config, dtype=dtype, attention_backend=backend)
+    model.load_weights(weights)
+    return model.eval()
 
 
 def make_pool(

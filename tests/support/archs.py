@@ -77,6 +77,8 @@ class ArchSpec:
     gguf_reference: str
     config: dict[str, Any] = field(default_factory=dict)
     note: str = ""
+    # settings the converter does not carry into the GGUF: the GGUF is the HF model with these overrides
+    gguf_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 SPECS: dict[str, ArchSpec] = {
@@ -100,8 +102,9 @@ SPECS: dict[str, ArchSpec] = {
             "bpe-smollm",
             "llama",
             "gguf+config",
-            dict(tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE),
-            "Llama 3.1 style (untied lm_head). Same rope_freqs note as llama3.",
+            dict(tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE, attention_bias=True),
+            "Llama 3.1 style (untied lm_head), with q/k/v/o biases (attention_bias): the converter permutes "
+            "the q/k biases as it does the weights. Same rope_freqs note as llama3.",
         ),
         ArchSpec(
             "qwen2",
@@ -134,6 +137,7 @@ SPECS: dict[str, ArchSpec] = {
             dict(tie_word_embeddings=False, sliding_window=WINDOW),
             "The HF folder has sliding_window 8; llama.cpp converts MistralForCausalLM as general.architecture "
             "'llama' and writes no sliding window, so the GGUF is a full-attention Llama (as real Mistral GGUFs are).",
+            gguf_overrides=dict(sliding_window=None),
         ),
         ArchSpec(
             "phi3",
@@ -141,9 +145,10 @@ SPECS: dict[str, ArchSpec] = {
             "Phi3Config",
             "spm-llama",
             "phi3",
-            "gguf",
-            dict(tie_word_embeddings=False, sliding_window=None),
-            "fused qkv_proj and gate_up_proj (attn_qkv / ffn_up in the GGUF).",
+            "gguf+config",
+            dict(tie_word_embeddings=False, sliding_window=WINDOW),
+            "fused qkv_proj and gate_up_proj (attn_qkv / ffn_up in the GGUF); a sliding window (Phi-3 mini's is "
+            "2047), which the GGUF stores but transformers' GGUF config mapping does not read.",
         ),
         ArchSpec(
             "gemma2",
@@ -173,13 +178,13 @@ SPECS: dict[str, ArchSpec] = {
                 num_hidden_layers=6,  # llama.cpp's fixed gemma3 pattern: 5 sliding layers, then 1 global
                 sliding_window=WINDOW,
                 query_pre_attn_scalar=16,
-                rope_parameters={
-                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                rope_parameters={  # linear scaling on the global layers, as Gemma 3 4B-27B (factor 8)
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 },
             ),
-            "Gemma3ForCausalLM; the GGUF stores rope.freq_base_swa, transformers' GGUF config mapping reads "
-            "no query_pre_attn_scalar (default 256).",
+            "Gemma3ForCausalLM; the GGUF stores rope.freq_base_swa and the global layers' linear rope scaling, "
+            "transformers' GGUF config mapping reads no query_pre_attn_scalar (default 256).",
         ),
     )
 }

@@ -7,9 +7,10 @@
   metadata mapping (``AutoConfig.from_pretrained(dir, gguf_file=...)``) where that mapping is faithful,
   and from the fixture's spec where it is not: a committed fixture's ``ArchSpec.gguf_reference`` says
   which ("gguf" or "gguf+config", with the reason in its note). Measured on the committed fixtures:
-  "gguf" is exact for qwen2, phi3 and mistral (read as the full-attention Llama the file is);
-  llama3 (rope_freqs dropped), qwen3 (head_dim read as 128), gemma2 (soft-capping, query scale) and
-  gemma3 (query scale) need "gguf+config", with which every fixture's logits equal its HF folder's exactly.
+  "gguf" is exact for qwen2 and mistral (read as the full-attention Llama the file is);
+  llama3 (rope_freqs dropped), qwen3 (head_dim read as 128), phi3 (sliding window dropped), gemma2
+  (soft-capping, query scale) and gemma3 (query scale) need "gguf+config", with which every fixture's
+  logits equal its HF folder's exactly.
 
 This is what ``from_pretrained(dir, gguf_file=...)`` does, minus its ``accelerate`` requirement (not a
 project dependency): with accelerate installed the two give bit-identical logits on every fixture.
