@@ -81,7 +81,7 @@ class Engine(Driver):
             config.model_path, self.device, dtype, config.attention_backend, config.quantization
         )
         logger.info("quantization %s: %s", self.loaded.model.quantization, self.loaded.quantization_reason)
-        self.tokenizer = self.loaded.tokenizer
+        self.tokenizer = self.loaded.tokenizer.with_chat_template(config.chat_template)
         model = self.loaded.config
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         pool_tokens = config.max_total_tokens or default_pool_tokens(

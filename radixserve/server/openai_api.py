@@ -265,6 +265,8 @@ class ChatCall(OpenAICall):
     async def begin(self) -> Generation:
         body = self.body
         messages = body.template_messages()
+        if not self.state.tokenizer.chat_template:
+            raise APIError(400, str(self.state.tokenizer.no_chat_template()), "no_chat_template", "messages")
         try:
             contents = ["".join(m["content"] for m in messages)]  # the bound is on the whole conversation
             ids = await self.state.tokenize(lambda tok: tok.apply_chat_template(messages), contents, "messages")

@@ -8,7 +8,6 @@ and the serialised ``tokenizers`` pipeline. Nothing is compared against hard-cod
 from __future__ import annotations
 
 import json
-import logging
 import random
 from pathlib import Path
 
@@ -49,7 +48,15 @@ CORPUS = [
     "text<|endoftext|>more <|im_end|>< |im_start|> <|im_ <think>why</think>",
     "URLs: https://example.org/a?b=c&d=e#f, mail: a.b@c.de, path C:\\Users\\x",
     "\r\n\r\nwindows\r\nlines\u00a0nbsp\u2009thin\u200bzero-width",
-    "MiXeD CaSe WORDS AND ALLCAPS'S DON'T STOP",
+    "MiXeD CaSe WORDS AND ALLCAPS'S DON'T STOP camelCaseWords XMLHttpRequest iPhone",
+    "العربية: مرحبا بالعالم، كيف حالك؟ ١٢٣٤٥",
+    "हिन्दी: नमस्ते दुनिया, आप कैसे हैं? १२३४",
+    "ภาษาไทย สวัสดีครับ Ελληνικά Привет, мир! Tiếng Việt có dấu",
+    "emoji ZWJ 🧑‍💻 👩🏾‍🚀 🏳️‍🌈 ❤️‍🔥 keycap 1️⃣ #️⃣",
+    "int main() {\r\n\tint x = 0;\r\n\t\treturn x;\r\n}\r\n",
+    "digits 3141592653589793238462643383279 0.000001 1,000,000,000 -9999999999",
+    "many    spaces     and\t\t\ttabs      then text",
+    "x = {'a': [1, 2, 3], \"b\": None}  # dict/list; a->b => c != d && e || f",
     "",
     " ",
     "\n",
@@ -183,28 +190,31 @@ def test_tiny_gguf_encodes_any_text_alike(tiny_pair: tuple[Tokenizer, Tokenizer]
     assert ours.decode(theirs.encode(text)) == theirs.decode(theirs.encode(text))
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"])
+def test_tiny_gguf_equals_transformers_for_each_architecture(tmp_path: Path, arch: str) -> None:
+    """transformers picks a class per architecture (Qwen2Tokenizer, GemmaTokenizer, ...) with its own
+    defaults; a byte-level vocabulary under each gives the same tokenizer."""
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf", "qwen2", arch=arch, add_bos=True)
+    assert_same_tokenizer(Tokenizer(build_gguf_tokenizer(GGUFReader(path))), Tokenizer(transformers_gguf_tokenizer(path)))
+
+
 @pytest.mark.parametrize(
-    ("pre", "model", "arch", "why"),
+    ("pre", "model", "why"),
     [
-        ("no-such-pre", "gpt2", "llama", "tokenizer.ggml.pre"),
-        ("gpt-2", "bert", "llama", "model"),
-        ("gpt-2", "gpt2", "qwen2", "architecture"),
+        ("no-such-pre", "gpt2", "tokenizer.ggml.pre .no-such-pre. is not one we know .supported: .*default, .*llama-bpe.*qwen2.*smollm"),
+        ("gpt-2", "bert", r"tokenizer.ggml.model 'bert' .supported: gpt2, llama\)"),
+        ("llama-bpe", "llama", "a SentencePiece vocabulary with tokenizer.ggml.pre 'llama-bpe'"),
     ],
 )
-def test_unknown_tokenizers_are_refused_with_a_reason(
-    tmp_path: Path, pre: str, model: str, arch: str, why: str
+def test_unknown_tokenizers_are_refused_naming_the_supported_ones(
+    tmp_path: Path, pre: str, model: str, why: str
 ) -> None:
-    path = write_tokenizer_gguf(tmp_path / "tok.gguf", pre, model=model, arch=arch)
+    """Never a silent fallback (to GPT-2's rules, or to transformers' conversion, which applies them)."""
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf", pre, model=model)
     with pytest.raises(UnsupportedGGUFTokenizer, match=why):
         build_gguf_tokenizer(GGUFReader(path))
-
-
-def test_from_gguf_falls_back_to_transformers_and_logs_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    path = write_tokenizer_gguf(tmp_path / "tok.gguf", "no-such-pre")
-    with caplog.at_level(logging.WARNING, logger="radixserve.model.tokenizer"):
-        tok = Tokenizer.from_gguf(path)
-    assert "'no-such-pre' is not in our table" in caplog.text and "transformers" in caplog.text
-    assert_same_tokenizer(tok, Tokenizer(transformers_gguf_tokenizer(path)))
+    with pytest.raises(ValueError, match=why):
+        Tokenizer.from_gguf(path)
 
 
 # ---- the embedded SmolLM2 (slow: transformers' conversion of its 49k-token vocabulary takes 6-12 s) ----
