@@ -34,7 +34,24 @@ CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ids 0-2 as SmolLM2's; then the turn markers of the chat templates the families use (test_chat_template.py).
+CONTROL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "[INST]",
+    "[/INST]",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+]
 CORPUS = [
     "Hello, world! It's 2024; we're testing: they'll see, I'd say, you've got it, I'm done.",
     "  leading spaces and\ttabs\nnew lines\n\n\n   trailing   ",
@@ -90,9 +107,17 @@ def _trained_vocab(size: int = 700) -> tuple[list[str], list[str]]:
 
 
 def write_tokenizer_gguf(
-    path: Path, pre: str, model: str = "gpt2", add_bos: bool | None = None, arch: str = "llama"
+    path: Path,
+    pre: str,
+    model: str = "gpt2",
+    add_bos: bool | None = None,
+    arch: str = "llama",
+    chat_template: str | None = CHATML,
+    eot_token: str | None = None,
 ) -> Path:
-    """A GGUF holding only a model header and a tokenizer, as llama.cpp's converter writes one."""
+    """A GGUF holding only a model header and a tokenizer, as llama.cpp's converter writes one.
+
+    ``eot_token``: written as ``tokenizer.ggml.eot_token_id``."""
     tokens, merges = _trained_vocab()
     # A user-defined token, a token spelled with a real space (re-spelled byte by byte), and a
     # control token outside the byte alphabet (a mislabel: both builds skip it).
@@ -114,7 +139,10 @@ def write_tokenizer_gguf(
     writer.add_pad_token_id(0)
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
-    writer.add_chat_template(CHATML)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    if eot_token is not None:
+        writer.add_eot_token_id(tokens.index(eot_token))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
