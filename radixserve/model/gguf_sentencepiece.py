@@ -67,7 +67,8 @@ def recover_merges(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple
     merges: list[tuple[float, int, int, str, str]] = []
     for piece, rank in ranks.items():
         splits = [(piece[:cut], piece[cut:]) for cut in range(1, len(piece))]
-        local = sorted(((l, r) for l, r in splits if l in vocab and r in vocab), key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        known = [(left, right) for left, right in splits if left in vocab and right in vocab]
+        local = sorted(known, key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
         merges.extend((rank, len(left), len(right), left, right) for left, right in local)
     # Stable sort on (rank, len(left), len(right)), best rank first: Python's sort with reverse=True
     # keeps equal keys in order, as transformers' sorted(..., reverse=True) does.

@@ -45,7 +45,8 @@ _REST = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _TEKKEN_SPLIT = rf"{_WORD_START}{_UPPER}*{_LOWER}+|{_WORD_START}{_UPPER}+{_LOWER}*|\p{{N}}{_REST}"
 _CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
 _GPT4O_SPLIT = (
-    rf"{_WORD_START}{_UPPER}*{_LOWER}+{_CONTRACTION}|{_WORD_START}{_UPPER}+{_LOWER}*{_CONTRACTION}|\p{{N}}{{1,3}}{_REST}"
+    rf"{_WORD_START}{_UPPER}*{_LOWER}+{_CONTRACTION}|{_WORD_START}{_UPPER}+{_LOWER}*{_CONTRACTION}"
+    rf"|\p{{N}}{{1,3}}{_REST}"
 )
 # tokenizer.ggml.pre -> the split regex before a byte-level step without its own regex; None: GPT-2's
 # byte-level regex alone. The regexes are llama.cpp's (src/llama-vocab.cpp) in the spelling of the
@@ -131,8 +132,16 @@ def build_gguf_tokenizer(reader: gguf.GGUFReader) -> PreTrainedTokenizerFast:
 
 def gguf_stop_token_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
     """The ids the file says end a generation: eos, end-of-turn (``<|eot_id|>``), end-of-message."""
-    meta = _metadata(reader)
+    meta = _metadata(reader, {f"tokenizer.ggml.{key}": key for key in _STOP_IDS})
     return tuple(dict.fromkeys(int(meta[key]) for key in _STOP_IDS if key in meta))
+
+
+def gguf_tokenizer_kind(reader: gguf.GGUFReader) -> str:
+    """What the file's tokenizer is, in words (for the start-up report)."""
+    meta = _metadata(reader, {"tokenizer.ggml.model": "model", "tokenizer.ggml.pre": "pre"})
+    if meta.get("model") == "llama":
+        return "SentencePiece BPE (GGUF)"
+    return f"byte-level BPE, pre-tokenizer {meta.get('pre', 'default')!r} (GGUF)"
 
 
 def _byte_level_backend(meta: dict[str, Any]) -> RustTokenizer:
@@ -146,9 +155,9 @@ def _byte_level_backend(meta: dict[str, Any]) -> RustTokenizer:
     return _byte_level_bpe(meta["tokens"], [(left, right) for left, right in pairs], PRE_TOKENIZER_SPLITS[pre])
 
 
-def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """The tokenizer keys of the file, named as in llama.cpp's ``tokenizer.ggml.*`` / ``tokenizer.*``."""
-    keys = {
+def _metadata(reader: gguf.GGUFReader, keys: dict[str, str] | None = None) -> dict[str, Any]:
+    """The tokenizer keys of the file (``keys``: file key -> our name; default all we build from)."""
+    keys = keys or {
         "general.architecture": "architecture",
         "tokenizer.ggml.model": "tokenizer_type",
         "tokenizer.ggml.pre": "pre",

@@ -24,7 +24,7 @@ import gguf
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.model.gguf_loader import GGUFReader, default_model_path
-from radixserve.model.gguf_tokenizer import build_gguf_tokenizer, gguf_stop_token_ids
+from radixserve.model.gguf_tokenizer import build_gguf_tokenizer, gguf_stop_token_ids, gguf_tokenizer_kind
 
 # Chat templates end a turn with one of these; generation must stop on it as well as on eos.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -57,6 +57,7 @@ class Tokenizer:
         self.chat_template_source: str = (chat_template_source or "the tokenizer") if self.chat_template else "none"
         self.vocab_size: int = len(hf)
         self._stop_token_ids = tuple(stop_token_ids)
+        self.kind = "HF tokenizer.json"  # what the files hold, for the start-up report; from_gguf says more
         self.eos_token_ids: tuple[int, ...] = self._find_eos_ids()
 
     @classmethod
@@ -66,7 +67,9 @@ class Tokenizer:
         transformers reads the chat template from chat_template.jinja (first) or tokenizer_config.json."""
         folder = Path(path)
         hf = _auto_tokenizer().from_pretrained(str(folder), local_files_only=True)
-        source = next((f"{folder.name}/{n}" for n in _TEMPLATE_FILES if (folder / n).is_file()), "tokenizer_config.json")
+        source = next(
+            (f"{folder.name}/{n}" for n in _TEMPLATE_FILES if (folder / n).is_file()), "tokenizer_config.json"
+        )
         return cls(hf, stop_token_ids=_generation_config_eos(folder), chat_template_source=source)
 
     @classmethod
@@ -77,7 +80,9 @@ class Tokenizer:
         ``gguf_tokenizer`` does not build is an ``UnsupportedGGUFTokenizer`` naming the ones it does."""
         reader = reader or GGUFReader(Path(path))
         hf = build_gguf_tokenizer(reader)
-        return cls(hf, stop_token_ids=gguf_stop_token_ids(reader), chat_template_source="GGUF tokenizer.chat_template")
+        tok = cls(hf, stop_token_ids=gguf_stop_token_ids(reader), chat_template_source="GGUF tokenizer.chat_template")
+        tok.kind = gguf_tokenizer_kind(reader)
+        return tok
 
     @classmethod
     def from_model_path(
@@ -98,7 +103,9 @@ class Tokenizer:
         if path is None:
             return self
         template = Path(path).read_text(encoding="utf-8")
-        return Tokenizer(self.hf, template, self._stop_token_ids, f"--chat-template {path}")
+        tok = Tokenizer(self.hf, template, self._stop_token_ids, f"--chat-template {path}")
+        tok.kind = self.kind
+        return tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, with the special tokens (e.g. BOS) the model's tokenizer adds."""

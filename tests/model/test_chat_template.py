@@ -79,7 +79,10 @@ END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("chat")
-    return {name: write_tokenizer_gguf(folder / f"{name}.gguf", "llama-bpe", chat_template=t) for name, t in TEMPLATES.items()}
+    return {
+        name: write_tokenizer_gguf(folder / f"{name}.gguf", "llama-bpe", chat_template=t)
+        for name, t in TEMPLATES.items()
+    }
 
 
 def _theirs(tok: Any, messages: list[dict[str, str]], add_generation_prompt: bool, **kwargs: Any) -> str:
@@ -127,7 +130,9 @@ def test_the_templates_end_of_turn_token_stops_generation(gguf_files: dict[str, 
 
 def test_the_files_eot_token_id_stops_generation(tmp_path: Path) -> None:
     """``tokenizer.ggml.eot_token_id`` counts even where the template does not write the token."""
-    path = write_tokenizer_gguf(tmp_path / "t.gguf", "llama-bpe", chat_template=TEMPLATES["mistral"], eot_token="<|end|>")
+    path = write_tokenizer_gguf(
+        tmp_path / "t.gguf", "llama-bpe", chat_template=TEMPLATES["mistral"], eot_token="<|end|>"
+    )
     tok = Tokenizer.from_gguf(path)
     assert tok.hf.get_vocab()["<|end|>"] in tok.eos_token_ids
 
@@ -163,7 +168,9 @@ def _hf_folder(folder: Path, gguf: Path, where: str) -> Path:
         (folder / where).write_text(template, encoding="utf-8")
     else:
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}), encoding="utf-8")
+        (folder / "tokenizer_config.json").write_text(
+            json.dumps({**config, "chat_template": template}), encoding="utf-8"
+        )
     return folder
 
 
@@ -177,3 +184,9 @@ def test_hf_folder_template_renders_as_transformers(tmp_path: Path, gguf_files: 
     for prompt in (True, False):
         assert ours.render_chat(CONVERSATION, prompt) == _theirs(theirs, CONVERSATION, prompt)
     assert set(ours.eos_token_ids) == {2, 5, ours.hf.get_vocab()["<|eot_id|>"]}  # generation_config.json's too
+
+
+def test_start_up_report_names_the_tokenizer_and_template_source(gguf_files: dict[str, Path]) -> None:
+    tok = Tokenizer.from_gguf(gguf_files["chatml"])
+    assert tok.kind == "byte-level BPE, pre-tokenizer 'llama-bpe' (GGUF)"
+    assert tok.chat_template_source == "GGUF tokenizer.chat_template"

@@ -223,13 +223,19 @@ def test_tiny_gguf_equals_transformers_for_each_architecture(tmp_path: Path, arc
     """transformers picks a class per architecture (Qwen2Tokenizer, GemmaTokenizer, ...) with its own
     defaults; a byte-level vocabulary under each gives the same tokenizer."""
     path = write_tokenizer_gguf(tmp_path / "tok.gguf", "qwen2", arch=arch, add_bos=True)
-    assert_same_tokenizer(Tokenizer(build_gguf_tokenizer(GGUFReader(path))), Tokenizer(transformers_gguf_tokenizer(path)))
+    assert_same_tokenizer(
+        Tokenizer(build_gguf_tokenizer(GGUFReader(path))), Tokenizer(transformers_gguf_tokenizer(path))
+    )
 
 
 @pytest.mark.parametrize(
     ("pre", "model", "why"),
     [
-        ("no-such-pre", "gpt2", "tokenizer.ggml.pre .no-such-pre. is not one we know .supported: .*default, .*llama-bpe.*qwen2.*smollm"),
+        (
+            "no-such-pre",
+            "gpt2",
+            "tokenizer.ggml.pre .no-such-pre. is not one we know .supported: .*default, .*llama-bpe.*qwen2.*smollm",
+        ),
         ("gpt-2", "bert", r"tokenizer.ggml.model 'bert' .supported: gpt2, llama\)"),
         ("llama-bpe", "llama", "a SentencePiece vocabulary with tokenizer.ggml.pre 'llama-bpe'"),
     ],

@@ -43,7 +43,9 @@ def _pieces(size: int = 450) -> list[str]:
     """SentencePiece-style pieces ("▁" for a space) in merge order, trained on CORPUS."""
     backend = RustTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first", split=True)
-    backend.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(vocab_size=size, show_progress=False, limit_alphabet=80))
+    backend.train_from_iterator(
+        CORPUS * 4, trainers.BpeTrainer(vocab_size=size, show_progress=False, limit_alphabet=80)
+    )
     vocab = json.loads(backend.to_str())["model"]["vocab"]
     return [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
 
@@ -53,7 +55,11 @@ def write_sentencepiece_gguf(path: Path, arch: str, add_bos: bool | None = None)
     gemma = arch.startswith("gemma")
     head = GEMMA_HEAD if gemma else LLAMA_HEAD
     # Gemma stores runs of spaces as real spaces; user-defined and extra control tokens as the families have.
-    extra = [("  ", _USER_DEFINED), ("   ", _USER_DEFINED)] if gemma else [("[INST]", _CONTROL), ("<|user|>", _USER_DEFINED)]
+    extra = (
+        [("  ", _USER_DEFINED), ("   ", _USER_DEFINED)]
+        if gemma
+        else [("[INST]", _CONTROL), ("<|user|>", _USER_DEFINED)]
+    )
     pieces = _pieces()
     tokens = [t for t, _ in head] + [f"<0x{b:02X}>" for b in range(256)] + [t for t, _ in extra] + pieces
     types = [k for _, k in head] + [_BYTE] * 256 + [k for _, k in extra] + [_NORMAL] * len(pieces)

@@ -40,7 +40,9 @@ def test_chat_without_a_template_is_a_400_naming_the_flag(bare_server: ServerPro
     assert response.status_code == 400
     error = response.json()["error"]
     assert "--chat-template PATH" in error["message"] and error["code"] == "no_chat_template"
-    completion = httpx.post(bare_server.url + "/v1/completions", json={"model": "no-template", "prompt": "w5", "max_tokens": 1}, timeout=60)
+    completion = httpx.post(
+        bare_server.url + "/v1/completions", json={"model": "no-template", "prompt": "w5", "max_tokens": 1}, timeout=60
+    )
     assert completion.status_code == 200  # plain completions need no template
 
 
