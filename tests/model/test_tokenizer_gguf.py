@@ -156,7 +156,7 @@ def transformers_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 def corpus_for(tok: Tokenizer) -> list[str]:
     """CORPUS, chat-template renderings of CONVERSATIONS, and seeded random mixes of their characters."""
-    texts = [*CORPUS, *(tok.render_chat(conv) for conv in CONVERSATIONS)]
+    texts = [*CORPUS, *(tok.render_chat(conv) for conv in CONVERSATIONS if tok.chat_template)]
     chars = sorted(set("".join(texts)))
     rng = random.Random(0)
     texts += ["".join(rng.choice(chars) for _ in range(rng.randint(1, 40))) for _ in range(200)]
