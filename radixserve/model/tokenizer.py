@@ -2,19 +2,15 @@
 
 ``Tokenizer`` wraps a transformers fast tokenizer loaded strictly offline, either from an
 HF folder (``tokenizer.json`` + ``tokenizer_config.json``) or from a GGUF file's embedded
-vocabulary (built from the metadata our reader parsed, ``gguf_tokenizer.py``). Chat templates are
-the model's own (GGUF ``tokenizer.chat_template``, chat_template.jinja, tokenizer_config.json) or a
-file given with ``--chat-template``, rendered by transformers' ``apply_chat_template`` (a jinja2
-sandbox with ``bos_token`` / ``eos_token``, ``raise_exception``, ``add_generation_prompt``).
-``IncrementalDecoder``
-turns output ids into text deltas that never split a multi-byte character; ``find_stop`` /
-``partial_stop_len`` implement stop strings. The engine's output stage (``engine/output.py``)
-runs one ``IncrementalDecoder`` per request: the one place output text is made.
+vocabulary (built from the metadata our reader parsed, ``gguf_tokenizer.py``), with the model's
+chat template and stop tokens (``chat_template.py``). ``IncrementalDecoder`` turns output ids
+into text deltas that never split a multi-byte character; ``find_stop`` / ``partial_stop_len``
+implement stop strings. The engine's output stage (``engine/output.py``) runs one
+``IncrementalDecoder`` per request: the one place output text is made.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -23,19 +19,20 @@ from typing import Any, NamedTuple
 import gguf
 from transformers import PreTrainedTokenizerBase
 
+from radixserve.model.chat_template import (
+    NoChatTemplate,
+    default_template,
+    generation_config_eos,
+    hf_folder_template_source,
+    read_chat_template,
+    stop_ids,
+)
 from radixserve.model.gguf_loader import GGUFReader, default_model_path
 from radixserve.model.gguf_tokenizer import build_gguf_tokenizer, gguf_stop_token_ids, gguf_tokenizer_kind
 
-# Chat templates end a turn with one of these; generation must stop on it as well as on eos.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 # Prompt tokens an IncrementalDecoder keeps as context, so a first output token decodes as
 # it would mid-text (SentencePiece decoders drop a space at the start of a decode).
 DECODE_CONTEXT_TOKENS = 5
-_TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")  # where an HF folder keeps its template
-
-
-class NoChatTemplate(ValueError):
-    """The model has no chat template and none was given: the message names the flag."""
 
 
 class Tokenizer:
@@ -51,14 +48,16 @@ class Tokenizer:
         chat_template: str | None = None,
         stop_token_ids: Sequence[int] = (),
         chat_template_source: str | None = None,
+        kind: str = "HF tokenizer.json",
     ) -> None:
         self.hf = hf
-        self.chat_template: str | None = chat_template or hf.chat_template
+        self.chat_template: str | None = chat_template or default_template(hf.chat_template)
         self.chat_template_source: str = (chat_template_source or "the tokenizer") if self.chat_template else "none"
+        self.kind = kind  # what the files hold, in words, for the start-up report
         self.vocab_size: int = len(hf)
         self._stop_token_ids = tuple(stop_token_ids)
-        self.kind = "HF tokenizer.json"  # what the files hold, for the start-up report; from_gguf says more
-        self.eos_token_ids: tuple[int, ...] = self._find_eos_ids()
+        # eos, the files' own stop ids, the end-of-turn tokens the template writes
+        self.eos_token_ids = stop_ids(hf.eos_token_id, stop_token_ids, self.chat_template, hf.get_vocab())
 
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -67,10 +66,7 @@ class Tokenizer:
         transformers reads the chat template from chat_template.jinja (first) or tokenizer_config.json."""
         folder = Path(path)
         hf = _auto_tokenizer().from_pretrained(str(folder), local_files_only=True)
-        source = next(
-            (f"{folder.name}/{n}" for n in _TEMPLATE_FILES if (folder / n).is_file()), "tokenizer_config.json"
-        )
-        return cls(hf, stop_token_ids=_generation_config_eos(folder), chat_template_source=source)
+        return cls(hf, None, generation_config_eos(folder), hf_folder_template_source(folder))
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str], reader: gguf.GGUFReader | None = None) -> Tokenizer:
@@ -79,10 +75,8 @@ class Tokenizer:
         ``reader``: the file already open (the weights' loader), so it is parsed once. A tokenizer
         ``gguf_tokenizer`` does not build is an ``UnsupportedGGUFTokenizer`` naming the ones it does."""
         reader = reader or GGUFReader(Path(path))
-        hf = build_gguf_tokenizer(reader)
-        tok = cls(hf, stop_token_ids=gguf_stop_token_ids(reader), chat_template_source="GGUF tokenizer.chat_template")
-        tok.kind = gguf_tokenizer_kind(reader)
-        return tok
+        stops, kind = gguf_stop_token_ids(reader), gguf_tokenizer_kind(reader)
+        return cls(build_gguf_tokenizer(reader), None, stops, "GGUF tokenizer.chat_template", kind)
 
     @classmethod
     def from_model_path(
@@ -102,10 +96,8 @@ class Tokenizer:
         own; itself when ``path`` is None."""
         if path is None:
             return self
-        template = Path(path).read_text(encoding="utf-8")
-        tok = Tokenizer(self.hf, template, self._stop_token_ids, f"--chat-template {path}")
-        tok.kind = self.kind
-        return tok
+        template = read_chat_template(path)
+        return Tokenizer(self.hf, template, self._stop_token_ids, f"--chat-template {path}", self.kind)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, with the special tokens (e.g. BOS) the model's tokenizer adds."""
@@ -130,7 +122,7 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The chat template applied to ``messages``, as text (special tokens written out)."""
         if not self.chat_template:
-            raise self.no_chat_template()
+            raise NoChatTemplate()
         text = self.hf.apply_chat_template(
             messages,
             chat_template=self.chat_template,
@@ -140,38 +132,12 @@ class Tokenizer:
         )
         return str(text)
 
-    def no_chat_template(self) -> NoChatTemplate:
-        """The error for a chat request to a model without a template: it names the flag that gives one."""
-        return NoChatTemplate(
-            "this model has no chat template (none in its GGUF or tokenizer_config.json): start the server "
-            "with --chat-template PATH (a Jinja file), or send the prompt as text to /v1/completions"
-        )
-
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
         """Prompt ids for ``messages``. Rendered to text and encoded without extra special tokens
         (the template writes its own), as HF does; transformers 5 would return a BatchEncoding."""
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
-
-    def _find_eos_ids(self) -> tuple[int, ...]:
-        """eos, the files' own stop ids, and the end-of-turn tokens the chat template writes."""
-        ids: list[int] = [] if self.hf.eos_token_id is None else [int(self.hf.eos_token_id)]
-        ids += [i for i in self._stop_token_ids if i not in ids]
-        vocab = self.hf.get_vocab()
-        for token in END_OF_TURN_TOKENS:
-            if self.chat_template and token in self.chat_template and token in vocab and vocab[token] not in ids:
-                ids.append(vocab[token])
-        return tuple(ids)
-
-
-def _generation_config_eos(folder: Path) -> tuple[int, ...]:
-    """The eos ids an HF folder's generation_config.json lists (Llama 3: end of text, of turn, of message)."""
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        return ()
-    eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    return tuple(int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
 
 
 def _auto_tokenizer() -> Any:

@@ -18,7 +18,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from radixserve.engine.config import EngineConfig
-from radixserve.model.tokenizer import NoChatTemplate, Tokenizer
+from radixserve.model.chat_template import NoChatTemplate
+from radixserve.model.tokenizer import Tokenizer
 from tests.model.test_tokenizer_gguf import transformers_gguf_tokenizer, write_tokenizer_gguf
 
 ALTERNATE = (
