@@ -27,7 +27,8 @@ class NoChatTemplate(ValueError):
     def __init__(self) -> None:
         super().__init__(
             "this model has no chat template (none in its GGUF or tokenizer_config.json): start the server "
-            "with --chat-template PATH (a Jinja file), or send the prompt as text to /v1/completions"
+            "with --chat-template PATH (a Jinja file; Engine(chat_template=PATH)), or send the prompt as text "
+            "to /v1/completions"
         )
 
 

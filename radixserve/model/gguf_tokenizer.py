@@ -38,7 +38,7 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# Mistral Nemo / Pixtral ("tekken") and GPT-4o-style vocabularies (Phi-4, Llama 4): a word splits
+# Mistral Nemo ("tekken") and GPT-4o-style vocabularies ("gpt-4o", Llama 4): a word splits
 # where lower case turns to upper case; GPT-4o's keeps a contraction on the word before it.
 _WORD_START, _UPPER, _LOWER = r"[^\r\n\p{L}\p{N}]?", r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
 _REST = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -52,8 +52,8 @@ _GPT4O_SPLIT = (
 # byte-level regex alone. The regexes are llama.cpp's (src/llama-vocab.cpp) in the spelling of the
 # models' own tokenizer.json, which is transformers' spelling too ("(?i:'s|...)" for "'[sS]|...").
 # NB "smollm": llama.cpp also splits each digit apart first (as SmolLM2's own tokenizer.json does);
-# transformers does not, and we follow transformers, so both paths tokenize alike (SmolLM2's
-# vocabulary has no token of two digits or of a space and a digit, so the ids agree anyway).
+# transformers does not, and we follow transformers, so both paths tokenize alike (no token of
+# SmolLM2's vocabulary holds an ASCII digit beside anything else, so such digits agree anyway).
 # NB "default" (a file from before llama.cpp named pre-tokenizers): GPT-2's regex, as transformers;
 # llama.cpp adds a few extra splits there and warns that such a file should be regenerated.
 PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
@@ -71,7 +71,7 @@ PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
     "deepseek-r1-qwen": _QWEN2_SPLIT,
     "megrez": _QWEN2_SPLIT,
     "tekken": _TEKKEN_SPLIT,  # Mistral Nemo and later
-    "gpt-4o": _GPT4O_SPLIT,  # Phi-4
+    "gpt-4o": _GPT4O_SPLIT,
     "llama4": _GPT4O_SPLIT,
 }
 TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE; SentencePiece
