@@ -353,6 +353,8 @@ class Engine(Driver):
             "kv_pool_tokens": self.allocator.size,
             "context_length": self.context_length,
             "vocab_size": model.vocab_size,
+            "tokenizer_kind": self.tokenizer.kind,
+            "chat_template_source": self.tokenizer.chat_template_source,
             "num_layers": model.num_layers,
             "kv_bytes_per_token": kv_bytes,
             "kv_tokens_per_gib": (1 << 30) // kv_bytes,

@@ -40,6 +40,8 @@ def test_chat_without_a_template_is_a_400_naming_the_flag(bare_server: ServerPro
     assert response.status_code == 400
     error = response.json()["error"]
     assert "--chat-template PATH" in error["message"] and error["code"] == "no_chat_template"
+    info = httpx.get(bare_server.url + "/server_info", timeout=60).json()["engine"]
+    assert info["chat_template_source"] == "none"
     completion = httpx.post(
         bare_server.url + "/v1/completions", json={"model": "no-template", "prompt": "w5", "max_tokens": 1}, timeout=60
     )
@@ -51,5 +53,8 @@ def test_chat_template_flag_renders_the_given_file(untemplated_dir: Path, tmp_pa
     template.write_text("w7 w8 {% for m in messages %}{{ m['content'] }} {% endfor %}w9", encoding="utf-8")
     with ServerProcess("--log-level", "warning", "--chat-template", str(template), model_path=untemplated_dir) as proc:
         response = httpx.post(proc.url + "/v1/chat/completions", json=CHAT, timeout=60)
+        engine = httpx.get(proc.url + "/server_info", timeout=60).json()["engine"]
     assert response.status_code == 200, response.text
+    assert engine["chat_template"] == str(template) and engine["chat_template_source"] == f"--chat-template {template}"
+    assert engine["tokenizer_kind"] == "HF tokenizer.json"
     assert response.json()["usage"]["prompt_tokens"] == 5  # w7 w8 w5 w6 w9
