@@ -21,12 +21,18 @@ SPACE = "\u2581"  # SentencePiece's visible space
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 
+def sentencepiece_layout(architecture: str) -> str:
+    """Which of the three pipelines a file of this architecture gets: gemma, phi3 or llama."""
+    return "gemma" if architecture in GEMMA_ARCHITECTURES else "phi3" if architecture == "phi3" else "llama"
+
+
 def sentencepiece_backend(architecture: str, tokens: Sequence[str], scores: Sequence[float]) -> RustTokenizer:
     """The BPE pipeline of this family's SentencePiece vocabulary (tokens in file order)."""
-    if architecture in GEMMA_ARCHITECTURES:
+    layout = sentencepiece_layout(architecture)
+    if layout == "gemma":
         return _gemma(tokens)
     backend = _bpe(tokens, dict(zip(tokens, scores)))
-    if architecture == "phi3":
+    if layout == "phi3":
         # Phi-3 prepends "▁" to every text (not just the first piece) with a normalizer, no splitting.
         backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
     else:  # Llama 2 / Mistral: "▁" before the first piece, spaces spelled "▁".

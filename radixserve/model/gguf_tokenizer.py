@@ -27,7 +27,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
-from radixserve.model.gguf_sentencepiece import GEMMA_ARCHITECTURES, sentencepiece_backend
+from radixserve.model.gguf_sentencepiece import GEMMA_ARCHITECTURES, sentencepiece_backend, sentencepiece_layout
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types (tokenizer.ggml.token_type)
 _LLAMA3_SPLIT = (
@@ -110,9 +110,11 @@ def build_gguf_tokenizer(reader: gguf.GGUFReader) -> PreTrainedTokenizerFast:
     if model == "gpt2":
         backend = _byte_level_backend(meta)
     elif model == "llama":
-        if meta.get("pre", "default") != "default":
-            raise UnsupportedGGUFTokenizer(f"a SentencePiece vocabulary with tokenizer.ggml.pre {meta['pre']!r}")
-        backend = sentencepiece_backend(arch, meta["tokens"], meta.get("scores") or [0.0] * len(meta["tokens"]))
+        if meta.get("pre", "default") != "default" or "scores" not in meta:
+            pre = meta.get("pre", "default")
+            why = f"tokenizer.ggml.pre {pre!r}" if pre != "default" else "no tokenizer.ggml.scores"
+            raise UnsupportedGGUFTokenizer(f"a SentencePiece vocabulary with {why} (supported: pre 'default', scores)")
+        backend = sentencepiece_backend(arch, meta["tokens"], meta["scores"])
     else:
         raise UnsupportedGGUFTokenizer(f"tokenizer.ggml.model {model!r} (supported: {', '.join(TOKENIZER_MODELS)})")
     tokens: list[str] = meta["tokens"]
@@ -138,9 +140,11 @@ def gguf_stop_token_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
 
 def gguf_tokenizer_kind(reader: gguf.GGUFReader) -> str:
     """What the file's tokenizer is, in words (for the start-up report)."""
-    meta = _metadata(reader, {"tokenizer.ggml.model": "model", "tokenizer.ggml.pre": "pre"})
+    meta = _metadata(
+        reader, {"tokenizer.ggml.model": "model", "tokenizer.ggml.pre": "pre", "general.architecture": "arch"}
+    )
     if meta.get("model") == "llama":
-        return "SentencePiece BPE (GGUF)"
+        return f"SentencePiece BPE, {sentencepiece_layout(str(meta.get('arch')))} layout (GGUF)"
     return f"byte-level BPE, pre-tokenizer {meta.get('pre', 'default')!r} (GGUF)"
 
 

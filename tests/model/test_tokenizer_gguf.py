@@ -248,6 +248,7 @@ def test_tiny_gguf_equals_transformers_for_each_architecture(tmp_path: Path, arc
         ),
         ("gpt-2", "bert", r"tokenizer.ggml.model 'bert' .supported: gpt2, llama\)"),
         ("llama-bpe", "llama", "a SentencePiece vocabulary with tokenizer.ggml.pre 'llama-bpe'"),
+        ("default", "llama", "a SentencePiece vocabulary with no tokenizer.ggml.scores"),
     ],
 )
 def test_unknown_tokenizers_are_refused_naming_the_supported_ones(

@@ -138,7 +138,7 @@ def real_sp() -> Tokenizer:
 
 def test_real_sentencepiece_gguf_equals_transformers(real_sp: Tokenizer) -> None:
     assert_same_tokenizer(real_sp, Tokenizer(transformers_gguf_tokenizer(DATA / "sentencepiece.gguf")))
-    assert real_sp.kind == "SentencePiece BPE (GGUF)"
+    assert real_sp.kind == "SentencePiece BPE, llama layout (GGUF)"
 
 
 def test_real_sentencepiece_gguf_encodes_as_sentencepiece(real_sp: Tokenizer) -> None:
