@@ -51,11 +51,13 @@ _GPT4O_SPLIT = (
 # tokenizer.ggml.pre -> the split regex before a byte-level step without its own regex; None: GPT-2's
 # byte-level regex alone. The regexes are llama.cpp's (src/llama-vocab.cpp) in the spelling of the
 # models' own tokenizer.json, which is transformers' spelling too ("(?i:'s|...)" for "'[sS]|...").
-# NB "smollm": llama.cpp also splits each digit apart first (as SmolLM2's own tokenizer.json does);
-# transformers does not, and we follow transformers, so both paths tokenize alike (no token of
-# SmolLM2's vocabulary holds an ASCII digit beside anything else, so such digits agree anyway).
-# NB "default" (a file from before llama.cpp named pre-tokenizers): GPT-2's regex, as transformers;
-# llama.cpp adds a few extra splits there and warns that such a file should be regenerated.
+# Checked against llama.cpp's own ids too (tests/model/test_tokenizer_llamacpp.py): equal for every
+# pre here but two, where we follow transformers, the reference:
+# - "smollm": llama.cpp splits each digit apart first (as SmolLM2's own tokenizer.json does);
+#   transformers does not. It shows where spaces run up to a digit ("a  1": llama.cpp "ĠĠ" "1",
+#   here "Ġ" "Ġ" "1") and on digits outside ASCII ("½").
+# - "default" (a file from before llama.cpp named pre-tokenizers): GPT-2's regex, as transformers;
+#   llama.cpp adds a few extra splits there and warns that such a file should be regenerated.
 PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
     "default": None,
     "gpt-2": None,
