@@ -47,9 +47,9 @@ def test_describe_names_the_architecture_and_its_differences(folders: dict[str, 
     assert (info["num_heads"], info["num_kv_heads"], info["head_dim"]) == (4, 2, 16)
     assert info["sliding_window"] == 8 and info["layer_types"] == "3 sliding, 1 full"
     assert "theta 1e+06, linear" in info["rope"] and "sliding layers theta 10000" in info["rope"]
-    assert info["tokenizer"] and info["chat_template_source"]
+    assert info["tokenizer_kind"] and info["chat_template_source"]
     assert info["weight_bytes"] > 0 and info["context_length"] == 512
     text = format_summary(info)  # what `radixserve serve` logs at start
     assert "architecture gemma3, 4 layers, heads 4, kv heads 2, head dim 16, context 512" in text
-    assert "sliding window 8 (3 sliding, 1 full)" in text and "chat template: chat_template.jinja" in text
-    assert "tokenizer BPE (tokenizer files)" in text and "MiB (float32, quantization none)" in text
+    assert "sliding window 8 (3 sliding, 1 full)" in text and "chat template: gemma3/chat_template.jinja" in text
+    assert "tokenizer HF tokenizer.json" in text and "MiB (float32, quantization none)" in text

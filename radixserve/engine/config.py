@@ -22,6 +22,7 @@ class EngineConfig:
     """Everything that shapes an engine; validated here, unknown options are an error."""
 
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    chat_template: str | None = None  # a Jinja file that replaces the model's own chat template
     prefix_cache: str = "radix"  # radix | block | none
     page_size: int = 1
     radix_eviction_policy: str = "lru"
@@ -69,6 +70,10 @@ class EngineConfig:
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device: auto|cpu|cuda[:N]"),
             (self.num_threads >= 1, "num_threads must be >= 1"),
+            (
+                self.chat_template is None or os.path.isfile(self.chat_template),
+                f"chat_template {self.chat_template!r} is not a file (a Jinja chat template)",
+            ),
             (self.hicache_size >= 0, "hicache_size must be >= 0 (GiB)"),
             (self.hicache_write_policy in WRITE_POLICIES, f"hicache_write_policy must be one of {WRITE_POLICIES}"),
             (self.cache_dir_size is None or self.cache_dir_size > 0, "cache_dir_size must be > 0 (GiB)"),

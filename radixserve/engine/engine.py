@@ -81,7 +81,7 @@ class Engine(Driver):
             config.model_path, self.device, dtype, config.attention_backend, config.quantization
         )
         logger.info("quantization %s: %s", self.loaded.model.quantization, self.loaded.quantization_reason)
-        self.tokenizer = self.loaded.tokenizer
+        self.tokenizer = self.loaded.tokenizer.with_chat_template(config.chat_template)
         model = self.loaded.config
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         pool_tokens = config.max_total_tokens or default_pool_tokens(
@@ -340,7 +340,7 @@ class Engine(Driver):
         kv_bytes = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_pool.dtype)
         return {
             **dataclasses.asdict(self.config),
-            **describe_model(str(self.loaded.path), model, self.loaded.tokenizer, self.loaded.model),
+            **describe_model(model, self.tokenizer, self.loaded.model),
             "resolved_model_path": str(self.loaded.path),
             "resolved_device": str(self.device),
             "resolved_dtype": str(self.loaded.model.dtype).removeprefix("torch."),

@@ -8,7 +8,6 @@ weights 1.9 GiB (bfloat16, none)
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from radixserve.model.config import ModelConfig
@@ -16,7 +15,7 @@ from radixserve.model.quant import weight_bytes
 from radixserve.model.tokenizer import Tokenizer
 
 
-def describe_model(path: str, config: ModelConfig, tokenizer: Tokenizer, model: Any) -> dict[str, Any]:
+def describe_model(config: ModelConfig, tokenizer: Tokenizer, model: Any) -> dict[str, Any]:
     """The model's fields of Engine.describe(): architecture, shape, rope, window, tokenizer, weights."""
     return {
         "architecture": config.architecture,
@@ -29,8 +28,8 @@ def describe_model(path: str, config: ModelConfig, tokenizer: Tokenizer, model: 
         "rope": config.rope_summary(),
         "sliding_window": config.sliding_window,
         "layer_types": layer_types_summary(config),
-        "tokenizer": tokenizer_kind(tokenizer, path),
-        "chat_template_source": chat_template_source(tokenizer, path),
+        "tokenizer_kind": tokenizer.kind,
+        "chat_template_source": tokenizer.chat_template_source,
         "weight_bytes": weight_bytes(model),
     }
 
@@ -41,29 +40,6 @@ def layer_types_summary(config: ModelConfig) -> str:
     return "all full" if not sliding else f"{sliding} sliding, {config.num_layers - sliding} full"
 
 
-def tokenizer_kind(tokenizer: Tokenizer, path: str) -> str:
-    """The tokenizer's model (BPE, Unigram, ...) and where it came from."""
-    kind = getattr(tokenizer, "kind", None)  # a tokenizer that knows its own kind says so
-    if kind is None:
-        backend = getattr(tokenizer.hf, "backend_tokenizer", None)
-        kind = type(backend.model).__name__ if backend is not None else type(tokenizer.hf).__name__
-    origin = "GGUF metadata" if path.endswith(".gguf") else "tokenizer files"
-    return f"{kind} ({origin})"
-
-
-def chat_template_source(tokenizer: Tokenizer, path: str) -> str:
-    """Where the chat template came from, or "none"."""
-    source = getattr(tokenizer, "chat_template_source", None)  # set by an override (--chat-template)
-    if source:
-        return str(source)
-    if not tokenizer.chat_template:
-        return "none"
-    if path.endswith(".gguf"):
-        return "GGUF tokenizer.chat_template"
-    jinja = os.path.join(path, "chat_template.jinja")
-    return "chat_template.jinja" if os.path.isfile(jinja) else "tokenizer_config.json"
-
-
 def format_summary(info: dict[str, Any]) -> str:
     """describe()'s model fields as the start-up log's lines."""
     window = "none" if not info["sliding_window"] else f"{info['sliding_window']} ({info['layer_types']})"
@@ -72,7 +48,7 @@ def format_summary(info: dict[str, Any]) -> str:
         f"heads {info['num_heads']}, kv heads {info['num_kv_heads']}, head dim {info['head_dim']}, "
         f"context {info['context_length']}\n"
         f"  rope {info['rope']}; sliding window {window}\n"
-        f"  tokenizer {info['tokenizer']}; chat template: {info['chat_template_source']}\n"
+        f"  tokenizer {info['tokenizer_kind']}; chat template: {info['chat_template_source']}\n"
         f"  weights {info['weight_bytes'] / 2**20:.1f} MiB ({info['resolved_dtype']}, "
         f"quantization {info['resolved_quantization']})"
     )

@@ -2,16 +2,15 @@
 
 ``Tokenizer`` wraps a transformers fast tokenizer loaded strictly offline, either from an
 HF folder (``tokenizer.json`` + ``tokenizer_config.json``) or from a GGUF file's embedded
-vocabulary (built from the metadata our reader parsed, ``gguf_tokenizer.py``; transformers'
-own GGUF conversion for a tokenizer that module does not build exactly). ``IncrementalDecoder``
-turns output ids into text deltas that never split a multi-byte character; ``find_stop`` /
-``partial_stop_len`` implement stop strings. The engine's output stage (``engine/output.py``)
-runs one ``IncrementalDecoder`` per request: the one place output text is made.
+vocabulary (built from the metadata our reader parsed, ``gguf_tokenizer.py``), with the model's
+chat template and stop tokens (``chat_template.py``). ``IncrementalDecoder`` turns output ids
+into text deltas that never split a multi-byte character; ``find_stop`` / ``partial_stop_len``
+implement stop strings. The engine's output stage (``engine/output.py``) runs one
+``IncrementalDecoder`` per request: the one place output text is made.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -20,50 +19,64 @@ from typing import Any, NamedTuple
 import gguf
 from transformers import PreTrainedTokenizerBase
 
+from radixserve.model.chat_template import (
+    NoChatTemplate,
+    default_template,
+    generation_config_eos,
+    hf_folder_template_source,
+    read_chat_template,
+    stop_ids,
+)
 from radixserve.model.gguf_loader import GGUFReader, default_model_path
-from radixserve.model.gguf_tokenizer import UnsupportedGGUFTokenizer, build_gguf_tokenizer
+from radixserve.model.gguf_tokenizer import build_gguf_tokenizer, gguf_stop_token_ids, gguf_tokenizer_kind
 
-logger = logging.getLogger(__name__)
-
-# Chat templates end a turn with one of these; generation must stop on it as well as on eos.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 # Prompt tokens an IncrementalDecoder keeps as context, so a first output token decodes as
 # it would mid-text (SentencePiece decoders drop a space at the start of a decode).
 DECODE_CONTEXT_TOKENS = 5
 
 
 class Tokenizer:
-    """Encode, decode and chat-template for one model; build with a ``from_*`` constructor."""
+    """Encode, decode and chat-template for one model; build with a ``from_*`` constructor.
 
-    def __init__(self, hf: PreTrainedTokenizerBase, chat_template: str | None = None) -> None:
+    ``stop_token_ids``: the ids the model's files say end a generation besides eos (a GGUF's
+    ``tokenizer.ggml.eot_token_id``, an HF folder's generation_config.json); ``chat_template_source``:
+    where the template came from, for the start-up report."""
+
+    def __init__(
+        self,
+        hf: PreTrainedTokenizerBase,
+        chat_template: str | None = None,
+        stop_token_ids: Sequence[int] = (),
+        chat_template_source: str | None = None,
+        kind: str = "HF tokenizer.json",
+    ) -> None:
         self.hf = hf
-        self.chat_template: str | None = chat_template or hf.chat_template
+        self.chat_template: str | None = chat_template or default_template(hf.chat_template)
+        self.chat_template_source: str = (chat_template_source or "the tokenizer") if self.chat_template else "none"
+        self.kind = kind  # what the files hold, in words, for the start-up report
         self.vocab_size: int = len(hf)
-        self.eos_token_ids: tuple[int, ...] = self._find_eos_ids()
+        self._stop_token_ids = tuple(stop_token_ids)
+        # eos, the files' own stop ids, the end-of-turn tokens the template writes
+        self.eos_token_ids = stop_ids(hf.eos_token_id, stop_token_ids, self.chat_template, hf.get_vocab())
 
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """From a folder holding ``tokenizer.json`` / ``tokenizer_config.json``; never touches the network."""
-        return cls(_auto_tokenizer().from_pretrained(str(path), local_files_only=True))
+        """From a folder holding ``tokenizer.json`` / ``tokenizer_config.json``; never touches the network.
+
+        transformers reads the chat template from chat_template.jinja (first) or tokenizer_config.json."""
+        folder = Path(path)
+        hf = _auto_tokenizer().from_pretrained(str(folder), local_files_only=True)
+        return cls(hf, None, generation_config_eos(folder), hf_folder_template_source(folder))
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str], reader: gguf.GGUFReader | None = None) -> Tokenizer:
         """From the vocabulary, merges and chat template embedded in a GGUF file (offline).
 
-        ``reader``: the file already open (the weights' loader), so it is parsed once."""
-        gguf_path = Path(path)
-        reader = reader or GGUFReader(gguf_path)
-        try:
-            return cls(build_gguf_tokenizer(reader))
-        except UnsupportedGGUFTokenizer as exc:
-            logger.warning("%s: %s; converting it with transformers instead (slower)", gguf_path.name, exc)
-        auto = _auto_tokenizer()
-        hf = auto.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
-        template = None
-        if not hf.chat_template:  # transformers normally copies it; read it ourselves if not
-            field = reader.get_field("tokenizer.chat_template")
-            template = None if field is None else str(field.contents())
-        return cls(hf, chat_template=template)
+        ``reader``: the file already open (the weights' loader), so it is parsed once. A tokenizer
+        ``gguf_tokenizer`` does not build is an ``UnsupportedGGUFTokenizer`` naming the ones it does."""
+        reader = reader or GGUFReader(Path(path))
+        stops, kind = gguf_stop_token_ids(reader), gguf_tokenizer_kind(reader)
+        return cls(build_gguf_tokenizer(reader), None, stops, "GGUF tokenizer.chat_template", kind)
 
     @classmethod
     def from_model_path(
@@ -77,6 +90,14 @@ class Tokenizer:
         if target.is_dir() and any((target / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
             return cls.from_hf_folder(target)
         raise FileNotFoundError(f"{target} is neither a .gguf file nor a folder with tokenizer.json")
+
+    def with_chat_template(self, path: str | os.PathLike[str] | None) -> Tokenizer:
+        """This tokenizer with the chat template of a Jinja file (``--chat-template``) instead of its
+        own; itself when ``path`` is None."""
+        if path is None:
+            return self
+        template = read_chat_template(path)
+        return Tokenizer(self.hf, template, self._stop_token_ids, f"--chat-template {path}", self.kind)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, with the special tokens (e.g. BOS) the model's tokenizer adds."""
@@ -101,7 +122,7 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The chat template applied to ``messages``, as text (special tokens written out)."""
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template")
+            raise NoChatTemplate()
         text = self.hf.apply_chat_template(
             messages,
             chat_template=self.chat_template,
@@ -117,14 +138,6 @@ class Tokenizer:
         """Prompt ids for ``messages``. Rendered to text and encoded without extra special tokens
         (the template writes its own), as HF does; transformers 5 would return a BatchEncoding."""
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
-
-    def _find_eos_ids(self) -> tuple[int, ...]:
-        ids: list[int] = [] if self.hf.eos_token_id is None else [int(self.hf.eos_token_id)]
-        vocab = self.hf.get_vocab()
-        for token in END_OF_TURN_TOKENS:
-            if self.chat_template and token in self.chat_template and token in vocab and vocab[token] not in ids:
-                ids.append(vocab[token])
-        return tuple(ids)
 
 
 def _auto_tokenizer() -> Any:

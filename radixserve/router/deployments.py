@@ -168,7 +168,7 @@ class FrontBase:
     def __init__(self, engine: DeploymentHandle, args: ServerArgs) -> None:
         self.engine = engine
         self.args = args
-        self.tokenizer = Tokenizer.from_model_path(args.engine.model_path)
+        self.tokenizer = Tokenizer.from_model_path(args.engine.model_path).with_chat_template(args.engine.chat_template)
         self.tenancy = build_tenancy(args)
         self.heads = shared_heads(self.tokenizer, args)
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixserve-route-key")

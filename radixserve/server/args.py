@@ -145,6 +145,13 @@ def _model_flags(model: argparse._ArgumentGroup, d: EngineConfig) -> None:
         "default: the embedded SmolLM2-135M-Instruct GGUF",
     )
     model.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH",
+        help="a Jinja chat template file for /v1/chat/completions instead of the model's own "
+        "(GGUF tokenizer.chat_template, chat_template.jinja or tokenizer_config.json)",
+    )
+    model.add_argument(
         "--served-model-name", default=None, help="the name clients pass as `model` (default: the file or folder name)"
     )
     model.add_argument(

@@ -23,6 +23,7 @@ from typing import Any
 
 from radixserve.core import GenerateResult, is_texts, is_token_ids
 from radixserve.engine.output import LogprobTokens, listed_tokens
+from radixserve.model.chat_template import NoChatTemplate
 from radixserve.server.errors import APIError, error_event, raise_first_error
 from radixserve.server.generation import Generation, ServerState, finish_unless_disconnected
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -270,6 +271,8 @@ class ChatCall(OpenAICall):
             ids = await self.state.tokenize(lambda tok: tok.apply_chat_template(messages), contents, "messages")
         except APIError:
             raise
+        except NoChatTemplate as exc:  # the model has none and no --chat-template was given
+            raise APIError(400, str(exc), "no_chat_template", "messages") from None
         except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
             raise APIError(400, f"the chat template failed on these messages: {exc}", "invalid_messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

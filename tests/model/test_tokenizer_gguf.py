@@ -8,7 +8,6 @@ and the serialised ``tokenizers`` pipeline. Nothing is compared against hard-cod
 from __future__ import annotations
 
 import json
-import logging
 import random
 from pathlib import Path
 
@@ -35,7 +34,24 @@ CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ids 0-2 as SmolLM2's; then the turn markers of the chat templates the families use (test_chat_template.py).
+CONTROL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "[INST]",
+    "[/INST]",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+]
 CORPUS = [
     "Hello, world! It's 2024; we're testing: they'll see, I'd say, you've got it, I'm done.",
     "  leading spaces and\ttabs\nnew lines\n\n\n   trailing   ",
@@ -49,7 +65,25 @@ CORPUS = [
     "text<|endoftext|>more <|im_end|>< |im_start|> <|im_ <think>why</think>",
     "URLs: https://example.org/a?b=c&d=e#f, mail: a.b@c.de, path C:\\Users\\x",
     "\r\n\r\nwindows\r\nlines\u00a0nbsp\u2009thin\u200bzero-width",
-    "MiXeD CaSe WORDS AND ALLCAPS'S DON'T STOP",
+    "MiXeD CaSe WORDS AND ALLCAPS'S DON'T STOP camelCaseWords XMLHttpRequest iPhone",
+    "العربية: مرحبا بالعالم، كيف حالك؟ ١٢٣٤٥",
+    "हिन्दी: नमस्ते दुनिया, आप कैसे हैं? १२३४",
+    "ภาษาไทย สวัสดีครับ Ελληνικά Привет, мир! Tiếng Việt có dấu",
+    "emoji ZWJ 🧑‍💻 👩🏾‍🚀 🏳️‍🌈 ❤️‍🔥 keycap 1️⃣ #️⃣",
+    "int main() {\r\n\tint x = 0;\r\n\t\treturn x;\r\n}\r\n",
+    "digits 3141592653589793238462643383279 0.000001 1,000,000,000 -9999999999",
+    "many    spaces     and\t\t\ttabs      then text",
+    "x = {'a': [1, 2, 3], \"b\": None}  # dict/list; a->b => c != d && e || f",
+    "ひらがなとカタカナと漢字が混ざった文章です。東京タワーは333メートル。",
+    "עברית: שלום עולם 2024, தமிழ்: வணக்கம் உலகம், ქართული ენა",
+    "combining: e\u0301 a\u0308 n\u0303, ligatures: ﬁ ﬂ, fullwidth: ＡＢＣ１２３, math: ∑ x² ≤ ∞ ½",
+    '| col | value |\n|-----|------:|\n| a   |  1.50 |\n\n```json\n{"k": [true, null, -0.5e-3]}\n```',
+    "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa !!!!!!!!!!!! ............ ------------ ____________",
+    "I'M HERE, YOU'LL SEE, WE'VE SAID, SHE'D GO, IT'S 'QUOTED' ''twice'' and rock'n'roll",
+    "mixed中文English混合text日本語123abc",
+    "    def method(self) -> None:\r\n        pass\r\n\r\n\tif x:\n\t\ty = [i for i in range(100)]",
+    "tel +1 (555) 010-9999 on 2024-12-05T10:08:36Z, v1.2.3-rc.4, $1,234.56, 99.9%",
+    "🏴‍☠️ 👨‍👨‍👧‍👦 🫶🏻 🤌 🇯🇵🇺🇸 ✌️ ©®™ ←→↑↓",
     "",
     " ",
     "\n",
@@ -83,9 +117,17 @@ def _trained_vocab(size: int = 700) -> tuple[list[str], list[str]]:
 
 
 def write_tokenizer_gguf(
-    path: Path, pre: str, model: str = "gpt2", add_bos: bool | None = None, arch: str = "llama"
+    path: Path,
+    pre: str,
+    model: str = "gpt2",
+    add_bos: bool | None = None,
+    arch: str = "llama",
+    chat_template: str | None = CHATML,
+    eot_token: str | None = None,
 ) -> Path:
-    """A GGUF holding only a model header and a tokenizer, as llama.cpp's converter writes one."""
+    """A GGUF holding only a model header and a tokenizer, as llama.cpp's converter writes one.
+
+    ``eot_token``: written as ``tokenizer.ggml.eot_token_id``."""
     tokens, merges = _trained_vocab()
     # A user-defined token, a token spelled with a real space (re-spelled byte by byte), and a
     # control token outside the byte alphabet (a mislabel: both builds skip it).
@@ -107,7 +149,10 @@ def write_tokenizer_gguf(
     writer.add_pad_token_id(0)
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
-    writer.add_chat_template(CHATML)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    if eot_token is not None:
+        writer.add_eot_token_id(tokens.index(eot_token))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -121,7 +166,7 @@ def transformers_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 def corpus_for(tok: Tokenizer) -> list[str]:
     """CORPUS, chat-template renderings of CONVERSATIONS, and seeded random mixes of their characters."""
-    texts = [*CORPUS, *(tok.render_chat(conv) for conv in CONVERSATIONS)]
+    texts = [*CORPUS, *(tok.render_chat(conv) for conv in CONVERSATIONS if tok.chat_template)]
     chars = sorted(set("".join(texts)))
     rng = random.Random(0)
     texts += ["".join(rng.choice(chars) for _ in range(rng.randint(1, 40))) for _ in range(200)]
@@ -183,28 +228,38 @@ def test_tiny_gguf_encodes_any_text_alike(tiny_pair: tuple[Tokenizer, Tokenizer]
     assert ours.decode(theirs.encode(text)) == theirs.decode(theirs.encode(text))
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"])
+def test_tiny_gguf_equals_transformers_for_each_architecture(tmp_path: Path, arch: str) -> None:
+    """transformers picks a class per architecture (Qwen2Tokenizer, GemmaTokenizer, ...) with its own
+    defaults; a byte-level vocabulary under each gives the same tokenizer."""
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf", "qwen2", arch=arch, add_bos=True)
+    assert_same_tokenizer(
+        Tokenizer(build_gguf_tokenizer(GGUFReader(path))), Tokenizer(transformers_gguf_tokenizer(path))
+    )
+
+
 @pytest.mark.parametrize(
-    ("pre", "model", "arch", "why"),
+    ("pre", "model", "why"),
     [
-        ("no-such-pre", "gpt2", "llama", "tokenizer.ggml.pre"),
-        ("gpt-2", "bert", "llama", "model"),
-        ("gpt-2", "gpt2", "qwen2", "architecture"),
+        (
+            "no-such-pre",
+            "gpt2",
+            "tokenizer.ggml.pre .no-such-pre. is not one we know .supported: .*default, .*llama-bpe.*qwen2.*smollm",
+        ),
+        ("gpt-2", "bert", r"tokenizer.ggml.model 'bert' .supported: gpt2, llama\)"),
+        ("llama-bpe", "llama", "a SentencePiece vocabulary with tokenizer.ggml.pre 'llama-bpe'"),
+        ("default", "llama", "a SentencePiece vocabulary with no tokenizer.ggml.scores"),
     ],
 )
-def test_unknown_tokenizers_are_refused_with_a_reason(
-    tmp_path: Path, pre: str, model: str, arch: str, why: str
+def test_unknown_tokenizers_are_refused_naming_the_supported_ones(
+    tmp_path: Path, pre: str, model: str, why: str
 ) -> None:
-    path = write_tokenizer_gguf(tmp_path / "tok.gguf", pre, model=model, arch=arch)
+    """Never a silent fallback (to GPT-2's rules, or to transformers' conversion, which applies them)."""
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf", pre, model=model)
     with pytest.raises(UnsupportedGGUFTokenizer, match=why):
         build_gguf_tokenizer(GGUFReader(path))
-
-
-def test_from_gguf_falls_back_to_transformers_and_logs_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    path = write_tokenizer_gguf(tmp_path / "tok.gguf", "no-such-pre")
-    with caplog.at_level(logging.WARNING, logger="radixserve.model.tokenizer"):
-        tok = Tokenizer.from_gguf(path)
-    assert "'no-such-pre' is not in our table" in caplog.text and "transformers" in caplog.text
-    assert_same_tokenizer(tok, Tokenizer(transformers_gguf_tokenizer(path)))
+    with pytest.raises(ValueError, match=why):
+        Tokenizer.from_gguf(path)
 
 
 # ---- the embedded SmolLM2 (slow: transformers' conversion of its 49k-token vocabulary takes 6-12 s) ----
