@@ -20,10 +20,16 @@ them once per forward and every layer reuses them::
 
 Grouped-query attention goes through SDPA's ``enable_gqa``: K/V heads are never
 repeated in memory.
+
+Each layer has its own window, soft cap and scale (attention_params.py: Gemma alternates
+windowed and global layers). The kernels apply them per call; the gather paths read, for a
+windowed layer, only each request's keys in the window (``Routes.windowed``, built once per
+step for each window the layers have).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -33,9 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.memory.kv_pool import KVPool
+from radixserve.model.attention_params import DEFAULT_PARAMS, AttentionParams
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
-from radixserve.model.gather import GatherWorkspace, grouped_matmul_attention
+from radixserve.model.gather import GatherWorkspace, extend_attention_reference, grouped_matmul_attention
 from radixserve.model.layers import FUSED_DTYPES, apply_rotary, fused_ops_apply, linear_add, uninitialised
 from radixserve.model.paged_kernel import PagedIndex, extend_attention, extend_kernel_built, paged_attention
 from radixserve.model.precision import CpuFeatures
@@ -47,7 +54,7 @@ class ExtendSpan:
 
     start: int
     end: int
-    context_slots: torch.Tensor  # [ctx_len]
+    context_slots: torch.Tensor  # [ctx_len]; with a window, from the first key any of its rows sees
     mask: torch.Tensor | None  # [extend_len, ctx_len] bool; None for a cold prefill (plain causal)
 
 
@@ -55,7 +62,7 @@ class ExtendSpan:
 class DecodeGroup:
     """Reference decode: the one-row requests at once, contexts padded to the longest."""
 
-    padded_slots: torch.Tensor  # [B, S_max]; padding points at slot 0
+    padded_slots: torch.Tensor  # [B, S_max]; padding points at slot 0; with a window, its last keys only
     mask: torch.Tensor | None  # [B, 1, 1, S_max] bool; None when all lengths are equal
 
 
@@ -109,6 +116,8 @@ class Routes:
     paged_rows: torch.Tensor | None = None
     extend: PagedIndex | None = None
     extend_rows: torch.Tensor | None = None
+    decode_members: tuple[int, ...] = ()  # the requests (indices into the batch) of ``decode`` and ``spans``
+    span_members: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, batch: ForwardBatch, backend: str, cascade: bool, extend_kernel: bool) -> Routes:
@@ -131,22 +140,30 @@ class Routes:
             contexts = [batch.context_slots[i] for i in groups[name]]
             lens = [batch.extend_lens[i] for i in groups[name]]
             indices[name] = PagedIndex.build(contexts, lens, cascade and name == "paged") if contexts else None
-        decode = _decode_group([batch.context_slots[i] for i in groups["decode"]]) if groups["decode"] else None
-        spans, start = [], 0
-        for i in groups["spans"]:
-            extend_len = batch.extend_lens[i]
-            spans.append(_span(start, extend_len, batch.context_slots[i]))
-            start += extend_len
         return cls(
-            spans,
+            [],
             rows["spans"],
-            decode,
+            None,
             rows["decode"],
             indices["paged"],
             rows["paged"],
             indices["extend"],
             rows["extend"],
-        )
+            tuple(groups["decode"]),
+            tuple(groups["spans"]),
+        ).windowed(batch, 0)
+
+    def windowed(self, batch: ForwardBatch, window: int) -> Routes:
+        """These routes with the gather paths' slots and masks for a layer of this window (0: none): each
+        reads only the keys its rows see. The kernels' indices are the same for every window."""
+        contexts, params = batch.context_slots, AttentionParams(window)
+        decode = _decode_group([contexts[i] for i in self.decode_members], window) if self.decode_members else None
+        spans, start = [], 0
+        for i in self.span_members:
+            extend_len = batch.extend_lens[i]
+            spans.append(_span(start, extend_len, contexts[i], params))
+            start += extend_len
+        return dataclasses.replace(self, spans=spans, decode=decode)
 
 
 @dataclass(frozen=True)
@@ -161,7 +178,7 @@ class AttentionPlan:
     batch: ForwardBatch
     backend: str = "reference"
     cascade: bool = True
-    _routes: dict[bool, Routes] = field(default_factory=dict, compare=False, repr=False)
+    _routes: dict[tuple[bool, int], Routes] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -171,12 +188,17 @@ class AttentionPlan:
         ``cascade``: the paged kernel reads a prefix that several requests share once for all of them."""
         return cls(workspace, batch, backend, cascade)
 
-    def routes(self, extend_kernel: bool) -> Routes:
-        """The step's routes, with or without the extend kernel (built on first use, then reused)."""
+    def routes(self, extend_kernel: bool, window: int = 0) -> Routes:
+        """The step's routes, with or without the extend kernel, for layers of this window (built on first
+        use, then reused)."""
         extend_kernel = extend_kernel and self.backend == "paged"
-        if extend_kernel not in self._routes:
-            self._routes[extend_kernel] = Routes.build(self.batch, self.backend, self.cascade, extend_kernel)
-        return self._routes[extend_kernel]
+        key = (extend_kernel, window)
+        if key not in self._routes:
+            if window:
+                self._routes[key] = self.routes(extend_kernel).windowed(self.batch, window)
+            else:
+                self._routes[key] = Routes.build(self.batch, self.backend, self.cascade, extend_kernel)
+        return self._routes[key]
 
 
 def _rows(members: list[int], starts: list[int], batch: ForwardBatch) -> torch.Tensor | None:
@@ -187,18 +209,21 @@ def _rows(members: list[int], starts: list[int], batch: ForwardBatch) -> torch.T
     return torch.cat(ranges).to(batch.input_ids.device) if ranges else None
 
 
-def _span(start: int, extend_len: int, slots: torch.Tensor) -> ExtendSpan:
-    prefix_len = slots.shape[0] - extend_len
-    mask = None
-    if prefix_len > 0:  # causal, shifted right by the cached prefix
-        device = slots.device
-        cols = torch.arange(slots.shape[0], device=device)
-        rows = torch.arange(extend_len, device=device) + prefix_len
-        mask = cols[None, :] <= rows[:, None]
-    return ExtendSpan(start, start + extend_len, slots, mask)
+def _span(start: int, extend_len: int, slots: torch.Tensor, params: AttentionParams) -> ExtendSpan:
+    """Its rows' mask: causal, shifted right by the cached prefix, within the window; the keys from the first
+    any row sees. A cold prefill that the window hides nothing of is plain causal (no mask)."""
+    ctx_len = slots.shape[0]
+    prefix_len = ctx_len - extend_len
+    if prefix_len == 0 and ctx_len <= (params.window or ctx_len):
+        return ExtendSpan(start, start + extend_len, slots, None)
+    first, device = params.first_key(ctx_len, extend_len), slots.device
+    mask = params.mask(torch.arange(prefix_len, ctx_len, device=device), torch.arange(first, ctx_len, device=device))
+    return ExtendSpan(start, start + extend_len, slots[first:], mask)
 
 
-def _decode_group(context_slots: list[torch.Tensor]) -> DecodeGroup:
+def _decode_group(context_slots: list[torch.Tensor], window: int) -> DecodeGroup:
+    if window:  # a decode row sees its last ``window`` keys
+        context_slots = [slots[-window:] for slots in context_slots]
     lens = [slots.shape[0] for slots in context_slots]
     padded = nn.utils.rnn.pad_sequence(context_slots, batch_first=True, padding_value=0)
     mask = None
@@ -227,9 +252,18 @@ def extend_kernel_applies(q: torch.Tensor, kv_pool: KVPool) -> bool:
 class Attention(nn.Module):
     """Multi-head attention with grouped K/V heads, reading and writing the KV pool."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        params: AttentionParams = DEFAULT_PARAMS,
+    ) -> None:
+        """``params``: this layer's window, soft cap and scale (attention_params.py)."""
         super().__init__()
         self.layer_id = layer_id
+        self.params = params
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -280,19 +314,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """One request: q [L, H, D] against its context [Hkv, S, D] -> [L, H, D]."""
         k, v = workspace.gather(kv_pool, self.layer_id, span.context_slots)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.to(q.dtype)[None],
-            v.to(q.dtype)[None],
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1)
+        return extend_attention_reference(q, k, v, span.mask, self.params)
 
     def _attend(self, q: torch.Tensor, plan: AttentionPlan, kv_pool: KVPool) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]: each group of requests on its path, written back to its rows."""
-        routes = plan.routes(extend_kernel_applies(q, kv_pool))
+        routes = plan.routes(extend_kernel_applies(q, kv_pool), self.params.window)
         k_pool, v_pool = kv_pool.k[self.layer_id], kv_pool.v[self.layer_id]
         parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         for index, rows, kernel in (
@@ -300,7 +326,7 @@ class Attention(nn.Module):
             (routes.paged, routes.paged_rows, paged_attention),
         ):
             if index is not None:
-                parts.append((rows, kernel(q if rows is None else q[rows], k_pool, v_pool, index)))
+                parts.append((rows, kernel(q if rows is None else q[rows], k_pool, v_pool, index, self.params)))
         if routes.decode is not None:
             rows = routes.decode_rows
             parts.append((rows, self._decode(q if rows is None else q[rows], routes.decode, plan.workspace, kv_pool)))
@@ -319,7 +345,9 @@ class Attention(nn.Module):
         """One row per request: q [B, H, D] against padded contexts [B, Hkv, S_max, D] -> [B, H, D]."""
         k, v = workspace.gather(kv_pool, self.layer_id, group.padded_slots)
         k, v = k.to(q.dtype), v.to(q.dtype)  # the pool may store another dtype
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-            return grouped_matmul_attention(q, k, v, group.mask)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=group.mask, enable_gqa=True)
+        if (q.dtype == torch.bfloat16 and q.device.type == "cpu") or self.params.softcap:
+            return grouped_matmul_attention(q, k, v, group.mask, self.params)
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], k, v, attn_mask=group.mask, enable_gqa=True, scale=self.params.scale
+        )
         return out[:, :, 0, :]

@@ -226,7 +226,11 @@ class PagedIndex:
 
 
 def paged_attention(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, index: PagedIndex, params: AttentionParams = DEFAULT_PARAMS
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    index: PagedIndex,
+    params: AttentionParams = DEFAULT_PARAMS,
 ) -> torch.Tensor:
     """q [T, H, D] against K/V [Hkv, N, D] read in place at ``index`` -> [T, H, D] in q's dtype (causal per request;
     ``params``: the layer's window, soft cap and scale; with a window only the keys in it are read)."""
@@ -253,7 +257,11 @@ def extend_kernel_built() -> bool:
 
 
 def extend_attention(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, index: PagedIndex, params: AttentionParams = DEFAULT_PARAMS
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    index: PagedIndex,
+    params: AttentionParams = DEFAULT_PARAMS,
 ) -> torch.Tensor:
     """bf16 q [T, H, D] against bf16 K/V [Hkv, N, D] read at ``index`` -> [T, H, D] bf16 (causal per request).
 

@@ -23,8 +23,9 @@
 //
 // A sliding window (Shape::window: row at position p sees keys p - window + 1 .. p) is a lower bound per
 // row, masked like the causal upper one: a request packs only the tiles from its first new token's
-// first visible key, and an item visits the tiles from its first row's (the tiles before a row's own
-// window leave its sums as they were, so the bits stay the chunking's). A soft cap (Shape::softcap)
+// first visible key (the keys before that key packed as zeros: no new token sees them, and they are
+// not read), and an item visits the tiles from its first row's (the tiles before a row's own window
+// leave its sums as they were, so the bits stay the chunking's). A soft cap (Shape::softcap)
 // caps the scaled scores before the online softmax, which then runs on them unscaled.
 #pragma once
 
@@ -63,22 +64,23 @@ struct Shape {
 
 
 
-// Where each request's packed context lies: its keys first_keys[b] .. ctx_len, padded to whole tiles,
-// from packed_starts[b], per head. first_keys[b]: the tile of the first key its first new token sees
-// (0 without a window).
+// Where each request's packed context lies: its keys packed_from[b] .. ctx_len, padded to whole tiles,
+// from packed_starts[b], per head. first_seen[b]: the first key its first new token sees (0 without a
+// window); packed_from[b]: the start of that key's tile.
 struct Layout {
   const int64_t *q_starts, *ctx_starts;
   int64_t batch;
-  std::vector<int64_t> first_keys;     // [batch], multiples of kKeyTile
-  std::vector<int64_t> packed_starts;  // [batch + 1], multiples of kKeyTile
+  std::vector<int64_t> first_seen, packed_from;  // [batch]; packed_from: multiples of kKeyTile
+  std::vector<int64_t> packed_starts;            // [batch + 1], multiples of kKeyTile
   int64_t tokens_per_tile;
 
   Layout(const int64_t* qs, const int64_t* cs, int64_t b, int64_t group, int64_t window)
-      : q_starts(qs), ctx_starts(cs), batch(b), first_keys(b, 0), packed_starts(b + 1, 0),
+      : q_starts(qs), ctx_starts(cs), batch(b), first_seen(b, 0), packed_from(b, 0), packed_starts(b + 1, 0),
         tokens_per_tile(std::max<int64_t>(1, kTileRows / group)) {
     for (int64_t i = 0; i < b; ++i) {
-      first_keys[i] = first_visible(ctx_len(i) - extend_len(i) + 1, window) / kKeyTile * kKeyTile;
-      packed_starts[i + 1] = packed_starts[i] + (ctx_len(i) + kKeyTile - 1) / kKeyTile * kKeyTile - first_keys[i];
+      first_seen[i] = first_visible(ctx_len(i) - extend_len(i) + 1, window);
+      packed_from[i] = first_seen[i] / kKeyTile * kKeyTile;
+      packed_starts[i + 1] = packed_starts[i] + (ctx_len(i) + kKeyTile - 1) / kKeyTile * kKeyTile - packed_from[i];
     }
   }
   int64_t extend_len(int64_t b) const { return q_starts[b + 1] - q_starts[b]; }
@@ -115,13 +117,14 @@ inline __m512 exp2_neg(__m512 x) {
   return _mm512_maskz_mov_ps(live, exp2_finite(_mm512_max_ps(x, _mm512_set1_ps(-126.f))));
 }
 
-// 16 keys (slot pointers into one head of the pool, nullptr past the context) -> one K block
-// [D/2][16] of bf16 pairs.
-inline void pack_k_block(const uint16_t* head, const int64_t* slots, int64_t count, int64_t dim, uint32_t* out) {
+// 16 keys (slots into one head of the pool; those before ``skip`` and from ``count`` on are zeros, not
+// read) -> one K block [D/2][16] of bf16 pairs.
+inline void pack_k_block(const uint16_t* head, const int64_t* slots, int64_t skip, int64_t count, int64_t dim,
+                         uint32_t* out) {
   alignas(64) int32_t idx[kKeyBlock] = {};
-  for (int64_t j = 0; j < count; ++j) idx[j] = static_cast<int32_t>(slots[j] * dim / 2);
+  for (int64_t j = skip; j < count; ++j) idx[j] = static_cast<int32_t>(slots[j] * dim / 2);
   const __m512i index = _mm512_load_si512(idx);
-  const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+  const __mmask16 valid = static_cast<__mmask16>(((1u << count) - 1u) & ~((1u << skip) - 1u));
   const int32_t* base = reinterpret_cast<const int32_t*>(head);
   for (int64_t p = 0; p < dim / 2; ++p)
     _mm512_store_si512(out + p * kKeyBlock,
@@ -187,21 +190,22 @@ inline void pack_v_pair(const uint16_t* a, const uint16_t* b, int64_t dim, uint3
 // One key tile (kKeyTile keys from ``key0`` of request b, head h) into the packed K and V buffers.
 inline void pack_tile(const Layout& L, const Shape& s, const uint16_t* k, const uint16_t* v, const int64_t* slots,
                       int64_t b, int64_t h, int64_t key0, uint32_t* kp, uint32_t* vp) {
-  const int64_t dim = s.dim, ctx_len = L.ctx_len(b);
-  const int64_t offset = (h * L.packed_len() + L.packed_starts[b] + key0 - L.first_keys[b]) * dim / 2;
+  const int64_t dim = s.dim, ctx_len = L.ctx_len(b), first = L.first_seen[b];
+  const int64_t offset = (h * L.packed_len() + L.packed_starts[b] + key0 - L.packed_from[b]) * dim / 2;
   const int64_t* ctx = slots + L.ctx_starts[b];
   const uint16_t *k_head = k + h * s.num_slots * dim, *v_head = v + h * s.num_slots * dim;
   for (int64_t j = key0; j < key0 + kKeyTile; j += kKeyBlock) {
     const int64_t count = std::clamp<int64_t>(ctx_len - j, 0, kKeyBlock);
+    const int64_t skip = std::clamp<int64_t>(first - j, 0, count);
     uint32_t* block = kp + offset + (j - key0) * dim / 2;
-    if (count == kKeyBlock && dim % 32 == 0 && consecutive(ctx + j))
+    if (count == kKeyBlock && skip == 0 && dim % 32 == 0 && consecutive(ctx + j))
       pack_k_block_consecutive(k_head + ctx[j] * dim, dim, block);
     else
-      pack_k_block(k_head, ctx + j, count, dim, block);
+      pack_k_block(k_head, ctx + j, skip, count, dim, block);
   }
+  const auto v_row = [&](int64_t j) { return j >= first && j < ctx_len ? v_head + ctx[j] * dim : nullptr; };
   for (int64_t j = key0; j < key0 + kKeyTile; j += 2) {
-    const uint16_t* a = j < ctx_len ? v_head + ctx[j] * dim : nullptr;
-    const uint16_t* c = j + 1 < ctx_len ? v_head + ctx[j + 1] * dim : nullptr;
+    const uint16_t *a = v_row(j), *c = v_row(j + 1);
     pack_v_pair(a, c, dim, vp + offset + (j - key0) * dim / 2);
   }
 }
@@ -411,7 +415,7 @@ void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q
   }
   std::memset(ot, 0, rows * dim * sizeof(float));
   // The packed keys start at the request's first packed key, not at key 0.
-  const int64_t head_pairs = (it.hkv * L.packed_len() + L.packed_starts[it.b] - L.first_keys[it.b]) * pairs;
+  const int64_t head_pairs = (it.hkv * L.packed_len() + L.packed_starts[it.b] - L.packed_from[it.b]) * pairs;
   const bool capped = s.softcap > 0.f;  // then the scores are scaled (and capped) before the softmax
   const float c = (capped ? 1.f : s.scale) * 1.44269504f;  // softmax in base 2
   // Rows see keys below their limits, from first_limit (the item's first token) up: tiles past it are masked;
@@ -487,7 +491,7 @@ void extend_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i % s.num_kv_heads, tile = i / s.num_kv_heads;
       const int64_t b = std::upper_bound(tile_starts.begin(), tile_starts.end(), tile) - tile_starts.begin() - 1;
-      pack_tile(L, s, k, v, slots, b, h, L.first_keys[b] + (tile - tile_starts[b]) * kKeyTile, kp, vp);
+      pack_tile(L, s, k, v, slots, b, h, L.packed_from[b] + (tile - tile_starts[b]) * kKeyTile, kp, vp);
     }
   });
   const std::vector<Item> items = plan_items(L, s);
