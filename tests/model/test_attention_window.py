@@ -16,10 +16,11 @@ import torch
 
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model import paged_kernel
-from radixserve.model.attention import Attention, AttentionPlan
+from radixserve.model.attention import Attention, AttentionPlan, extend_kernel_usable
 from radixserve.model.attention_params import AttentionParams
 from radixserve.model.config import ModelConfig
 from radixserve.model.gather import GatherWorkspace
+from radixserve.model.paged_kernel import PagedIndex, extend_attention, paged_attention
 from tests.model.test_paged_attention import slot_taker
 from tests.model.tiny import make_batch
 
@@ -149,6 +150,26 @@ def test_a_window_past_every_context_changes_no_bit(dtype: torch.dtype, backend:
         plain = attend(q, pool, contexts, lens, mode, backend, AttentionParams(softcap=softcap))
         wide = attend(q, pool, contexts, lens, mode, backend, AttentionParams(window=4096, softcap=softcap))
         assert torch.equal(plain, wide)
+
+
+@pytest.mark.skipif(not paged_kernel.load(), reason="no kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 96), (4, 1, 256), (6, 2, 48), (4, 4, 128)])
+def test_the_kernels_head_dims_equal_a_float64_masked_softmax(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Phi-3's 96 and Gemma's 256 (the vector loops), 48 (the portable ones), MHA: the paged and extend kernels."""
+    contexts, lens = window_batch(1, 3)
+    generator = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, kv_heads, 4096 + 16, head_dim, generator=generator).to(dtype)
+    q = torch.randn(sum(lens), heads, head_dim, generator=generator).to(dtype)
+    for params in PARAMS.values():
+        expected = reference64(q, k, v, contexts, lens, params)
+        got = [paged_attention(q, k, v, PagedIndex.build(contexts, lens), params)]
+        if dtype == torch.bfloat16 and extend_kernel_usable() and head_dim % 16 == 0:
+            got.append(extend_attention(q, k, v, PagedIndex.build(contexts, lens, cascade=False), params))
+        for out in got:
+            assert (out.double() - expected).abs().max().item() <= TOLERANCE[dtype]
 
 
 def test_params_are_validated_and_default_to_plain_attention() -> None:

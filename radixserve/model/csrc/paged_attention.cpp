@@ -44,6 +44,7 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention: window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "q [T,H,D], k/v [Hkv,N,D]");
   TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(0) == 0, "head dims / groups disagree");
+  TORCH_CHECK(q.size(2) <= 256, "paged_attention: head dim must be at most 256");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == v.scalar_type(), "k, v: one layout");
   for (const at::Tensor* t : {&slots, &q_starts, &ctx_starts, &group_members, &group_starts, &group_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(), "int64 cpu indices");

@@ -15,8 +15,8 @@
 // context is split when there are fewer requests than threads (flash-decoding), and the splits'
 // softmax partials are merged at the end. Two passes per item, each a flat vectorisable loop:
 // scores = q K^T over the item's keys, then p = softmax and acc = p V (with AVX512, for head dims
-// 64 and 128 and float32 or bfloat16 pools, paged_avx512.h's intrinsics). Requests that share a
-// leading run of slots (SharedGroups) read it once, in shared_prefix.h's items, and only their
+// 64, 96, 128 and 256 and float32 or bfloat16 pools, paged_avx512.h's intrinsics). Requests that
+// share a leading run of slots (SharedGroups) read it once, in shared_prefix.h's items, and only their
 // own suffix here; every partial then meets in one log-sum-exp merge.
 //
 // A sliding window (Shape::window) starts each tile's items at the first key its first row sees, so a
@@ -170,6 +170,10 @@ void run_item(const WorkItem& w, const Shape& s, const float* q, const kv_t* k, 
     run_item_dim<64>(w, s, q, k, v, slots, prefix_len, acc, row_max, row_sum);
   else if (s.dim == 128)
     run_item_dim<128>(w, s, q, k, v, slots, prefix_len, acc, row_max, row_sum);
+  else if (s.dim == 96)  // Phi-3
+    run_item_dim<96>(w, s, q, k, v, slots, prefix_len, acc, row_max, row_sum);
+  else if (s.dim == 256)  // Gemma 2 and 3
+    run_item_dim<256>(w, s, q, k, v, slots, prefix_len, acc, row_max, row_sum);
   else
     run_item_dim<0>(w, s, q, k, v, slots, prefix_len, acc, row_max, row_sum);
 }
