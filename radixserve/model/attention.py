@@ -20,10 +20,16 @@ them once per forward and every layer reuses them::
 
 Grouped-query attention goes through SDPA's ``enable_gqa``: K/V heads are never
 repeated in memory.
+
+Each layer has its own window, soft cap and scale (attention_params.py: Gemma alternates
+windowed and global layers). The kernels apply them per call; the gather paths read, for a
+windowed layer, only each request's keys in the window (``Routes.windowed``, built once per
+step for each window the layers have).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -33,18 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.memory.kv_pool import KVPool
+from radixserve.model.attention_params import AttentionParams
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
-from radixserve.model.gather import GatherWorkspace, grouped_matmul_attention
-from radixserve.model.layers import (
-    FUSED_DTYPES,
-    apply_rotary,
-    fused_ops_apply,
-    linear_add,
-    make_norm,
-    softcap,
-    uninitialised,
-)
+from radixserve.model.gather import GatherWorkspace, extend_attention_reference, grouped_matmul_attention
+from radixserve.model.layers import FUSED_DTYPES, apply_rotary, fused_ops_apply, linear_add, make_norm, uninitialised
 from radixserve.model.paged_kernel import PagedIndex, extend_attention, extend_kernel_built, paged_attention
 from radixserve.model.precision import CpuFeatures
 
@@ -55,7 +54,7 @@ class ExtendSpan:
 
     start: int
     end: int
-    context_slots: torch.Tensor  # [ctx_len]
+    context_slots: torch.Tensor  # [ctx_len]; with a window, from the first key any of its rows sees
     mask: torch.Tensor | None  # [extend_len, ctx_len] bool; None for a cold prefill (plain causal)
 
 
@@ -63,7 +62,7 @@ class ExtendSpan:
 class DecodeGroup:
     """Reference decode: the one-row requests at once, contexts padded to the longest."""
 
-    padded_slots: torch.Tensor  # [B, S_max]; padding points at slot 0
+    padded_slots: torch.Tensor  # [B, S_max]; padding points at slot 0; with a window, its last keys only
     mask: torch.Tensor | None  # [B, 1, 1, S_max] bool; None when all lengths are equal
 
 
@@ -117,12 +116,13 @@ class Routes:
     paged_rows: torch.Tensor | None = None
     extend: PagedIndex | None = None
     extend_rows: torch.Tensor | None = None
+    decode_members: tuple[int, ...] = ()  # the requests (indices into the batch) of ``decode`` and ``spans``
+    span_members: tuple[int, ...] = ()
 
     @classmethod
-    def build(cls, batch: ForwardBatch, backend: str, cascade: bool, extend_kernel: bool, window: int = 0) -> Routes:
+    def build(cls, batch: ForwardBatch, backend: str, cascade: bool, extend_kernel: bool) -> Routes:
         """``extend_kernel``: the bf16 extend kernel takes every extend request (a prefill chunk, a
-        cache hit's tail), but not the one-row requests of a mixed step, which are decodes. ``window``: the
-        reference paths' masks keep each query's last ``window`` keys (0: all)."""
+        cache hit's tail), but not the one-row requests of a mixed step, which are decodes."""
         groups: dict[str, list[int]] = {"extend": [], "paged": [], "decode": [], "spans": []}
         for i, extend_len in enumerate(batch.extend_lens):
             if extend_kernel and (batch.mode == "extend" or (batch.mode == "mixed" and extend_len > 1)):
@@ -140,23 +140,30 @@ class Routes:
             contexts = [batch.context_slots[i] for i in groups[name]]
             lens = [batch.extend_lens[i] for i in groups[name]]
             indices[name] = PagedIndex.build(contexts, lens, cascade and name == "paged") if contexts else None
-        decode_contexts = [batch.context_slots[i] for i in groups["decode"]]
-        decode = _decode_group(decode_contexts, window) if decode_contexts else None
-        spans, start = [], 0
-        for i in groups["spans"]:
-            extend_len = batch.extend_lens[i]
-            spans.append(_span(start, extend_len, batch.context_slots[i], window))
-            start += extend_len
         return cls(
-            spans,
+            [],
             rows["spans"],
-            decode,
+            None,
             rows["decode"],
             indices["paged"],
             rows["paged"],
             indices["extend"],
             rows["extend"],
-        )
+            tuple(groups["decode"]),
+            tuple(groups["spans"]),
+        ).windowed(batch, 0)
+
+    def windowed(self, batch: ForwardBatch, window: int) -> Routes:
+        """These routes with the gather paths' slots and masks for a layer of this window (0: none): each
+        reads only the keys its rows see. The kernels' indices are the same for every window."""
+        contexts, params = batch.context_slots, AttentionParams(window)
+        decode = _decode_group([contexts[i] for i in self.decode_members], window) if self.decode_members else None
+        spans, start = [], 0
+        for i in self.span_members:
+            extend_len = batch.extend_lens[i]
+            spans.append(_span(start, extend_len, contexts[i], params))
+            start += extend_len
+        return dataclasses.replace(self, spans=spans, decode=decode)
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,7 @@ class AttentionPlan:
     batch: ForwardBatch
     backend: str = "reference"
     cascade: bool = True
-    _routes: dict[tuple[bool, str, int], Routes] = field(default_factory=dict, compare=False, repr=False)
+    _routes: dict[tuple[bool, int], Routes] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -181,23 +188,17 @@ class AttentionPlan:
         ``cascade``: the paged kernel reads a prefix that several requests share once for all of them."""
         return cls(workspace, batch, backend, cascade)
 
-    def routes(self, extend_kernel: bool, backend: str | None = None, window: int = 0) -> Routes:
-        """The step's routes, with or without the extend kernel, on ``backend`` (default: the plan's) with
-        ``window`` (a sliding layer's; 0: none). Built on first use, then reused by every layer alike."""
-        backend = backend or self.backend
-        key = (extend_kernel and backend == "paged", backend, window)
+    def routes(self, extend_kernel: bool, window: int = 0) -> Routes:
+        """The step's routes, with or without the extend kernel, for layers of this window (built on first
+        use, then reused)."""
+        extend_kernel = extend_kernel and self.backend == "paged"
+        key = (extend_kernel, window)
         if key not in self._routes:
-            self._routes[key] = Routes.build(self.batch, backend, self.cascade, key[0], window)
+            if window:
+                self._routes[key] = self.routes(extend_kernel).windowed(self.batch, window)
+            else:
+                self._routes[key] = Routes.build(self.batch, self.backend, self.cascade, extend_kernel)
         return self._routes[key]
-
-
-def layer_backend(backend: str, window: int, softcap: float, scale: float, head_dim: int) -> str:
-    """The backend a layer's attention takes. The paged and extend kernels take no sliding window, score
-    soft-capping or scale other than head_dim ** -0.5 yet: a layer with any of them takes the reference path
-    (gather + SDPA with an explicit mask, or softcapped scores). The one place to switch once they do."""
-    if window or softcap or scale != head_dim**-0.5:
-        return "reference"
-    return backend
 
 
 def _rows(members: list[int], starts: list[int], batch: ForwardBatch) -> torch.Tensor | None:
@@ -208,32 +209,28 @@ def _rows(members: list[int], starts: list[int], batch: ForwardBatch) -> torch.T
     return torch.cat(ranges).to(batch.input_ids.device) if ranges else None
 
 
-def _span(start: int, extend_len: int, slots: torch.Tensor, window: int = 0) -> ExtendSpan:
-    """``window`` (0: none): a query at position p sees keys p - window + 1 .. p only."""
-    prefix_len = slots.shape[0] - extend_len
-    mask = None
-    if prefix_len > 0 or 0 < window < slots.shape[0]:  # causal, shifted right by the cached prefix
-        device = slots.device
-        cols = torch.arange(slots.shape[0], device=device)
-        rows = torch.arange(extend_len, device=device) + prefix_len
-        mask = cols[None, :] <= rows[:, None]
-        if window:
-            mask &= cols[None, :] > rows[:, None] - window
-    return ExtendSpan(start, start + extend_len, slots, mask)
+def _span(start: int, extend_len: int, slots: torch.Tensor, params: AttentionParams) -> ExtendSpan:
+    """Its rows' mask: causal, shifted right by the cached prefix, within the window; the keys from the first
+    any row sees. A cold prefill that the window hides nothing of is plain causal (no mask)."""
+    ctx_len = slots.shape[0]
+    prefix_len = ctx_len - extend_len
+    if prefix_len == 0 and ctx_len <= (params.window or ctx_len):
+        return ExtendSpan(start, start + extend_len, slots, None)
+    first, device = params.first_key(ctx_len, extend_len), slots.device
+    mask = params.mask(torch.arange(prefix_len, ctx_len, device=device), torch.arange(first, ctx_len, device=device))
+    return ExtendSpan(start, start + extend_len, slots[first:], mask)
 
 
-def _decode_group(context_slots: list[torch.Tensor], window: int = 0) -> DecodeGroup:
+def _decode_group(context_slots: list[torch.Tensor], window: int) -> DecodeGroup:
+    if window:  # a decode row sees its last ``window`` keys
+        context_slots = [slots[-window:] for slots in context_slots]
     lens = [slots.shape[0] for slots in context_slots]
     padded = nn.utils.rnn.pad_sequence(context_slots, batch_first=True, padding_value=0)
     mask = None
-    if min(lens) != max(lens) or 0 < window < max(lens):
+    if min(lens) != max(lens):
         device = padded.device
         lens_t = torch.tensor(lens, device=device)
-        cols = torch.arange(max(lens), device=device)[None, :]
-        mask = cols < lens_t[:, None]
-        if window:  # the query is at position len - 1
-            mask &= cols >= lens_t[:, None] - window
-        mask = mask[:, None, None, :]
+        mask = (torch.arange(max(lens), device=device)[None, :] < lens_t[:, None])[:, None, None, :]
     return DecodeGroup(padded, mask)
 
 
@@ -255,7 +252,15 @@ def extend_kernel_applies(q: torch.Tensor, kv_pool: KVPool) -> bool:
 class Attention(nn.Module):
     """Multi-head attention with grouped K/V heads, reading and writing the KV pool."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        params: AttentionParams | None = None,
+    ) -> None:
+        """``params``: this layer's window, soft cap and scale (attention_params.py); None: the config's."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -270,9 +275,9 @@ class Attention(nn.Module):
         # qwen3, gemma3: RMSNorm over each head of q and k, before rotary
         self.q_norm = make_norm(config, self.head_dim, device, dtype) if config.qk_norm else None
         self.k_norm = make_norm(config, self.head_dim, device, dtype) if config.qk_norm else None
-        self.window = config.layer_window(layer_id)
-        self.softcap = float(config.attn_logit_softcapping or 0.0)
-        self.scale = config.attention_scale()
+        self.params = params or AttentionParams(
+            config.layer_window(layer_id), float(config.attn_logit_softcapping or 0.0), config.attention_scale()
+        )
 
     def forward(
         self,
@@ -328,18 +333,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """One request: q [L, H, D] against its context [Hkv, S, D] -> [L, H, D]."""
         k, v = workspace.gather(kv_pool, self.layer_id, span.context_slots)
-        q4, k4, v4 = q.transpose(0, 1)[None], k.to(q.dtype)[None], v.to(q.dtype)[None]
-        if self.softcap:
-            return softcapped_attention(q4, k4, v4, span.mask, self.scale, self.softcap)[0].transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q4, k4, v4, attn_mask=span.mask, is_causal=span.mask is None, scale=self.scale, enable_gqa=True
-        )
-        return out[0].transpose(0, 1)
+        return extend_attention_reference(q, k, v, span.mask, self.params)
 
     def _attend(self, q: torch.Tensor, plan: AttentionPlan, kv_pool: KVPool) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]: each group of requests on its path, written back to its rows."""
-        backend = layer_backend(plan.backend, self.window, self.softcap, self.scale, self.head_dim)
-        routes = plan.routes(extend_kernel_applies(q, kv_pool), backend, self.window)
+        routes = plan.routes(extend_kernel_applies(q, kv_pool), self.params.window)
         k_pool, v_pool = kv_pool.k[self.layer_id], kv_pool.v[self.layer_id]
         parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         for index, rows, kernel in (
@@ -347,7 +345,7 @@ class Attention(nn.Module):
             (routes.paged, routes.paged_rows, paged_attention),
         ):
             if index is not None:
-                parts.append((rows, kernel(q if rows is None else q[rows], k_pool, v_pool, index)))
+                parts.append((rows, kernel(q if rows is None else q[rows], k_pool, v_pool, index, self.params)))
         if routes.decode is not None:
             rows = routes.decode_rows
             parts.append((rows, self._decode(q if rows is None else q[rows], routes.decode, plan.workspace, kv_pool)))
@@ -366,32 +364,9 @@ class Attention(nn.Module):
         """One row per request: q [B, H, D] against padded contexts [B, Hkv, S_max, D] -> [B, H, D]."""
         k, v = workspace.gather(kv_pool, self.layer_id, group.padded_slots)
         k, v = k.to(q.dtype), v.to(q.dtype)  # the pool may store another dtype
-        if self.softcap:
-            return softcapped_attention(q[:, :, None, :], k, v, group.mask, self.scale, self.softcap)[:, :, 0, :]
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and self.scale == self.head_dim**-0.5:
-            return grouped_matmul_attention(q, k, v, group.mask)
+        if (q.dtype == torch.bfloat16 and q.device.type == "cpu") or self.params.softcap:
+            return grouped_matmul_attention(q, k, v, group.mask, self.params)
         out = F.scaled_dot_product_attention(
-            q[:, :, None, :], k, v, attn_mask=group.mask, scale=self.scale, enable_gqa=True
+            q[:, :, None, :], k, v, attn_mask=group.mask, enable_gqa=True, scale=self.params.scale
         )
         return out[:, :, 0, :]
-
-
-def softcapped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, cap: float
-) -> torch.Tensor:
-    """Attention with soft-capped scores, as transformers' eager gemma2 computes it: q [B, H, L, D], k/v
-    [B, Hkv, S, D], ``mask`` [L, S] or [B, 1, 1, S] (True: attend) or None (causal, the last L of S keys) ->
-    [B, H, L, D]. Scores cap * tanh(q . k * scale / cap), then the mask, softmax in float32."""
-    batch, num_heads, q_len, head_dim = q.shape
-    num_kv_heads, kv_len = k.shape[1], k.shape[2]
-    group = num_heads // num_kv_heads
-    qg = q.reshape(batch, num_kv_heads, group * q_len, head_dim)  # the heads sharing a K/V head, stacked
-    scores = softcap(torch.matmul(qg, k.transpose(-1, -2)) * scale, cap)
-    scores = scores.view(batch, num_kv_heads, group, q_len, kv_len)
-    if mask is None:
-        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
-    elif mask.dim() == 4:
-        mask = mask[:, :, None]  # [B, 1, 1, 1, S]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.float().softmax(dim=-1).to(v.dtype).view(batch, num_kv_heads, group * q_len, kv_len)
-    return torch.matmul(probs, v).view(batch, num_heads, q_len, head_dim)

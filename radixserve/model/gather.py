@@ -9,8 +9,10 @@ the device-agnostic path (CUDA).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from radixserve.memory.kv_pool import KVPool
+from radixserve.model.attention_params import DEFAULT_PARAMS, AttentionParams
 
 
 class GatherWorkspace:
@@ -63,18 +65,55 @@ def _gather_heads_first(buffer: torch.Tensor, pool: torch.Tensor, slots: torch.T
 
 
 def grouped_matmul_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    params: AttentionParams = DEFAULT_PARAMS,
 ) -> torch.Tensor:
-    """Decode attention as two batched matmuls, for bf16 on CPU where SDPA is many times slower.
+    """Decode attention as two batched matmuls, for bf16 on CPU where SDPA is many times slower, and for
+    a soft cap, which SDPA lacks.
 
     q [B, H, D], k/v [B, Hkv, S, D] -> [B, H, D]. The query heads sharing a K/V
     head are stacked as rows, so K/V are never repeated; softmax in float32.
+    ``mask`` [B, 1, 1, S] (the window included): True on the keys each row sees.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * head_dim**-0.5  # [B, Hkv, G, S]
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * params.kernel_scale(head_dim)  # [B, Hkv, G, S]
+    scores = params.cap(scores)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.matmul(probs, v).view(batch, num_heads, head_dim)
+
+
+def extend_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, params: AttentionParams
+) -> torch.Tensor:
+    """One request's rows: q [L, H, D] against its context k/v [Hkv, S, D] -> [L, H, D].
+
+    ``mask`` [L, S] (the window included), None for plain causal (a cold prefill). SDPA, with the layer's
+    scale; with a soft cap, which SDPA lacks, the same steps by hand (query heads of a K/V head stacked
+    as rows, softmax in float32)."""
+    if not params.softcap:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.to(q.dtype)[None],
+            v.to(q.dtype)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=True,
+            scale=params.scale,
+        )
+        return out[0].transpose(0, 1)
+    extend_len, num_heads, head_dim = q.shape
+    num_kv_heads, ctx_len = k.shape[:2]
+    if mask is None:
+        mask = torch.ones(extend_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - extend_len)
+    rows = q.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)  # [Hkv, G * L, D]: heads h = hkv * G + g
+    scores = torch.matmul(rows, k.to(q.dtype).transpose(-1, -2)).float() * params.kernel_scale(head_dim)
+    scores = params.cap(scores).view(num_kv_heads, -1, extend_len, ctx_len).masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1).to(q.dtype).view(num_kv_heads, -1, ctx_len)
+    return torch.matmul(probs, v.to(q.dtype)).view(num_heads, extend_len, head_dim).transpose(0, 1)

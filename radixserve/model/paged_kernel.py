@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from radixserve.model.attention_params import DEFAULT_PARAMS, AttentionParams
 from radixserve.model.shared_prefix import SharedPrefixes, find_shared_prefixes
 
 logger = logging.getLogger(__name__)
@@ -224,8 +225,15 @@ class PagedIndex:
         return cls(slots, starts, ctx_starts, num_splits, shared)
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, index: PagedIndex) -> torch.Tensor:
-    """q [T, H, D] against K/V [Hkv, N, D] read in place at ``index`` -> [T, H, D] in q's dtype (causal per request)."""
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    index: PagedIndex,
+    params: AttentionParams = DEFAULT_PARAMS,
+) -> torch.Tensor:
+    """q [T, H, D] against K/V [Hkv, N, D] read in place at ``index`` -> [T, H, D] in q's dtype (causal per request;
+    ``params``: the layer's window, soft cap and scale; with a window only the keys in it are read)."""
     out: torch.Tensor = torch.ops.radixserve.paged_attention(
         q.contiguous(),
         k_pool,
@@ -235,7 +243,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         index.ctx_starts,
         *index.shared_tensors,
         index.num_splits,
-        q.shape[-1] ** -0.5,
+        params.kernel_scale(q.shape[-1]),
+        params.window,
+        params.softcap,
     )
     return out
 
@@ -246,13 +256,28 @@ def extend_kernel_built() -> bool:
     return load() and bool(torch.ops.radixserve.extend_attention_supported())
 
 
-def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, index: PagedIndex) -> torch.Tensor:
+def extend_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    index: PagedIndex,
+    params: AttentionParams = DEFAULT_PARAMS,
+) -> torch.Tensor:
     """bf16 q [T, H, D] against bf16 K/V [Hkv, N, D] read at ``index`` -> [T, H, D] bf16 (causal per request).
 
     Multi-token rows (prefill chunks, a cache hit's tail) with AVX512-BF16 dot products; a row's result
-    does not depend on how its prompt was split into chunks or cached (csrc/extend_attention.h)."""
+    does not depend on how its prompt was split into chunks or cached (csrc/extend_attention.h), with or
+    without the window and soft cap of ``params``."""
     out: torch.Tensor = torch.ops.radixserve.extend_attention(
-        q, k_pool, v_pool, index.slots, index.q_starts, index.ctx_starts, q.shape[-1] ** -0.5
+        q,
+        k_pool,
+        v_pool,
+        index.slots,
+        index.q_starts,
+        index.ctx_starts,
+        params.kernel_scale(q.shape[-1]),
+        params.window,
+        params.softcap,
     )
     return out
 

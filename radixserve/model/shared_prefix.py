@@ -10,8 +10,11 @@ The kernel reads a group's common slots once per step for all of its members
     member c:  [ s0 s1 ... s2047 | c0 c1 c2 ]     a0 a1, b0 and c0 .. c2 for each alone
 
 A member's prefix stays within what all of its new tokens see (ctx_len - extend_len + 1
-slots), so the shared pass needs no mask. One level only: a request is in at most one
-group. Cost per step: a sort of the first slots, then one vectorised compare of each
+slots), so the shared pass needs no mask. The groups are per step, the same for every layer;
+a layer with a sliding window reads a group's prefix once only while every member's context
+fits the window, else its members read their own windows (csrc/paged_attention.h: a prefix
+wholly out of a member's window is then not read at all). One level only: a request is in at
+most one group. Cost per step: a sort of the first slots, then one vectorised compare of each
 candidate run against its longest member (tens of microseconds at batch 16, 2k context).
 """
 

@@ -15,10 +15,20 @@
 
 namespace radixserve {
 
+// window > 0: the query at context position p sees keys max(0, p - window + 1) .. p (transformers'
+// sliding window: kv_idx > q_idx - window); 0: keys 0 .. p. softcap > 0: scores = softcap *
+// tanh(scores / softcap) after the scale, before the softmax (Gemma 2); 0: none.
 struct Shape {
   int64_t num_heads, num_kv_heads, dim, num_slots, group;
   float scale;
+  int64_t window;
+  float softcap;
 };
+
+// The first key a query sees whose keys end before ``limit`` (its position + 1).
+inline int64_t first_visible(int64_t limit, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, limit - window) : 0;
+}
 
 // exp for x <= 0 (softmax after subtracting the max), vectorisable: 2^(x log2 e) split into
 // 2^n (exponent bits) times a degree-6 polynomial of the fraction; relative error ~2e-7.
@@ -36,6 +46,26 @@ inline float fast_exp(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// tanh(x) as Cephes' tanhf computes it, vectorisable (no branch): an odd polynomial below |x| = 0.625,
+// else (1 - e) / (1 + e) with e = exp(-2|x|) (fast_exp: no overflow for any x); relative error ~3e-7.
+inline float fast_tanh(float x) {
+  const float a = std::fabs(x), z = a * a;
+  float p = -5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const float e = fast_exp(-2.f * a);
+  return std::copysign(a < 0.625f ? a + a * z * p : (1.f - e) / (1.f + e), x);
+}
+
+// scores[j] = cap * tanh(scores[j] / cap) for j < n: the logit soft cap.
+inline void soft_cap(float* scores, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) scores[j] = cap * fast_tanh(scores[j] * inv);
 }
 
 // Slots are scattered over the pool: ask for the rows a few keys ahead so their cache misses
@@ -87,6 +117,32 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// fast_tanh, 16 at a time (exp16 for the large half).
+inline __m512 tanh16(__m512 x) {
+  const __m512 a = _mm512_abs_ps(x), z = _mm512_mul_ps(a, a);
+  __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(a, z), p, a), one = _mm512_set1_ps(1.f);
+  const __m512 e = exp16(_mm512_mul_ps(a, _mm512_set1_ps(-2.f)));
+  const __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_LT_OQ), big, small);
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
+}
+
+// soft_cap with tanh16: s * mul, then cap * tanh, for j < n (the last 16 masked).
+inline void soft_cap16(float* scores, int64_t n, float mul, float cap) {
+  const __m512 m = _mm512_set1_ps(mul), c = _mm512_set1_ps(cap);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(keep, scores + j);
+    _mm512_mask_storeu_ps(scores + j, keep, _mm512_mul_ps(c, tanh16(_mm512_mul_ps(x, m))));
+  }
 }
 
 }  // namespace avx512

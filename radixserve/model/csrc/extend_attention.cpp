@@ -21,8 +21,10 @@ bool extend_attention_supported() {
 }
 
 at::Tensor extend_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                               const at::Tensor& q_starts, const at::Tensor& ctx_starts, double scale) {
+                               const at::Tensor& q_starts, const at::Tensor& ctx_starts, double scale, int64_t window,
+                               double softcap) {
   TORCH_CHECK(extend_attention_supported(), "extend_attention: built without AVX512-BF16");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "extend_attention: window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "q [T,H,D], k/v [Hkv,N,D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "extend_attention: q, k, v must be bfloat16");
@@ -49,8 +51,8 @@ at::Tensor extend_attention_op(const at::Tensor& q, const at::Tensor& k, const a
   const at::Tensor qd = (q.stride(2) == 1 && q.stride(1) == dim) ? q : q.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
 #ifdef RADIXSERVE_EXTEND_BF16
-  const radixserve::extend::Shape s{num_heads,           num_kv_heads, dim, num_slots, num_heads / num_kv_heads,
-                                    qd.stride(0),        float(scale)};
+  const radixserve::extend::Shape s{num_heads,    num_kv_heads, dim,   num_slots,     num_heads / num_kv_heads,
+                                    qd.stride(0), float(scale), window, float(softcap)};
   auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
   radixserve::extend::extend_attention(bits(qd), bits(k), bits(v), slots.data_ptr<int64_t>(), qs, cs, batch, s,
                                        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
@@ -65,7 +67,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("extend_attention_supported() -> bool", &extend_attention_supported);
   m.def(
       "extend_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor q_starts, Tensor ctx_starts, "
-      "float scale) -> Tensor");
+      "float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("extend_attention", &extend_attention_op); }

@@ -20,6 +20,13 @@
 // key tiles are aligned to context positions and always visited in order, and a tile a row does
 // not see leaves its sums bit for bit as they were. So a prompt prefilled whole, in chunks, or
 // as a tail on a cached prefix gets the same bits from this kernel.
+//
+// A sliding window (Shape::window: row at position p sees keys p - window + 1 .. p) is a lower bound per
+// row, masked like the causal upper one: a request packs only the tiles from its first new token's
+// first visible key (the keys before that key packed as zeros: no new token sees them, and they are
+// not read), and an item visits the tiles from its first row's (the tiles before a row's own window
+// leave its sums as they were, so the bits stay the chunking's). A soft cap (Shape::softcap)
+// caps the scaled scores before the online softmax, which then runs on them unscaled.
 #pragma once
 
 #include <algorithm>
@@ -30,6 +37,8 @@
 #include <limits>
 #include <memory>
 #include <vector>
+
+#include "attention_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -49,20 +58,30 @@ constexpr int64_t kTileRows = 48;   // query rows (tokens x heads of a group) pe
 struct Shape {
   int64_t num_heads, num_kv_heads, dim, num_slots, group, q_token_stride;
   float scale;
+  int64_t window;  // 0: none
+  float softcap;   // 0: none
 };
 
-// Where each request's packed context lies: keys packed_starts[b] .. + padded length, per head.
+
+
+// Where each request's packed context lies: its keys packed_from[b] .. ctx_len, padded to whole tiles,
+// from packed_starts[b], per head. first_seen[b]: the first key its first new token sees (0 without a
+// window); packed_from[b]: the start of that key's tile.
 struct Layout {
   const int64_t *q_starts, *ctx_starts;
   int64_t batch;
-  std::vector<int64_t> packed_starts;  // [batch + 1], multiples of kKeyTile
+  std::vector<int64_t> first_seen, packed_from;  // [batch]; packed_from: multiples of kKeyTile
+  std::vector<int64_t> packed_starts;            // [batch + 1], multiples of kKeyTile
   int64_t tokens_per_tile;
 
-  Layout(const int64_t* qs, const int64_t* cs, int64_t b, int64_t group)
-      : q_starts(qs), ctx_starts(cs), batch(b), packed_starts(b + 1, 0),
+  Layout(const int64_t* qs, const int64_t* cs, int64_t b, int64_t group, int64_t window)
+      : q_starts(qs), ctx_starts(cs), batch(b), first_seen(b, 0), packed_from(b, 0), packed_starts(b + 1, 0),
         tokens_per_tile(std::max<int64_t>(1, kTileRows / group)) {
-    for (int64_t i = 0; i < b; ++i)
-      packed_starts[i + 1] = packed_starts[i] + (cs[i + 1] - cs[i] + kKeyTile - 1) / kKeyTile * kKeyTile;
+    for (int64_t i = 0; i < b; ++i) {
+      first_seen[i] = first_visible(ctx_len(i) - extend_len(i) + 1, window);
+      packed_from[i] = first_seen[i] / kKeyTile * kKeyTile;
+      packed_starts[i + 1] = packed_starts[i] + (ctx_len(i) + kKeyTile - 1) / kKeyTile * kKeyTile - packed_from[i];
+    }
   }
   int64_t extend_len(int64_t b) const { return q_starts[b + 1] - q_starts[b]; }
   int64_t ctx_len(int64_t b) const { return ctx_starts[b + 1] - ctx_starts[b]; }
@@ -70,7 +89,7 @@ struct Layout {
 };
 
 struct Item {
-  int64_t b, hkv, t0, t1, num_tiles;  // num_tiles: key tiles the item visits (its cost)
+  int64_t b, hkv, t0, t1, tile0, num_tiles;  // it visits key tiles tile0 .. num_tiles - 1 (its cost)
 };
 
 #ifdef RADIXSERVE_EXTEND_BF16
@@ -98,13 +117,14 @@ inline __m512 exp2_neg(__m512 x) {
   return _mm512_maskz_mov_ps(live, exp2_finite(_mm512_max_ps(x, _mm512_set1_ps(-126.f))));
 }
 
-// 16 keys (slot pointers into one head of the pool, nullptr past the context) -> one K block
-// [D/2][16] of bf16 pairs.
-inline void pack_k_block(const uint16_t* head, const int64_t* slots, int64_t count, int64_t dim, uint32_t* out) {
+// 16 keys (slots into one head of the pool; those before ``skip`` and from ``count`` on are zeros, not
+// read) -> one K block [D/2][16] of bf16 pairs.
+inline void pack_k_block(const uint16_t* head, const int64_t* slots, int64_t skip, int64_t count, int64_t dim,
+                         uint32_t* out) {
   alignas(64) int32_t idx[kKeyBlock] = {};
-  for (int64_t j = 0; j < count; ++j) idx[j] = static_cast<int32_t>(slots[j] * dim / 2);
+  for (int64_t j = skip; j < count; ++j) idx[j] = static_cast<int32_t>(slots[j] * dim / 2);
   const __m512i index = _mm512_load_si512(idx);
-  const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+  const __mmask16 valid = static_cast<__mmask16>(((1u << count) - 1u) & ~((1u << skip) - 1u));
   const int32_t* base = reinterpret_cast<const int32_t*>(head);
   for (int64_t p = 0; p < dim / 2; ++p)
     _mm512_store_si512(out + p * kKeyBlock,
@@ -170,20 +190,22 @@ inline void pack_v_pair(const uint16_t* a, const uint16_t* b, int64_t dim, uint3
 // One key tile (kKeyTile keys from ``key0`` of request b, head h) into the packed K and V buffers.
 inline void pack_tile(const Layout& L, const Shape& s, const uint16_t* k, const uint16_t* v, const int64_t* slots,
                       int64_t b, int64_t h, int64_t key0, uint32_t* kp, uint32_t* vp) {
-  const int64_t dim = s.dim, ctx_len = L.ctx_len(b), offset = (h * L.packed_len() + L.packed_starts[b] + key0) * dim / 2;
+  const int64_t dim = s.dim, ctx_len = L.ctx_len(b), first = L.first_seen[b];
+  const int64_t offset = (h * L.packed_len() + L.packed_starts[b] + key0 - L.packed_from[b]) * dim / 2;
   const int64_t* ctx = slots + L.ctx_starts[b];
   const uint16_t *k_head = k + h * s.num_slots * dim, *v_head = v + h * s.num_slots * dim;
   for (int64_t j = key0; j < key0 + kKeyTile; j += kKeyBlock) {
     const int64_t count = std::clamp<int64_t>(ctx_len - j, 0, kKeyBlock);
+    const int64_t skip = std::clamp<int64_t>(first - j, 0, count);
     uint32_t* block = kp + offset + (j - key0) * dim / 2;
-    if (count == kKeyBlock && dim % 32 == 0 && consecutive(ctx + j))
+    if (count == kKeyBlock && skip == 0 && dim % 32 == 0 && consecutive(ctx + j))
       pack_k_block_consecutive(k_head + ctx[j] * dim, dim, block);
     else
-      pack_k_block(k_head, ctx + j, count, dim, block);
+      pack_k_block(k_head, ctx + j, skip, count, dim, block);
   }
+  const auto v_row = [&](int64_t j) { return j >= first && j < ctx_len ? v_head + ctx[j] * dim : nullptr; };
   for (int64_t j = key0; j < key0 + kKeyTile; j += 2) {
-    const uint16_t* a = j < ctx_len ? v_head + ctx[j] * dim : nullptr;
-    const uint16_t* c = j + 1 < ctx_len ? v_head + ctx[j + 1] * dim : nullptr;
+    const uint16_t *a = v_row(j), *c = v_row(j + 1);
     pack_v_pair(a, c, dim, vp + offset + (j - key0) * dim / 2);
   }
 }
@@ -269,15 +291,21 @@ inline void pv_rows(const uint32_t* p, const uint32_t* vp, int64_t num_pairs, in
     for (int i = 0; i < NV; ++i) _mm512_store_ps(o + r * dim + d0 + 16 * i, acc[r][i]);
 }
 
+// The soft cap on a row block's scores of keys [0, live) of a tile: s * mul (the scale over the cap), then
+// cap * tanh. The rest of each row is masked.
+inline void cap_scores(float* s, int64_t live, float mul, float cap) {
+  for (int64_t r = 0; r < kRowBlock; ++r) radixserve::avx512::soft_cap16(s + r * kKeyTile, live, mul, cap);
+}
+
 // Scratch of one thread, reused across its items.
 struct Scratch {
   std::vector<uint32_t> q, p;            // [rows][D/2], [rows][kKeyTile/2] bf16 pairs
   std::vector<float> s, o, m, l, alpha;  // [rows][kKeyTile], [rows][D], [rows] x 3
   std::vector<float> maxes;              // [rows][2][16]: a full tile's maxima from qk_rows
-  std::vector<int64_t> limit;         // [rows]: keys below this are visible to the row
+  std::vector<int64_t> start, limit;  // [rows]: the row sees keys [start, limit)
   explicit Scratch(int64_t rows, int64_t dim)
       : q(rows * dim / 2 + 16), p(rows * kKeyTile / 2 + 16), s(rows * kKeyTile + 16), o(rows * dim + 16),
-        m(rows), l(rows), alpha(rows), maxes(rows * 2 * kKeyBlock + 16), limit(rows) {}
+        m(rows), l(rows), alpha(rows), maxes(rows * 2 * kKeyBlock + 16), start(rows), limit(rows) {}
 };
 
 inline float* aligned(std::vector<float>& v) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63}); }
@@ -312,7 +340,8 @@ void softmax_tile(const float* s, const float* maxes, uint32_t* p, int64_t rows,
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scale = _mm512_set1_ps(c);
   const auto visible = [&](int64_t r, int i) {  // the keys of vector i that row r sees
     const int64_t seen = std::clamp<int64_t>(w.limit[r] - key0 - i * kKeyBlock, 0, kKeyBlock);
-    return static_cast<__mmask16>((1u << seen) - 1u);
+    const int64_t before = std::clamp<int64_t>(w.start[r] - key0 - i * kKeyBlock, 0, kKeyBlock);
+    return static_cast<__mmask16>(((1u << seen) - 1u) & ~((1u << before) - 1u));
   };
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
     const int64_t n = std::min<int64_t>(16, rows - r0);
@@ -380,30 +409,37 @@ void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q
     else
       std::memset(qt + r * pairs, 0, dim * 2);
     w.limit[r] = prefix_len + t + 1;
+    w.start[r] = first_visible(w.limit[r], s.window);
     w.m[r] = -std::numeric_limits<float>::infinity();
     w.l[r] = 0.f;
   }
   std::memset(ot, 0, rows * dim * sizeof(float));
-  const int64_t head_pairs = (it.hkv * L.packed_len() + L.packed_starts[it.b]) * pairs;
-  const float c = s.scale * 1.44269504f;  // softmax in base 2
-  // Rows see keys below their limits, from first_limit (the item's first token) up: tiles past it are masked.
-  const int64_t first_limit = prefix_len + it.t0 + 1;
+  // The packed keys start at the request's first packed key, not at key 0.
+  const int64_t head_pairs = (it.hkv * L.packed_len() + L.packed_starts[it.b] - L.packed_from[it.b]) * pairs;
+  const bool capped = s.softcap > 0.f;  // then the scores are scaled (and capped) before the softmax
+  const float c = (capped ? 1.f : s.scale) * 1.44269504f;  // softmax in base 2
+  // Rows see keys below their limits, from first_limit (the item's first token) up: tiles past it are masked;
+  // with a window, from their starts, the last row's the latest: tiles before it are masked.
+  const int64_t first_limit = prefix_len + it.t0 + 1, last_start = w.start[rows - 1];
   // A row block sees keys below its last row's limit: in the diagonal tiles its scores and P V stop there
-  // (past it every row's P is 0, and alpha is 1 where a row sees nothing of the tile).
+  // (past it every row's P is 0, and alpha is 1 where a row sees nothing of the tile); none of a tile before
+  // its first row's start.
   const auto block_live = [&](int64_t r, int64_t key0) {
-    return std::min(kKeyTile, w.limit[r + kRowBlock - 1] - key0);
+    return w.start[r] < key0 + kKeyTile ? std::min(kKeyTile, w.limit[r + kRowBlock - 1] - key0) : 0;
   };
-  for (int64_t tile = 0; tile < it.num_tiles; ++tile) {
+  for (int64_t tile = it.tile0; tile < it.num_tiles; ++tile) {
     const int64_t key0 = tile * kKeyTile;
-    const uint32_t* kt = kp + head_pairs + key0 * pairs;
+    const uint32_t* kt = kp + (head_pairs + key0 * pairs);
     for (int64_t r = 0; r < rows; r += kRowBlock)
-      if (const int64_t live = block_live(r, key0); live > 0)
+      if (const int64_t live = block_live(r, key0); live > 0) {
         qk_tile<kPairs>(qt + r * pairs, pairs, kt, live, st + r * kKeyTile, mt + r * 2 * kKeyBlock);
-    if (key0 + kKeyTile > first_limit)
+        if (capped) cap_scores(st + r * kKeyTile, live, s.scale / s.softcap, s.softcap);
+      }
+    if (capped || key0 + kKeyTile > first_limit || key0 < last_start)
       softmax_tile<true>(st, mt, pt, rows, key0, w, c);
     else
       softmax_tile<false>(st, mt, pt, rows, key0, w, c);
-    const uint32_t* vt = vp + head_pairs + key0 * pairs;
+    const uint32_t* vt = vp + (head_pairs + key0 * pairs);
     for (int64_t r = 0; r < rows; r += kRowBlock)
       if (const int64_t live = block_live(r, key0); live > 0)
         for (int64_t d0 = 0; d0 < dim; d0 += 16 * NV)
@@ -421,17 +457,19 @@ void run_item(const Item& it, const Layout& L, const Shape& s, const uint16_t* q
 }
 
 // The work items, costliest first (they start first, so the threads finish together).
-inline std::vector<Item> plan_items(const Layout& L, int64_t num_kv_heads) {
+inline std::vector<Item> plan_items(const Layout& L, const Shape& s) {
   std::vector<Item> items;
   for (int64_t b = 0; b < L.batch; ++b) {
     const int64_t extend_len = L.extend_len(b), prefix_len = L.ctx_len(b) - extend_len;
     for (int64_t t0 = 0; t0 < extend_len; t0 += L.tokens_per_tile) {
       const int64_t t1 = std::min(extend_len, t0 + L.tokens_per_tile);
       const int64_t num_tiles = (prefix_len + t1 + kKeyTile - 1) / kKeyTile;  // the last row sees prefix + t1 keys
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({b, h, t0, t1, num_tiles});
+      const int64_t tile0 = first_visible(prefix_len + t0 + 1, s.window) / kKeyTile;  // the first row's first
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) items.push_back({b, h, t0, t1, tile0, num_tiles});
     }
   }
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.num_tiles > y.num_tiles; });
+  const auto cost = [](const Item& x) { return x.num_tiles - x.tile0; };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) { return cost(x) > cost(y); });
   return items;
 }
 
@@ -440,7 +478,7 @@ template <typename ParallelFor>
 void extend_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* slots,
                       const int64_t* q_starts, const int64_t* ctx_starts, int64_t batch, const Shape& s,
                       uint16_t* out, ParallelFor parallel_for) {
-  const Layout L(q_starts, ctx_starts, batch, s.group);
+  const Layout L(q_starts, ctx_starts, batch, s.group, s.window);
   const int64_t packed_pairs = s.num_kv_heads * L.packed_len() * s.dim / 2;
   // Not zeroed: packing writes every element, padding included (a zeroed vector cost a memset).
   const std::unique_ptr<uint32_t[]> packed(new uint32_t[2 * packed_pairs + 16]);
@@ -453,10 +491,10 @@ void extend_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i % s.num_kv_heads, tile = i / s.num_kv_heads;
       const int64_t b = std::upper_bound(tile_starts.begin(), tile_starts.end(), tile) - tile_starts.begin() - 1;
-      pack_tile(L, s, k, v, slots, b, h, (tile - tile_starts[b]) * kKeyTile, kp, vp);
+      pack_tile(L, s, k, v, slots, b, h, L.packed_from[b] + (tile - tile_starts[b]) * kKeyTile, kp, vp);
     }
   });
-  const std::vector<Item> items = plan_items(L, s.num_kv_heads);
+  const std::vector<Item> items = plan_items(L, s);
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t max_rows = (L.tokens_per_tile * s.group + kRowBlock - 1) / kRowBlock * kRowBlock;
   std::atomic<int64_t> next{0};

@@ -40,9 +40,11 @@ const radixserve::bf16* as_bf16(const at::Tensor& t) {
 at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                               const at::Tensor& q_starts, const at::Tensor& ctx_starts, const at::Tensor& group_members,
                               const at::Tensor& group_starts, const at::Tensor& group_lens, int64_t num_splits,
-                              double scale) {
+                              double scale, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention: window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "q [T,H,D], k/v [Hkv,N,D]");
   TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(0) == 0, "head dims / groups disagree");
+  TORCH_CHECK(q.size(2) <= 256, "paged_attention: head dim must be at most 256");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == v.scalar_type(), "k, v: one layout");
   for (const at::Tensor* t : {&slots, &q_starts, &ctx_starts, &group_members, &group_starts, &group_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(), "int64 cpu indices");
@@ -54,7 +56,8 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at
   const radixserve::SharedGroups groups = checked_groups(group_members, group_starts, group_lens, qs, cs, batch);
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-  const radixserve::Shape s{q.size(1), k.size(0), q.size(2), k.size(1), q.size(1) / k.size(0), float(scale)};
+  const radixserve::Shape s{q.size(1),     k.size(0), q.size(2), k.size(1), q.size(1) / k.size(0),
+                            float(scale), window,    float(softcap)};
   auto parallel = [](int64_t n, auto fn) { at::parallel_for(0, n, 1, fn); };
   const int64_t* sl = slots.data_ptr<int64_t>();
   if (k.scalar_type() == at::kFloat) {
@@ -78,7 +81,8 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at
 TORCH_LIBRARY(radixserve, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor q_starts, Tensor ctx_starts, "
-      "Tensor group_members, Tensor group_starts, Tensor group_lens, int num_splits, float scale) -> Tensor");
+      "Tensor group_members, Tensor group_starts, Tensor group_lens, int num_splits, float scale, int window=0, "
+      "float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("paged_attention", &paged_attention_op); }

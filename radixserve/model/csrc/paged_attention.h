@@ -15,9 +15,15 @@
 // context is split when there are fewer requests than threads (flash-decoding), and the splits'
 // softmax partials are merged at the end. Two passes per item, each a flat vectorisable loop:
 // scores = q K^T over the item's keys, then p = softmax and acc = p V (with AVX512, for head dims
-// 64 and 128 and float32 or bfloat16 pools, paged_avx512.h's intrinsics). Requests that share a
-// leading run of slots (SharedGroups) read it once, in shared_prefix.h's items, and only their
+// 64, 96, 128 and 256 and float32 or bfloat16 pools, paged_avx512.h's intrinsics). Requests that
+// share a leading run of slots (SharedGroups) read it once, in shared_prefix.h's items, and only their
 // own suffix here; every partial then meets in one log-sum-exp merge.
+//
+// A sliding window (Shape::window) starts each tile's items at the first key its first row sees, so a
+// decode step reads its last ``window`` keys and nothing before them; rows of an extend tile that start
+// later mask the few keys before their own first. In a windowed layer a shared prefix is read once only
+// while every member's whole context fits the window (then the window hides nothing from any row);
+// otherwise its members read their own windows, as requests without a group do.
 #pragma once
 
 #include <algorithm>
@@ -93,8 +99,26 @@ void values_pass(const float* p, int64_t rows, const int64_t* seen, const kv_t* 
 // Per-thread scratch the items reuse: a decode item is a few microseconds, too short to allocate.
 struct ItemScratch {
   std::vector<float> q, scores;
-  std::vector<int64_t> seen;
+  std::vector<int64_t> first, seen;
 };
+
+// Row r of an item sees its keys [first[r], seen[r]) (item-relative): sc = softmax's p over them
+// (the soft cap first, where the layer has one), 0 before them; returns (max, sum) through m and l.
+inline void softmax_row(float* sc, int64_t first, int64_t seen, const Shape& s, float* m, float* l) {
+  float* row = sc + first;
+  const int64_t n = seen - first;
+  if (s.softcap > 0.f) soft_cap(row, n, s.softcap);
+  float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
+  std::fill(sc, row, 0.f);
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    row[j] = fast_exp(row[j] - mx);
+    sum += row[j];
+  }
+  *m = mx;
+  *l = sum;
+}
 
 inline ItemScratch& item_scratch() {
   static thread_local ItemScratch scratch;
@@ -111,38 +135,31 @@ void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t*
   ItemScratch& buf = item_scratch();
   buf.q.resize(rows * dim);
   buf.scores.resize(rows * stride);
+  buf.first.resize(rows);
   buf.seen.resize(rows);
   float *qf = buf.q.data(), *scores = buf.scores.data();
-  int64_t* seen = buf.seen.data();
+  int64_t *first = buf.first.data(), *seen = buf.seen.data();
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = w.t0 + r / s.group, h = w.hkv * s.group + r % s.group;
+    const int64_t t = w.t0 + r / s.group, h = w.hkv * s.group + r % s.group, limit = prefix_len + t + 1;
     for (int64_t i = 0; i < dim; ++i) qf[r * dim + i] = q[(t * s.num_heads + h) * dim + i] * s.scale;
-    seen[r] = std::clamp<int64_t>(prefix_len + t + 1 - w.key0, 0, num_keys);
+    seen[r] = std::clamp<int64_t>(limit - w.key0, 0, num_keys);
+    first[r] = std::clamp<int64_t>(first_visible(limit, s.window) - w.key0, 0, seen[r]);
   }
   const int64_t head = w.hkv * s.num_slots * dim;
   const int64_t* item_slots = slots + w.key0;
 #if defined(__AVX512F__)
   if constexpr (DIM > 0 && DIM % 16 == 0 && (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, bf16>)) {
     avx512::scores_pass<DIM / 16>(qf, rows, k + head, item_slots, num_keys, stride, scores);
-    for (int64_t r = 0; r < rows; ++r)
-      avx512::softmax_row(scores + r * stride, seen[r], stride, row_max + r, row_sum + r);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (s.softcap > 0.f) avx512::soft_cap16(scores + r * stride, seen[r], 1.f / s.softcap, s.softcap);
+      avx512::softmax_row(scores + r * stride, first[r], seen[r], stride, row_max + r, row_sum + r);
+    }
     avx512::values_pass<DIM / 16>(scores, rows, seen, stride, v + head, item_slots, acc);
     return;
   }
 #endif
   scores_pass<DIM>(qf, rows, k + head, item_slots, num_keys, dim, stride, scores);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* sc = scores + r * stride;
-    float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
-    for (int64_t j = 0; j < seen[r]; ++j) m = std::max(m, sc[j]);
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < seen[r]; ++j) {
-      sc[j] = fast_exp(sc[j] - m);
-      sum += sc[j];
-    }
-    row_max[r] = m;
-    row_sum[r] = sum;
-  }
+  for (int64_t r = 0; r < rows; ++r) softmax_row(scores + r * stride, first[r], seen[r], s, row_max + r, row_sum + r);
   values_pass<DIM>(scores, rows, seen, v + head, item_slots, num_keys, dim, stride, acc);
 }
 
@@ -153,26 +170,34 @@ void run_item(const WorkItem& w, const Shape& s, const float* q, const kv_t* k, 
     run_item_dim<64>(w, s, q, k, v, slots, prefix_len, acc, row_max, row_sum);
   else if (s.dim == 128)
     run_item_dim<128>(w, s, q, k, v, slots, prefix_len, acc, row_max, row_sum);
+  else if (s.dim == 96)  // Phi-3
+    run_item_dim<96>(w, s, q, k, v, slots, prefix_len, acc, row_max, row_sum);
+  else if (s.dim == 256)  // Gemma 2 and 3
+    run_item_dim<256>(w, s, q, k, v, slots, prefix_len, acc, row_max, row_sum);
   else
     run_item_dim<0>(w, s, q, k, v, slots, prefix_len, acc, row_max, row_sum);
 }
 
 // Per-request items over keys [key_starts[b], ctx_len): a member of a shared-prefix group reads only
-// its suffix here. Splits only for single-token rows (decode), and only into pieces of >= 256 keys;
-// an empty suffix still gets one (empty) item, so every request has its place in the merge.
+// its suffix here; with a window, a tile's items start at the first key its first row sees. Splits only
+// for single-token rows (decode), and only into pieces of >= 256 keys; an empty suffix still gets one
+// (empty) item, so every request has its place in the merge.
 inline std::vector<WorkItem> plan_items(const int64_t* q_starts, const int64_t* ctx_starts, int64_t batch,
-                                        int64_t num_kv_heads, int64_t num_splits, const int64_t* key_starts) {
+                                        int64_t num_kv_heads, int64_t num_splits, const int64_t* key_starts,
+                                        int64_t window) {
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t extend_len = q_starts[b + 1] - q_starts[b], ctx_len = ctx_starts[b + 1] - ctx_starts[b];
-    const int64_t k0 = key_starts[b], span = ctx_len - k0;
-    const int64_t splits = extend_len == 1 ? std::max<int64_t>(1, std::min(num_splits, span / 256)) : 1;
-    const int64_t per_split = (span + splits - 1) / splits;
     for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t t0 = 0; t0 < extend_len; t0 += kTokensPerTile)
+      for (int64_t t0 = 0; t0 < extend_len; t0 += kTokensPerTile) {
+        const int64_t limit = ctx_len - extend_len + t0 + 1;  // the tile's first row sees keys below this
+        const int64_t k0 = std::max(key_starts[b], first_visible(limit, window)), span = ctx_len - k0;
+        const int64_t splits = extend_len == 1 ? std::max<int64_t>(1, std::min(num_splits, span / 256)) : 1;
+        const int64_t per_split = (span + splits - 1) / splits;
         for (int64_t sp = 0; sp < splits; ++sp)
           items.push_back({b, h, t0, std::min(extend_len, t0 + kTokensPerTile), k0 + sp * per_split,
                            std::min(ctx_len, k0 + (sp + 1) * per_split), sp});
+      }
   }
   return items;
 }
@@ -188,14 +213,25 @@ struct SharedGroups {
   int64_t count;
 };
 
+// Whether group gi's prefix is read once in a layer of this window: while every member's whole context
+// fits the window, every row sees the whole prefix (the shared pass has no mask).
+inline bool group_in_window(const SharedGroups& g, int64_t gi, const int64_t* ctx_starts, int64_t window) {
+  for (int64_t m = g.starts[gi]; window > 0 && m < g.starts[gi + 1]; ++m)
+    if (ctx_starts[g.members[m] + 1] - ctx_starts[g.members[m]] > window) return false;
+  return true;
+}
+
 // Shared items: (group, K/V head, block of member tokens, span of the prefix). ``tokens`` gets
-// each group's member tokens (query rows of q), group g's from token_starts[g].
-inline std::vector<SharedItem> plan_shared(const SharedGroups& g, const int64_t* q_starts, const Shape& s,
-                                           std::vector<int64_t>& tokens, std::vector<int64_t>& token_starts) {
+// each group's member tokens (query rows of q), group g's from token_starts[g]; a group not ``kept``
+// has none.
+inline std::vector<SharedItem> plan_shared(const SharedGroups& g, const std::vector<char>& kept,
+                                           const int64_t* q_starts, const Shape& s, std::vector<int64_t>& tokens,
+                                           std::vector<int64_t>& token_starts) {
   std::vector<SharedItem> items;
   const int64_t per_block = std::max<int64_t>(1, kSharedMaxRows / s.group);
   for (int64_t gi = 0; gi < g.count; ++gi) {
     token_starts.push_back(static_cast<int64_t>(tokens.size()));
+    if (!kept[gi]) continue;
     for (int64_t m = g.starts[gi]; m < g.starts[gi + 1]; ++m)
       for (int64_t t = q_starts[g.members[m]]; t < q_starts[g.members[m] + 1]; ++t) tokens.push_back(t);
     const int64_t num_tokens = static_cast<int64_t>(tokens.size()) - token_starts.back(), len = g.lens[gi];
@@ -275,10 +311,14 @@ inline Plan make_plan(const int64_t* q_starts, const int64_t* ctx_starts, int64_
   Plan plan;
   const bool cascade = s.dim % kStep == 0;  // the blocked shared pass steps the head dim by kStep
   std::vector<int64_t> key_starts(batch, 0);
-  for (int64_t g = 0; cascade && g < groups.count; ++g)
-    for (int64_t m = groups.starts[g]; m < groups.starts[g + 1]; ++m) key_starts[groups.members[m]] = groups.lens[g];
-  if (cascade) plan.shared = plan_shared(groups, q_starts, s, plan.tokens, plan.token_starts);
-  plan.items = plan_items(q_starts, ctx_starts, batch, s.num_kv_heads, num_splits, key_starts.data());
+  std::vector<char> kept(groups.count, 0);
+  for (int64_t g = 0; cascade && g < groups.count; ++g) {
+    kept[g] = group_in_window(groups, g, ctx_starts, s.window);
+    for (int64_t m = groups.starts[g]; kept[g] && m < groups.starts[g + 1]; ++m)
+      key_starts[groups.members[m]] = groups.lens[g];
+  }
+  if (cascade) plan.shared = plan_shared(groups, kept, q_starts, s, plan.tokens, plan.token_starts);
+  plan.items = plan_items(q_starts, ctx_starts, batch, s.num_kv_heads, num_splits, key_starts.data(), s.window);
   plan.offsets.assign(plan.size() + 1, 0);
   for (int64_t i = 0; i < plan.size(); ++i)
     plan.offsets[i + 1] = plan.offsets[i] + s.group * (plan.is_shared(i) ? plan.shared[i].tok1 - plan.shared[i].tok0
@@ -289,7 +329,7 @@ inline Plan make_plan(const int64_t* q_starts, const int64_t* ctx_starts, int64_
 // The whole batch; parallel_for(n, fn) runs fn(begin, end) over [0, n) on the caller's threads.
 // Items are taken from a shared counter rather than the ranges handed out: a shared-prefix item
 // costs many suffix items, and a static split would leave a thread idle.
-// Where every item reads its request's whole context (no split, no shared prefix: a batch-16 decode
+// Where no request's keys are split among items (no split, no shared prefix: a batch-16 decode
 // at 1 or 2 threads) each output row has exactly one partial, and the items write their rows
 // themselves, in parallel, instead of one thread merging all of them after the items: that merge
 // was serial work in every layer's call while the other threads waited. Same bits either way.
@@ -299,9 +339,8 @@ void paged_attention(const float* q, const kv_t* k, const kv_t* v, const int64_t
                      const Shape& s, float* out, ParallelFor parallel_for) {
   const Plan plan = make_plan(q_starts, ctx_starts, batch, num_splits, groups, s);
   const int64_t n = plan.size(), num_rows = plan.offsets[n];
-  const bool direct = plan.shared.empty() && std::all_of(plan.items.begin(), plan.items.end(), [&](const WorkItem& w) {
-                        return w.key0 == 0 && w.key1 == ctx_starts[w.b + 1] - ctx_starts[w.b];
-                      });
+  const bool direct = plan.shared.empty() &&
+                      std::none_of(plan.items.begin(), plan.items.end(), [](const WorkItem& w) { return w.split > 0; });
   std::vector<float> acc(num_rows * s.dim), row_max(num_rows), row_sum(num_rows);
   std::atomic<int64_t> next{0};
   parallel_for(n, [&](int64_t, int64_t) {

@@ -185,20 +185,23 @@ void scores_pass(const float* q, int64_t rows, const bf16* k, const int64_t* slo
 }
 #endif
 
-// sc[j] = exp(sc[j] - max) for j < seen, 0 for seen <= j < padded (a multiple of 16); returns
-// (max, sum) of the row through *m and *l.
-inline void softmax_row(float* sc, int64_t seen, int64_t padded, float* m, float* l) {
+// The lanes j0 .. j0 + 15 that lie in [first, seen).
+inline __mmask16 lanes_in(int64_t j0, int64_t first, int64_t seen) {
+  const int64_t hi = std::clamp<int64_t>(seen - j0, 0, 16), lo = std::clamp<int64_t>(first - j0, 0, 16);
+  return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+// sc[j] = exp(sc[j] - max) for first <= j < seen, 0 for the other j < padded (a multiple of 16);
+// returns (max, sum) of the row through *m and *l.
+inline void softmax_row(float* sc, int64_t first, int64_t seen, int64_t padded, float* m, float* l) {
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < seen; j += 16) {
-    const __mmask16 keep = seen - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (seen - j)) - 1);
-    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, keep, sc + j));
-  }
+  for (int64_t j = first / 16 * 16; j < seen; j += 16)
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, lanes_in(j, first, seen), sc + j));
   const float row_max = _mm512_reduce_max_ps(mx);
   const __m512 mv = _mm512_set1_ps(row_max);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < padded; j += 16) {
-    const int64_t left = std::clamp<int64_t>(seen - j, 0, 16);
-    const __mmask16 keep = left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __mmask16 keep = lanes_in(j, first, seen);
     const __m512 p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mv)));
     _mm512_storeu_ps(sc + j, p);
     sum = _mm512_add_ps(sum, p);

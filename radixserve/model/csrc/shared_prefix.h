@@ -6,7 +6,8 @@
 // span of the prefix's keys (<= kSharedKeysPerItem, so two threads get work even at batch 2)
 // and returns each row's softmax partial (max, sum, unnormalised p V), which the driver merges
 // with the row's own suffix by log-sum-exp. Every member token sees the whole prefix (the
-// planner keeps the prefix within each member's cached part), so there is no mask here.
+// planner keeps the prefix within each member's cached part, and in a windowed layer keeps a group
+// only while every member's context fits the window), so there is no mask here.
 //
 // The arithmetic is a small blocked GEMM with the rows as the vector lanes, so each K/V element
 // is loaded once per item and reused across the rows from a register:
@@ -169,6 +170,13 @@ void run_shared_item(const SharedItem& w, const Shape& s, const float* q, const 
     gather_tile(k + head, slots + j0, n, n_pad, num_keys - j0, dim, tile.data());
     auto* out = reinterpret_cast<vecf*>(st.data() + j0 * lanes);
     for_row_blocks(nvt, [&](int64_t v0, auto nv) { shared_scores<nv()>(tile.data(), n_pad, qv, nvt, v0, dim, out); });
+  }
+  if (s.softcap > 0.f) {
+#if defined(__AVX512F__)
+    avx512::soft_cap16(st.data(), num_keys * lanes, 1.f / s.softcap, s.softcap);
+#else
+    soft_cap(st.data(), num_keys * lanes, s.softcap);
+#endif
   }
   shared_softmax(st.data(), num_keys, lanes, lane_max.data(), lane_sum.data());
   auto* av = reinterpret_cast<vecf*>(acct.data());
