@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import uvicorn
 
-from radixserve.server.args import ServerArgs
+from radixserve.server.args import ServerArgs, usage_error
 
 logger = logging.getLogger("radixserve.server")
 T = TypeVar("T")
@@ -127,14 +127,20 @@ def serve(args: ServerArgs) -> None:
     logger.info("resolved server args: %s", json.dumps(args.resolved(), sort_keys=True))
     sock = listen_socket(args.host, args.port)  # before the model loads: fail fast
     from radixserve.engine import Engine
+    from radixserve.kv_events.publisher import KVEventsBindError
     from radixserve.model.summary import format_summary
-    from radixserve.server.app import create_app
+    from radixserve.server.app import create_app, open_kv_events
 
+    try:
+        events = open_kv_events(args)  # so are the KV events' sockets
+    except KVEventsBindError as exc:
+        sock.close()
+        usage_error(f"--kv-events-endpoint / --kv-events-config: {exc}")
     engine = off_the_main_thread(lambda: Engine(args.engine))
     info = engine.describe()
     logger.info("%s", format_summary(info))
     logger.info("engine: %s", json.dumps(info, sort_keys=True))
-    app = create_app(engine, args)
+    app = create_app(engine, args, events)
     config = uvicorn.Config(
         app,
         host=args.host,
