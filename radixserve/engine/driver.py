@@ -251,8 +251,7 @@ class Driver:
             dropped = cache.total_size()
             cache.reset()
         if cache.tiers is not None:
-            host = cache.tiers.clear_host() if "host" in tiers else 0
-            disk = cache.tiers.clear_disk() if "disk" in tiers else 0
+            host, disk = cache.tiers.clear("host" in tiers, "disk" in tiers)
             logger.info(
                 "cache flushed (%s): %d pool tokens, %d host and %d disk pages", ",".join(tiers), dropped, host, disk
             )

@@ -110,7 +110,7 @@ def test_n_choices_with_seed_differ_and_reproduce(client: openai.OpenAI) -> None
     texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
-    assert len(set(texts)) > 1  # seed + j per choice
+    assert len(set(texts)) > 1  # a seed per choice
     assert first.usage is not None and first.usage.prompt_tokens == 10 and first.usage.completion_tokens == 24
 
 

@@ -182,14 +182,15 @@ class DiskPageStore:
     def clear(self) -> int:
         """Drop every page (``/flush_cache``): none is served from now on; the pages held. The files are
         deleted by the writer thread, after the writes queued before, so a caller never waits on the disk
-        (``flush`` waits for it); the directory, its lock and fingerprint stay. A read-only store (another
-        server's directory) only forgets its pages: their files are not ours to delete."""
+        (``flush`` waits for it); the directory, its lock and fingerprint stay. A store that never held the
+        directory's lock (another server's) only forgets its pages: their files are not ours to delete. One
+        that holds it but turned read-only (disk full) still deletes them."""
         with self._mutex:
             gone = [*self._index, *(h for h in self._pending if h not in self._index)]
             self._index.clear()
             self._pending.clear()  # a queued write finds its page gone and skips it
             self.used_bytes = 0
-        if self.writable and self._writer is not None and self._writer.is_alive():
+        if self._writer is not None and self._writer.is_alive():  # the writer runs iff we hold the lock
             self._queue.put(gone)
         if self.on_drop is not None:
             for page_hash in gone:

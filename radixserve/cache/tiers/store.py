@@ -56,8 +56,8 @@ class TierStore(TierPages):
                     self._to_disk(page_hash, page, self._labels.get(page_hash))
 
     def clear_host(self) -> int:
-        """Drop L2 (``/flush_cache``); the pages dropped. A prefetch still running may add pages back: they are
-        valid (a flush is refused while requests, hence their prefetches, are in flight)."""
+        """Drop L2; the pages dropped. A prefetch still running may add pages back (valid ones): a flush goes
+        through ``TierIndex.clear``, which waits for it first."""
         with self.lock:
             hashes = list(self.host.hashes()) if self.host is not None else []
             for page_hash in hashes:

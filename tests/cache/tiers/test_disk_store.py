@@ -213,3 +213,16 @@ def test_clear_drops_every_page_and_its_file_behind_queued_writes(tmp_path: Path
     again = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
     assert again.writable and len(again) == 1 and again.get(h(1)) == payload(1)
     again.close()
+
+
+def test_clear_on_a_store_gone_read_only_still_deletes_and_another_servers_store_only_forgets(tmp_path: Path) -> None:
+    owner = store_with(tmp_path, range(3))
+    reader = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)  # the lock is taken: read-only
+    assert not reader.writable and len(reader) == 3
+    assert reader.clear() == 3 and len(reader) == 0 and reader.get(h(0)) is None
+    assert reader.flush(30) and len(list((tmp_path / "dir" / "pages").rglob("*.kv"))) == 3  # not its files
+    reader.close()
+    owner.writable = False  # as after a failed write (disk full)
+    assert owner.clear() == 3 and owner.flush(30)
+    assert not list((tmp_path / "dir" / "pages").rglob("*.kv"))
+    owner.close()
