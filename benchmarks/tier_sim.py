@@ -81,6 +81,11 @@ class MemoryPageStore:
     def state(self, page_hash: bytes) -> str:
         return "on_disk" if page_hash in self.pages else "absent"
 
+    def clear(self) -> int:
+        dropped = len(self.pages)
+        self.pages.clear()
+        return dropped
+
     def flush(self, timeout: float) -> bool:
         return True
 

@@ -86,6 +86,20 @@ class RequestsInFlight(RuntimeError):
     """The cache cannot be flushed while a request holds part of it."""
 
 
+# What ``flush_cache`` can drop: the KV pool (L1), the host tier (L2), the disk tier (L3).
+CACHE_TIERS = ("device", "host", "disk")
+
+
+def check_flush_tiers(tiers: Sequence[str]) -> tuple[str, ...]:
+    """``tiers`` as a tuple, each one of CACHE_TIERS (ValueError naming the bad one; none at all is one too)."""
+    if isinstance(tiers, str):
+        tiers = [tiers]
+    unknown = [t for t in tiers if t not in CACHE_TIERS]
+    if unknown or not tiers:
+        raise ValueError(f"tiers must be some of {', '.join(CACHE_TIERS)}, got {list(tiers)!r}")
+    return tuple(dict.fromkeys(tiers))
+
+
 @dataclass(eq=False)
 class _Live:
     req: Request
@@ -221,17 +235,26 @@ class Driver:
 
     # ---- the cache's life cycle (the loop's thread) --------------------------------------------------
 
-    def flush_cache(self) -> int:
-        """Drop every cached prefix from the pool and the host tier (the disk tier stays: remove its
-        directory to drop it); the pool tokens dropped. RequestsInFlight while a request holds the cache."""
+    def flush_cache(self, tiers: Sequence[str] = CACHE_TIERS) -> int:
+        """Drop every cached prefix from the tiers named (default all: ``device`` the KV pool, ``host`` L2,
+        ``disk`` L3, whose files are deleted by its writer thread, off this loop); the pool tokens dropped.
+        Afterwards no tier named serves any prefix cached before. KV events report each removal (the pool's
+        as one clear). ValueError for an unknown tier, RequestsInFlight (nothing dropped) while any request
+        is queued or running: it may hold part of the cache, and a prefetch may be filling L2."""
         self._check_thread()
+        tiers = check_flush_tiers(tiers)
         if self.scheduler.has_work():
             raise RequestsInFlight("cache not flushed: requests are in flight")
         cache = self.scheduler.cache
-        dropped = cache.total_size()
-        cache.reset()
+        dropped = 0
+        if "device" in tiers:
+            dropped = cache.total_size()
+            cache.reset()
         if cache.tiers is not None:
-            cache.tiers.clear_host()
+            host, disk = cache.tiers.clear("host" in tiers, "disk" in tiers)
+            logger.info(
+                "cache flushed (%s): %d pool tokens, %d host and %d disk pages", ",".join(tiers), dropped, host, disk
+            )
         return dropped
 
     def close(self, timeout: float = 30.0) -> bool:

@@ -27,6 +27,7 @@ import msgspec
 import zmq
 
 from radixserve.cache import KVEvent
+from radixserve.kv_events.config import replay_endpoint_for
 from radixserve.kv_events.mirror import SNAPSHOT_V2, BlockMirror, encode_snapshot
 from radixserve.kv_events.wire import (
     END_SEQ,
@@ -42,15 +43,8 @@ logger = logging.getLogger(__name__)
 Frames = list[bytes]
 
 
-def replay_endpoint_for(endpoint: str) -> str:
-    """The default replay endpoint: the next TCP port (any free one for ``tcp://host:*``), or ``<path>.replay``."""
-    if endpoint.startswith("tcp://"):
-        host, port = endpoint.rsplit(":", 1)
-        if port == "*":
-            return endpoint
-        if port.isdigit():
-            return f"{host}:{int(port) + 1}"
-    return endpoint + ".replay"
+class KVEventsBindError(ValueError):
+    """An endpoint could not be bound (a port in use, a missing ipc directory): the message says which and why."""
 
 
 class KVEventPublisher:
@@ -69,11 +63,11 @@ class KVEventPublisher:
         self._pub = context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
-        self._pub.bind(endpoint)
         self._replay = context.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
         self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer + 1))  # a whole replay must fit: ROUTER drops past it
-        self._replay.bind(replay_endpoint or replay_endpoint_for(endpoint))
+        self._bind(self._pub, "endpoint", endpoint)
+        self._bind(self._replay, "replay endpoint", replay_endpoint or replay_endpoint_for(endpoint))
         # Where subscribers connect: the bound addresses (a ``tcp://host:*`` wildcard resolved to its port).
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -84,6 +78,15 @@ class KVEventPublisher:
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve_requests, name="radixserve-kv-replay", daemon=True)
         self._thread.start()
+
+    def _bind(self, socket: zmq.Socket[bytes], name: str, endpoint: str) -> None:
+        """Bind ``socket``; on failure close both sockets and raise KVEventsBindError naming the endpoint."""
+        try:
+            socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._pub.close()
+            self._replay.close()
+            raise KVEventsBindError(f"the KV events {name} {endpoint!r} cannot be bound: {exc}") from None
 
     @property
     def seq(self) -> int:

@@ -31,7 +31,7 @@ announced again in full once a request reads it. Tier events go out only when
 ``B`` is the tier page (16 tokens for cache pages up to 16: the default), as a
 tier page's hash is a block hash at that size only. ``AllBlocksCleared`` clears
 the pool, as vLLM's block pool sends it; a tier announces its own removals (after
-it, in the same batch), and a flush keeps the disk. ``BlockMirror`` (mirror.py)
+it, in the same batch: the host's and, unless the flush keeps it, the disk's). ``BlockMirror`` (mirror.py)
 keeps one set per medium.
 
 Blocks are whole runs of ``B`` tokens (16 by default, whatever the cache's page

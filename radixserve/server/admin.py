@@ -1,4 +1,5 @@
-"""The cache's admin endpoints: ``GET /cache`` (what it holds) and ``POST /flush_cache`` (drop it all).
+"""The cache's admin endpoints: ``GET /cache`` (what it holds) and ``POST /flush_cache`` (drop it all: the
+KV pool, the host tier and the disk tier, or the ``tiers`` named).
 
 Who may do what (``Tenancy.is_operator``): the admin key always; without an admin key and
 with a single identity (no key, or one ``--api-key``), that one caller. With several
@@ -10,6 +11,7 @@ no prompt text (``head_text`` / ``tail_text``) to a non-admin, and ``/flush_cach
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +19,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.params import Depends
 
 from radixserve.engine import Engine
-from radixserve.engine.driver import RequestsInFlight
+from radixserve.engine.driver import CACHE_TIERS, RequestsInFlight, check_flush_tiers
 from radixserve.server.errors import APIError
 from radixserve.server.generation import ServerState
 
@@ -50,16 +52,44 @@ def admin_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter:
         return hide_previews(out)
 
     @router.post("/flush_cache")
-    async def flush_cache(request: Request) -> dict[str, Any]:
+    async def flush_cache(request: Request, tiers: str | None = None) -> dict[str, Any]:
+        """Drop every cached prefix from the KV pool, the host tier and the disk tier (``tiers``: some of them).
+
+        ``tiers`` comes as a query parameter (``?tiers=device,host``) or a JSON body field
+        (``{"tiers": ["device", "host"]}``); absent, all three. 400 for an unknown tier
+        or while requests are in flight (nothing is dropped then).
+        """
         if not tenancy.is_operator(request.state.tenant):
             raise APIError(403, "with several API keys or tenants only the admin key may flush the cache", "forbidden")
-        try:  # the engine's own flush: the pool and the host tier
-            dropped = await state.worker_call(engine.flush_cache)
+        chosen = flush_tiers(tiers, await request.body())
+        try:  # the engine's own flush; the disk's files are deleted by its writer thread
+            dropped = await state.worker_call(lambda: engine.flush_cache(chosen))
         except RequestsInFlight as exc:
             raise APIError(400, str(exc), "requests_in_flight") from None
-        return {"flushed": True, "dropped_tokens": dropped}
+        return {"flushed": True, "tiers": list(chosen), "dropped_tokens": dropped}
 
     return router
+
+
+def flush_tiers(query: str | None, raw: bytes) -> tuple[str, ...]:
+    """The tiers a flush names: the query's comma-separated list, else the body's ``tiers`` list, else all;
+    APIError(400) for anything else (BodyGuard already checked that a body is JSON)."""
+    body = json.loads(raw) if raw.strip() else None
+    field = body.get("tiers") if isinstance(body, dict) else None
+    if body is not None and (not isinstance(body, dict) or set(body) - {"tiers"}):
+        raise APIError(400, 'the body of /flush_cache may only hold "tiers"', "invalid_tiers")
+    if query is not None and field is not None:
+        raise APIError(400, "name the tiers in the query or in the body, not both", "invalid_tiers", "tiers")
+    if query is not None:
+        field = [t.strip() for t in query.split(",") if t.strip()]
+    if field is None:
+        return CACHE_TIERS
+    if not isinstance(field, list) or not all(isinstance(t, str) for t in field):
+        raise APIError(400, "tiers must be a list of tier names", "invalid_tiers", "tiers")
+    try:
+        return check_flush_tiers(field)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_tiers", "tiers") from None
 
 
 def decode_previews(engine: Engine, out: dict[str, Any]) -> dict[str, Any]:

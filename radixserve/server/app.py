@@ -42,22 +42,30 @@ logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
+def open_kv_events(args: ServerArgs) -> KVEventPublisher | None:
+    """The KV events publisher ``args`` ask for, its sockets bound (None: events off). KVEventsBindError if an
+    endpoint cannot be bound: ``serve`` opens it before the model loads, so that fails at once."""
+    if not args.kv_events_endpoint:
+        return None
+    return KVEventPublisher(
+        args.kv_events_endpoint,
+        args.kv_events_replay_endpoint,
+        args.kv_events_block_size,
+        args.kv_events_buffer_steps,
+        args.kv_events_topic,
+        args.kv_events_hwm,
+    )
+
+
+def create_app(engine: Engine, args: ServerArgs, events: KVEventPublisher | None = None) -> FastAPI:
+    """The app serving ``engine``; ``events``: the publisher ``open_kv_events(args)`` opened (None: open it here)."""
     if args.kv_events_endpoint and not engine.config.enable_kv_events:  # it would publish nothing, silently
         raise ValueError("--kv-events-endpoint needs an engine with enable_kv_events: build it from args.engine")
     metrics = ServerMetrics(args.hit_rate_window) if args.enable_metrics else None
     if metrics is not None and engine.tiers is not None:
         metrics.registry.register(TierCollector(engine.tiers))
-    events = None
-    if args.kv_events_endpoint:
-        events = KVEventPublisher(
-            args.kv_events_endpoint,
-            args.kv_events_replay_endpoint,
-            args.kv_events_block_size,
-            args.kv_events_buffer_steps,
-            args.kv_events_topic,
-            args.kv_events_hwm,
-        )
+    if events is None:
+        events = open_kv_events(args)
     worker = EngineWorker(engine, metrics, args.max_queued_requests, events, args.graceful_shutdown_timeout)
     state = ServerState(engine, args, worker, metrics, build_tenancy(args), shared_heads(engine.tokenizer, args))
     app = FastAPI(

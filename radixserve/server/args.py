@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from radixserve.cache import EVICTION_POLICIES, PREFIX_CACHES, WRITE_POLICIES
 from radixserve.core import ROUTER_INDEXES, ROUTER_POLICIES
@@ -448,8 +448,30 @@ def parse_args(argv: list[str]) -> ServerArgs:
         parser.error(str(exc))
 
 
+def usage_error(message: str) -> NoReturn:
+    """Exit as a bad flag does: ``radixserve serve``'s usage and ``message`` on stderr, exit code 2 (argparse's).
+    For what only a try can tell (an endpoint that cannot be bound), found before the model loads."""
+    build_parser().error(message)
+
+
 def kv_events_fields(ns: argparse.Namespace) -> dict[str, Any]:
-    """The ServerArgs kv_events_* fields from ``--kv-events-config`` or its shorthand flags (checked)."""
+    """The ServerArgs kv_events_* fields from ``--kv-events-config`` or its shorthand flags (checked; a
+    ValueError names the flag and the problem)."""
+    flag = "--kv-events-config" if ns.kv_events_config is not None else "--kv-events-endpoint"
+    try:
+        config = _kv_events_config(ns)
+    except ValueError as exc:
+        raise ValueError(str(exc) if str(exc).startswith("--") else f"{flag}: {exc}") from None
+    return {
+        "kv_events_endpoint": config.endpoint if ns.kv_events_config or ns.kv_events_endpoint else None,
+        "kv_events_replay_endpoint": config.replay_endpoint,
+        "kv_events_topic": config.topic,
+        "kv_events_buffer_steps": config.buffer_steps,
+        "kv_events_hwm": config.hwm,
+    }
+
+
+def _kv_events_config(ns: argparse.Namespace) -> KVEventsConfig:
     if ns.kv_events_config is not None:
         if ns.kv_events_endpoint or ns.kv_events_replay_endpoint:
             raise ValueError("--kv-events-config names the endpoints: drop --kv-events-endpoint / -replay-endpoint")
@@ -460,13 +482,7 @@ def kv_events_fields(ns: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint (or --kv-events-config)")
     else:
         config = KVEventsConfig()
-    return {
-        "kv_events_endpoint": config.endpoint if ns.kv_events_config or ns.kv_events_endpoint else None,
-        "kv_events_replay_endpoint": config.replay_endpoint,
-        "kv_events_topic": config.topic,
-        "kv_events_buffer_steps": config.buffer_steps,
-        "kv_events_hwm": config.hwm,
-    }
+    return config
 
 
 # ServerArgs fields that are not a flag's value as it stands (derived from other flags, or renamed); every

@@ -22,11 +22,14 @@ import socket
 import threading
 from collections.abc import Callable, Generator
 from types import FrameType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import uvicorn
 
-from radixserve.server.args import ServerArgs
+from radixserve.server.args import ServerArgs, usage_error
+
+if TYPE_CHECKING:
+    from radixserve.kv_events.publisher import KVEventPublisher
 
 logger = logging.getLogger("radixserve.server")
 T = TypeVar("T")
@@ -122,19 +125,38 @@ def off_the_main_thread(build: Callable[[], T]) -> T:
     return done[0]
 
 
+def kv_events_before_the_model(args: ServerArgs, sock: socket.socket) -> KVEventPublisher | None:
+    """The KV events publisher, its sockets bound (None: events off). An endpoint that cannot be bound (a port
+    in use, a missing ipc directory) is a usage error, exit 2, before any weights are read."""
+    from radixserve.kv_events.publisher import KVEventsBindError
+    from radixserve.server.app import open_kv_events
+
+    try:
+        return open_kv_events(args)
+    except KVEventsBindError as exc:
+        sock.close()
+        usage_error(f"--kv-events-endpoint / --kv-events-config: {exc}")
+
+
 def serve(args: ServerArgs) -> None:
     configure_logging(args.log_level)
     logger.info("resolved server args: %s", json.dumps(args.resolved(), sort_keys=True))
     sock = listen_socket(args.host, args.port)  # before the model loads: fail fast
+    events = kv_events_before_the_model(args, sock)  # so are the KV events' sockets
     from radixserve.engine import Engine
     from radixserve.model.summary import format_summary
     from radixserve.server.app import create_app
 
-    engine = off_the_main_thread(lambda: Engine(args.engine))
+    try:
+        engine = off_the_main_thread(lambda: Engine(args.engine))
+    except BaseException:
+        if events is not None:
+            events.close()  # its sockets and replay thread: the process must still exit
+        raise
     info = engine.describe()
     logger.info("%s", format_summary(info))
     logger.info("engine: %s", json.dumps(info, sort_keys=True))
-    app = create_app(engine, args)
+    app = create_app(engine, args, events)
     config = uvicorn.Config(
         app,
         host=args.host,

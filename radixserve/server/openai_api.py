@@ -1,8 +1,9 @@
 """``/v1/completions`` and ``/v1/chat/completions``: OpenAI request in, OpenAI response or SSE stream out.
 
 One HTTP call becomes ``len(prompts) x n`` engine requests; choice ``index`` is
-``prompt_i * n + j``. Choice ``j`` of a seeded call uses ``seed + j``, so the
-choices differ and each is reproducible. Siblings share the prompt, so all but
+``prompt_i * n + j``. Choice 0 of a seeded call uses ``seed`` itself and choice
+``j > 0`` ``choice_seed(seed, j)``, a hash of the pair, so the choices differ and
+each is reproducible. Siblings share the prompt, so all but
 the first hit the cache (in-batch dedup holds them until the first has
 prefilled it).
 
@@ -14,6 +15,7 @@ call; siblings' reuse of each other is not counted).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -30,6 +32,17 @@ from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest,
 from radixserve.server.structured import precompile, response_format_params
 
 logger = logging.getLogger(__name__)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a call seeded with ``seed``: ``seed`` itself for choice 0 (as with n=1),
+    else a hash of the pair into [0, 2^63). ``seed + index`` would wrap: torch's CPU generator keeps a
+    seed's low 32 bits, so seed 2^63-1's choices 1 and 2 were seed 0 and seed 1. Hashed, no choice
+    repeats another seed's by construction (only by a 2^-32 chance of its low bits)."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def sse(payload: Any) -> str:
@@ -99,7 +112,7 @@ class OpenAICall:
         requests = []
         for ids in prompts:
             for j in range(n):
-                choice = dict(params, seed=None if seed is None else seed + j)
+                choice = dict(params, seed=None if seed is None else choice_seed(seed, j))
                 requests.append(self.state.make_request(ids, choice, explicit_max, self.namespace, self.arrival))
         self.num_choices = len(requests)
         return Generation(self.state, requests)

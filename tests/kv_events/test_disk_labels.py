@@ -184,9 +184,10 @@ def test_a_restarted_engine_announces_its_disk_in_full_to_a_peer_decoder(tiny_mo
 def test_flush_cache_clears_the_pool_then_the_host_tier_announces_its_drops_and_the_disk_stays(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """``/flush_cache`` as SGLang's decoder reads it: ``AllBlocksCleared`` (the pool's, as vLLM's block pool sends
-    it), then a ``CPU_PINNED`` removal per host page (SGLang reads the clear as device and host: redundant there,
-    needed by a reader of the pool's alone), and nothing about the disk, which a flush keeps."""
+    """``/flush_cache?tiers=device,host`` as SGLang's decoder reads it: ``AllBlocksCleared`` (the pool's, as vLLM's
+    block pool sends it), then a ``CPU_PINNED`` removal per host page (SGLang reads the clear as device and host:
+    redundant there, needed by a reader of the pool's alone), and nothing about the disk, which that flush keeps
+    (a full flush's disk removals: tests/test_flush.py)."""
     import msgspec
 
     from radixserve import Engine
@@ -212,7 +213,7 @@ def test_flush_cache_clears_the_pool_then_the_host_tier_announces_its_drops_and_
         mirror.apply(0, decode_batch(encode_batch(records)))
         host, disk = _tier_blocks(tiers)["cpu"], _tier_blocks(tiers)["disk"]
         assert host and disk and mirror.blocks and mirror.media == {"cpu": host, "disk": disk}
-        engine.flush_cache()
+        engine.flush_cache(tiers=("device", "host"))
         records = [r for r in (event_record(e, 16) for e in events.drain()) if r is not None]
         batch = msgspec.msgpack.Decoder(peer.KVEventBatch).decode(encode_batch(records))
         assert isinstance(batch.events[0], peer.AllBlocksCleared)

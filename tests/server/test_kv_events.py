@@ -175,3 +175,36 @@ def test_server_args_built_without_flags_publish_on_their_endpoint(
         worker.stop()
         if worker.events is not None:
             worker.events.close()
+
+
+def test_a_routers_mirror_of_every_tier_ends_empty_after_an_http_flush(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """With a host tier and a cache directory (write-through: each prompt page lands in all three), a subscriber
+    mirrors the pool, ``cpu`` and ``disk``; after ``POST /flush_cache`` every one of them is empty."""
+    import httpx
+
+    from tests.support.server_process import ServerProcess, free_port
+
+    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    flags = ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", rep, "--hicache-size", "0.01"]
+    flags += ["--hicache-write-policy", "write_through", "--cache-dir", str(tmp_path / "kv"), "--log-level", "warning"]
+    proc = ServerProcess(*flags, model_path=tiny_model_dir).start()
+    try:
+        subscriber = KVEventSubscriber(pub, rep)
+        body = {"input_ids": list(range(10, 60)), "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.post(proc.url + "/generate", json=body, timeout=60).status_code == 200
+
+        def caught_up() -> None:
+            time.sleep(0.6)  # the scheduler publishes within its 0.5 s idle wait (the disk writer's too)
+            subscriber.poll(500)
+            subscriber.catch_up()
+
+        deadline = time.monotonic() + 60
+        while not (subscriber.media.get("cpu") and subscriber.media.get("disk")) and time.monotonic() < deadline:
+            caught_up()
+        assert subscriber.blocks and subscriber.media["cpu"] and subscriber.media["disk"]
+        assert httpx.post(proc.url + "/flush_cache", timeout=30).status_code == 200
+        caught_up()
+        assert subscriber.blocks == set() and all(not held for held in subscriber.media.values())
+        subscriber.close()
+    finally:
+        assert proc.stop() == 0

@@ -110,7 +110,7 @@ def test_n_choices_with_seed_differ_and_reproduce(client: openai.OpenAI) -> None
     texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
-    assert len(set(texts)) > 1  # seed + j per choice
+    assert len(set(texts)) > 1  # a seed per choice
     assert first.usage is not None and first.usage.prompt_tokens == 10 and first.usage.completion_tokens == 24
 
 
@@ -183,3 +183,28 @@ def test_echo_and_token_id_prompts(client: openai.OpenAI) -> None:
     assert [c.index for c in by_ids.choices] == [0, 1]
     assert by_ids.usage is not None and by_ids.usage.prompt_tokens == 5
     assert by_ids.choices[0].text == echoed.choices[0].text[len("w5 w6") :]
+
+
+def test_n_choices_of_the_largest_seed_do_not_repeat_seed_0s(client: openai.OpenAI) -> None:
+    """Choice j's seed is no ``seed + j``: at 2^63-1 that wrapped (torch's CPU generator keeps the low 32 bits),
+    so choices 1-2 of seed 2^63-1 were choices 0-1 of seed 0."""
+    params = dict(model=MODEL, prompt=words(range(20, 30)), max_tokens=12, temperature=1.0)
+
+    def texts(seed: int, n: int) -> list[str]:
+        out = client.completions.create(**params, n=n, seed=seed)  # type: ignore[call-overload]
+        return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+
+    top, zero = texts((1 << 63) - 1, 3), texts(0, 2)
+    assert top == texts((1 << 63) - 1, 3)  # reproducible
+    assert top[1] != zero[0] and top[2] != zero[1]
+    assert texts(0, 1) == zero[:1]  # choice 0 is the seed itself, as with n=1
+
+
+def test_choice_seeds_are_distinct_and_in_range() -> None:
+    from radixserve.server.openai_api import choice_seed
+
+    for seed in (0, 1, 7, (1 << 32) - 1, 1 << 32, (1 << 63) - 1):
+        seeds = [choice_seed(seed, j) for j in range(8)]
+        assert seeds[0] == seed and all(0 <= s < 1 << 63 for s in seeds)
+        assert len({s & 0xFFFFFFFF for s in seeds}) == 8  # the bits the CPU generator keeps
+    assert choice_seed((1 << 63) - 1, 1) != 0 and choice_seed((1 << 63) - 1, 2) not in (0, 1, choice_seed(0, 1))

@@ -164,3 +164,26 @@ def test_a_single_key_is_the_operator(tiny_model_dir: Path) -> None:
         headers = {"Authorization": f"Bearer {KEYS['alice']}"}
         assert "head_text" in httpx.get(proc.url + "/cache", headers=headers, timeout=30).text
         assert httpx.post(proc.url + "/flush_cache", headers=headers, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_an_admin_flush_drops_tenants_kv_from_every_tier(tiny_model_dir: Path, tmp_path: Path, policy: str) -> None:
+    """Under --tenant-isolation with a host tier and a cache directory, the admin's flush leaves no tenant's
+    prefix in any tier: each tenant's next request computes it again."""
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text("".join(f"{t} {k}\n" for t, k in KEYS.items()))
+    flags = ["--tenant-isolation", "--api-key-file", str(key_file), "--admin-api-key", ADMIN]
+    flags += ["--hicache-size", "0.01", "--hicache-write-policy", policy, "--cache-dir", str(tmp_path / "kv")]
+    prompt = " ".join(f"w{3 + (i * 7) % 120}" for i in range(80))  # five whole tier pages
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    with ServerProcess(*flags, "--log-level", "warning", model_path=tiny_model_dir) as first:
+        for key in KEYS.values():
+            cached(first.url, key, prompt=prompt)
+    with ServerProcess(*flags, "--log-level", "warning", model_path=tiny_model_dir) as proc:
+        for key in KEYS.values():  # a warm restart: from disk into the pool (and the host tier)
+            assert cached(proc.url, key, prompt=prompt) >= 64
+        assert httpx.post(proc.url + "/flush_cache", headers=admin, timeout=30).status_code == 200
+        view = httpx.get(proc.url + "/cache", headers=admin, timeout=30).json()
+        assert view["tiers"]["host"]["pages"] == 0 and view["tiers"]["disk"]["pages"] == 0
+        for key in KEYS.values():
+            assert cached(proc.url, key, prompt=prompt) == 0

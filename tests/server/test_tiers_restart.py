@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.server.conftest import MODEL
 from tests.support.server_process import ServerProcess
@@ -80,4 +81,45 @@ def test_an_http_flush_empties_the_host_tier_too(tiny_model_dir: Path) -> None:
         flushed = httpx.post(server.url + "/flush_cache", timeout=30)
         assert flushed.status_code == 200 and flushed.json()["dropped_tokens"] > 0
         assert httpx.get(server.url + "/cache", timeout=30).json()["tiers"]["host"]["pages"] == 0
+        assert cached_tokens(complete(server.url, DOC + " w9")) == 0
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_an_http_flush_empties_every_tier_and_a_restart_finds_nothing(
+    tiny_model_dir: Path, tmp_path: Path, policy: str
+) -> None:
+    """With a host tier and a cache directory: sent, flushed, sent again -> nothing cached; the disk's page
+    files are deleted, so the next server on the directory starts cold."""
+    flags = ("--hicache-size", "0.01", "--hicache-write-policy", policy, "--cache-dir", str(tmp_path / "kv"))
+    flags += ("--max-total-tokens", "512")
+    with ServerProcess(*flags, model_path=tiny_model_dir) as first:
+        complete(first.url, DOC + " w9")
+    with ServerProcess(*flags, model_path=tiny_model_dir) as server:
+        assert cached_tokens(complete(server.url, DOC + " w9")) >= 64  # from disk: all three tiers hold it now
+        flushed = httpx.post(server.url + "/flush_cache", timeout=30)
+        assert flushed.status_code == 200
+        tiers = httpx.get(server.url + "/cache", timeout=30).json()["tiers"]
+        assert tiers["host"]["pages"] == 0 and tiers["disk"]["pages"] == 0
+        assert cached_tokens(complete(server.url, DOC + " w9")) == 0
+        assert flushed.json()["tiers"] == ["device", "host", "disk"]
+        assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
+    assert not list((tmp_path / "kv" / "pages").rglob("*.kv"))
+    with ServerProcess(*flags, model_path=tiny_model_dir) as again:
+        assert httpx.get(again.url + "/cache", timeout=30).json()["tiers"]["disk"]["pages"] == 0
+        assert cached_tokens(complete(again.url, DOC + " w9")) == 0
+
+
+def test_an_http_flush_takes_the_tiers_in_its_query_or_body(tiny_model_dir: Path, tmp_path: Path) -> None:
+    flags = ("--hicache-size", "0.01", "--hicache-write-policy", "write_through", "--cache-dir", str(tmp_path / "kv"))
+    with ServerProcess(*flags, "--max-total-tokens", "512", model_path=tiny_model_dir) as server:
+        complete(server.url, DOC + " w9")
+        for bad in ({"params": {"tiers": "device,gpu"}}, {"json": {"tiers": "device"}}, {"json": {"tier": ["disk"]}}):
+            refused = httpx.post(server.url + "/flush_cache", timeout=30, **bad)  # type: ignore[arg-type]
+            assert refused.status_code == 400, refused.text
+        assert cached_tokens(complete(server.url, DOC + " w9")) >= 64  # a refused flush dropped nothing
+        kept = httpx.post(server.url + "/flush_cache", params={"tiers": "device,host"}, timeout=30)
+        assert kept.status_code == 200 and kept.json()["tiers"] == ["device", "host"]
+        assert cached_tokens(complete(server.url, DOC + " w9")) >= 64  # the disk still serves it
+        disk = httpx.post(server.url + "/flush_cache", json={"tiers": ["device", "host", "disk"]}, timeout=30)
+        assert disk.status_code == 200 and disk.json()["tiers"] == ["device", "host", "disk"]
         assert cached_tokens(complete(server.url, DOC + " w9")) == 0

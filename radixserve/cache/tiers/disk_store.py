@@ -66,7 +66,8 @@ class DiskPageStore:
         self._index: OrderedDict[bytes, int] = OrderedDict()  # page hash -> file size, least recent first
         self._pending: dict[bytes, tuple[bytes, bytes]] = {}  # (payload, label) enqueued: readable meanwhile
         self._mutex = threading.Lock()
-        self._queue: queue.Queue[tuple[bytes, bytes, bytes] | None] = queue.Queue()
+        # the writer's work, in order: a page to write, a list of pages to delete (a ``clear``), None: stop
+        self._queue: queue.Queue[tuple[bytes, bytes, bytes] | list[bytes] | None] = queue.Queue()
         self._lock_fd: int | None = None
         self._writer: threading.Thread | None = None
         # Called with a page's hash once it leaves the store (evicted, corrupt, missing, or a queued write
@@ -178,6 +179,24 @@ class DiskPageStore:
         logger.warning("cache dir page %s failed its check: dropped, will be recomputed", page_hash.hex())
         self._forget(page_hash, unlink=self.writable)
 
+    def clear(self) -> int:
+        """Drop every page (``/flush_cache``): none is served from now on; the pages held. The files are
+        deleted by the writer thread, after the writes queued before, so a caller never waits on the disk
+        (``flush`` waits for it); the directory, its lock and fingerprint stay. A store that never held the
+        directory's lock (another server's) only forgets its pages: their files are not ours to delete. One
+        that holds it but turned read-only (disk full) still deletes them."""
+        with self._mutex:
+            gone = [*self._index, *(h for h in self._pending if h not in self._index)]
+            self._index.clear()
+            self._pending.clear()  # a queued write finds its page gone and skips it
+            self.used_bytes = 0
+        if self._writer is not None and self._writer.is_alive():  # the writer runs iff we hold the lock
+            self._queue.put(gone)
+        if self.on_drop is not None:
+            for page_hash in gone:
+                self.on_drop(page_hash)
+        return len(gone)
+
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for every enqueued page to reach the disk; True if all did."""
         deadline = time.monotonic() + timeout
@@ -229,11 +248,16 @@ class DiskPageStore:
             try:
                 if item is None:
                     return
-                self._write_page(*item)
+                if isinstance(item, list):
+                    self._delete_pages(item)
+                else:
+                    self._write_page(*item)
             finally:
                 self._queue.task_done()
 
     def _write_page(self, page_hash: bytes, payload: bytes, label: bytes) -> None:
+        if not self._queued(page_hash, payload):
+            return  # cleared since it was queued (a put after the clear queued its own write)
         data = encode_page(page_hash, self.digest, payload, label)
         written = False
         try:
@@ -244,7 +268,9 @@ class DiskPageStore:
         except OSError as exc:
             self._disable_writes(exc)
         with self._mutex:  # queued -> on disk in one step: never in neither state
-            self._pending.pop(page_hash, None)
+            if not self._queued(page_hash, payload):
+                return  # cleared while it was written: the clear's delete, queued behind, removes the file
+            self._pending.pop(page_hash)
             if written:
                 self._index[page_hash] = len(data)
                 self.used_bytes += len(data)
@@ -252,6 +278,23 @@ class DiskPageStore:
             self._count(pages_written=1, bytes_written=len(payload))
         elif self.on_drop is not None:
             self.on_drop(page_hash)  # it was readable while queued: now it is gone
+
+    def _queued(self, page_hash: bytes, payload: bytes) -> bool:
+        """Is this write (``payload``, by identity) still the one queued for ``page_hash``? Not once a ``clear``
+        dropped it. Read without the mutex it is a hint; under it, the answer."""
+        pending = self._pending.get(page_hash)
+        return pending is not None and pending[0] is payload
+
+    def _delete_pages(self, gone: list[bytes]) -> None:
+        """A ``clear``'s files (the writer thread): those a later put wrote again are not in the list's past."""
+        for page_hash in gone:
+            with self._mutex:
+                if page_hash in self._index or page_hash in self._pending:
+                    continue  # stored again since the clear: a later write owns the file
+            try:
+                self._path(page_hash).unlink(missing_ok=True)
+            except OSError as exc:
+                logger.warning("cache dir %s: could not delete page %s (%s)", self.directory, page_hash.hex(), exc)
 
     def _make_room(self, size: int) -> None:
         while True:

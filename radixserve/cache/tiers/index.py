@@ -14,6 +14,7 @@ prefetch bookkeeping; the disk store locks itself.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from radixserve.memory.allocator import IndexArray
 
 if TYPE_CHECKING:  # torch stays out of the cache layer's imports
     from radixserve.cache.tiers.host_arena import HostArena
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,14 @@ class TierIndex(TierStore):
                     self.stats.pages_prefetched += 1
                     brought += 1
         return brought
+
+    def clear(self, host: bool, disk: bool) -> tuple[int, int]:
+        """Drop L2 (``host``) and / or L3 (``disk``) for a flush; the (host, disk) pages dropped. A prefetch job
+        still running (its request was admitted and cancelled it too late) is waited for first, up to 5 s, so
+        it cannot copy a flushed disk page back into L2."""
+        if self.prefetcher is not None and not self.prefetcher.wait_idle(5.0):
+            logger.warning("flush: a cache prefetch is still running; it may bring pages back into the host tier")
+        return self.clear_host() if host else 0, self.clear_disk() if disk else 0
 
     def _observe_latency(self, seconds: float) -> None:
         bucket = int(np.searchsorted(LOAD_BUCKETS_S, seconds))

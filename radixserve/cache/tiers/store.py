@@ -39,7 +39,7 @@ class TierStore(TierPages):
         self._store(key, slots, start, host=True, disk=self.host is None)
 
     def on_clear(self) -> None:
-        """The pool's cache was reset: L2 and L3 keep their pages (``clear_host`` drops L2)."""
+        """The pool's cache was reset: L2 and L3 keep their pages (``clear_host`` and ``clear_disk`` drop them)."""
 
     def flush_path(self, key: RadixKey, slots: IndexArray) -> None:
         """Shutdown: make sure every whole page of a cached path is on disk (or queued)."""
@@ -55,15 +55,23 @@ class TierStore(TierPages):
                 if page is not None and page_hash not in self.disk:
                     self._to_disk(page_hash, page, self._labels.get(page_hash))
 
-    def clear_host(self) -> None:
-        """Drop L2 (``/flush_cache``). A prefetch still running may add pages back: they are valid."""
+    def clear_host(self) -> int:
+        """Drop L2; the pages dropped. A prefetch still running may add pages back (valid ones): a flush goes
+        through ``TierIndex.clear``, which waits for it first."""
         with self.lock:
+            hashes = list(self.host.hashes()) if self.host is not None else []
+            for page_hash in hashes:
+                self._dropped(page_hash, "cpu")
             if self.host is not None:
-                for page_hash in self.host.hashes():
-                    self._dropped(page_hash, "cpu")
                 self.host.clear()
             self._prefetched.clear()
             self._labels.clear()
+        return len(hashes)
+
+    def clear_disk(self) -> int:
+        """Drop L3 (``/flush_cache``): no page is read from disk from now on, its files are deleted behind the
+        writes already queued (disk_store.py ``clear``); the pages dropped. Each removal is announced."""
+        return self.disk.clear() if self.disk is not None else 0
 
     def _store(self, key: RadixKey, slots: IndexArray, start: int, host: bool, disk: bool) -> None:
         """Copy the whole tier pages of ``key[start:]`` into the tiers asked for that lack them."""

@@ -185,3 +185,44 @@ def test_leftover_temp_files_are_removed(tmp_path: Path) -> None:
     stray.write_bytes(b"torn")
     DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT).close()
     assert not stray.exists()
+
+
+def test_clear_drops_every_page_and_its_file_behind_queued_writes(tmp_path: Path) -> None:
+    """``clear`` (a flush) answers at once; the writer thread skips writes it dropped and deletes the files."""
+    store = store_with(tmp_path, range(4))
+    gate, dropped = threading.Event(), []
+    store.on_drop = dropped.append
+    real_write = store._write_file
+
+    def slow_write(path: Path, data: bytes) -> None:
+        gate.wait(30)
+        real_write(path, data)
+
+    store._write_file = slow_write  # type: ignore[method-assign]
+    assert store.put(h(4), payload(4)) and store.put(h(5), payload(5))  # h(4) held at its write (or queued)
+    assert store.clear() == 6 and len(store) == 0 and store.used_bytes == 0
+    assert sorted(dropped) == sorted(h(i) for i in range(6))
+    assert store.get(h(0)) is None and store.get(h(5)) is None and store.state(h(4)) == "absent"
+    assert store.put(h(1), payload(1))  # stored again after the clear: kept
+    gate.set()
+    assert store.flush(30)
+    files = sorted(p.name for p in (tmp_path / "dir" / "pages").rglob("*.kv"))
+    assert len(files) == 1 and store.get(h(1)) == payload(1) and len(store) == 1
+    assert store.stats.pages_written == 5  # the four before, h(1) again: h(4)'s write was dropped after it ran
+    store.close()
+    again = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
+    assert again.writable and len(again) == 1 and again.get(h(1)) == payload(1)
+    again.close()
+
+
+def test_clear_on_a_store_gone_read_only_still_deletes_and_another_servers_store_only_forgets(tmp_path: Path) -> None:
+    owner = store_with(tmp_path, range(3))
+    reader = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)  # the lock is taken: read-only
+    assert not reader.writable and len(reader) == 3
+    assert reader.clear() == 3 and len(reader) == 0 and reader.get(h(0)) is None
+    assert reader.flush(30) and len(list((tmp_path / "dir" / "pages").rglob("*.kv"))) == 3  # not its files
+    reader.close()
+    owner.writable = False  # as after a failed write (disk full)
+    assert owner.clear() == 3 and owner.flush(30)
+    assert not list((tmp_path / "dir" / "pages").rglob("*.kv"))
+    owner.close()
