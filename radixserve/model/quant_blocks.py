@@ -3,7 +3,8 @@
 Q4_1 stores per block a float16 scale d and min m and 32 4-bit codes (w = d * q + m;
 0.625 bytes per weight); Q8_0 a float16 scale and 32 int8 codes (w = d * q; 1.0625 bytes).
 A GGUF file's own Q4_1 / Q8_0 blocks are kept exactly as they are (their float32 values
-are what the float path runs, so keeping them loses nothing); other weights are
+are what the float path runs, so keeping them loses nothing); its Q4_0 blocks (w = d * (q - 8))
+become Q4_1 blocks with m = -8d, exactly (see ``QuantBlocks.from_gguf``); other weights are
 quantized here with gguf's own quantizer. The kernels take and return the model's dtype:
 float32 rows multiply by the exact float32 weights, bfloat16 rows (AVX512-BF16) by those
 weights rounded to bfloat16, as the GEMM path and the bfloat16 float model round them. Each
@@ -44,18 +45,22 @@ INT8_KERNEL_MAX_ROWS = 48
 # time (MKL packs x again for each tile), 1 MiB tiles 1.00x; at 17-128 rows the two sizes ran alike.
 TILE_BYTES = 1024 * 1024
 FORMATS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
-_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # float16 d (and m for Q4_1), then the codes
+# The GGUF types whose blocks are kept (read by ``from_gguf``): FORMATS, and Q4_0 run as Q4_1.
+FILE_FORMATS = {**FORMATS, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q4_0": 18}  # float16 d (and m for Q4_1), then the codes
 
 
 @dataclass(frozen=True)
 class QuantBlocks:
     """One weight [N, K] as blocks of 32 along K. ``qs``: Q4_1 uint8 [N, K/2] (byte j of a block holds
     weight j in its low nibble and weight j + 16 in its high one), Q8_0 int8 [N, K]; ``d`` and ``m``
-    (Q4_1 only) float16 [N, K/32]."""
+    (Q4_1 only) float16 [N, K/32]. ``source``: the GGUF type a file stored them as (``Q4_0`` for Q4_0
+    blocks held as Q4_1), None when quantized here."""
 
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
+    source: str | None = None
 
     @property
     def fmt(self) -> str:
@@ -66,8 +71,15 @@ class QuantBlocks:
         return self.d.shape[0], self.d.shape[1] * BLOCK
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray, fmt: str) -> QuantBlocks:
-        """Split GGUF block bytes, uint8 [N, bytes per row], into codes and scales (a copy; bit for bit)."""
+    def from_gguf(cls, raw: np.ndarray, fmt: str, source: str | None = None) -> QuantBlocks:
+        """Split GGUF block bytes, uint8 [N, bytes per row], of a FILE_FORMATS type into codes and scales (a
+        copy; bit for bit).
+
+        Q4_0 (float16 d, then the codes in Q4_1's nibble order; w = d * (q - 8)) becomes Q4_1 with m = -8d:
+        -8d is exact in float16 (a power-of-two multiple; a subnormal d only gains exponent), and the
+        kernels' float32 d * q + m is exactly d * (q - 8) (d * q and the sum fit float32's 24 bits), so the
+        blocks dequantize to gguf's own Q4_0 values and run as Q4_1 does. The cost: 20 bytes per block,
+        not 18. A d over 8,188 would make -8d infinite: refused (never seen in a real file)."""
         rows = raw.shape[0]
         blocks = np.ascontiguousarray(raw).reshape(rows, -1, _BLOCK_BYTES[fmt])
 
@@ -75,8 +87,14 @@ class QuantBlocks:
             return torch.from_numpy(np.ascontiguousarray(blocks[..., at : at + 2]).view(np.float16)[..., 0])
 
         if fmt == "q8_0":
-            return cls(torch.from_numpy(blocks[..., 2:].reshape(rows, -1).view(np.int8).copy()), half(0), None)
-        return cls(torch.from_numpy(blocks[..., 4:].reshape(rows, -1).copy()), half(0), half(2))
+            return cls(torch.from_numpy(blocks[..., 2:].reshape(rows, -1).view(np.int8).copy()), half(0), None, source)
+        if fmt == "q4_1":
+            return cls(torch.from_numpy(blocks[..., 4:].reshape(rows, -1).copy()), half(0), half(2), source)
+        d = half(0)
+        m = d * -8.0  # float16 * power of two: exact unless it overflows
+        if not torch.isfinite(m).all():
+            raise ValueError("a Q4_0 scale over 8188 cannot be held as Q4_1 (its min -8d overflows float16)")
+        return cls(torch.from_numpy(blocks[..., 2:].reshape(rows, -1).copy()), d, m, source)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt: str) -> QuantBlocks:
@@ -93,14 +111,16 @@ class QuantBlocks:
             return parts[0]
         m_parts = [p.m for p in parts if p.m is not None]
         m = torch.cat(m_parts) if m_parts else None
-        return cls(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+        sources = sorted({p.source for p in parts if p.source is not None})
+        return cls(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m, "+".join(sources) or None)
 
     def to(self, device: torch.device) -> QuantBlocks:
-        return QuantBlocks(self.qs.to(device), self.d.to(device), None if self.m is None else self.m.to(device))
+        m = None if self.m is None else self.m.to(device)
+        return QuantBlocks(self.qs.to(device), self.d.to(device), m, self.source)
 
     def select(self, rows: torch.Tensor) -> QuantBlocks:
         """The blocks of the given rows (an embedding lookup)."""
-        return QuantBlocks(self.qs[rows], self.d[rows], None if self.m is None else self.m[rows])
+        return QuantBlocks(self.qs[rows], self.d[rows], None if self.m is None else self.m[rows], self.source)
 
     def dequantize(self) -> torch.Tensor:
         """Float32 [N, K] with torch ops: bit for bit gguf's own dequantization (d * q is exact in float32)."""
