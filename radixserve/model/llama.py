@@ -254,8 +254,8 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = method
 
     def _quantize_blocks(self, kept: Mapping[str, QuantBlocks], method: str = "q4_1") -> None:
-        """Linears as Q4_1, the lm_head as Q8_0; a weight the file stores as Q4_1 or Q8_0 keeps those blocks
-        (a fused linear only when all its parts do, in one format).
+        """Linears as Q4_1, the lm_head as Q8_0; a weight the file stores as Q4_1, Q8_0 or Q4_0 keeps those
+        blocks (Q4_0 as Q4_1; a fused linear only when all its parts do, in one format: Q4_0 and Q4_1 mix).
 
         The embedding lookup keeps its float values, unless the file's embedding blocks were kept:
         then it reads them (exactly its values), and a tied lm_head shares them."""
