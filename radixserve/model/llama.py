@@ -51,12 +51,13 @@ FUSED_PARTS = {
 
 def usable_blocks(blocks: Mapping[str, QuantBlocks], num_layers: int) -> dict[str, QuantBlocks]:
     """The part of ``blocks`` (HF name -> a file's blocks) that ``quantize("q4_1", blocks)`` keeps as it is:
-    a fused linear's parts only when every part is there, in one format; the embedding and lm_head alone."""
+    a fused linear's parts only when every part is there, of one width (``QuantBlocks.bits``); the embedding
+    and lm_head alone."""
     usable = {name: blocks[name] for name in ("model.embed_tokens.weight", "lm_head.weight") if name in blocks}
     for i in range(num_layers):
         for parts in FUSED_PARTS.values():
             found = [blocks.get(f"model.layers.{i}.{part}.weight") for part in parts]
-            if all(b is not None for b in found) and len({b.fmt for b in found if b is not None}) == 1:
+            if all(b is not None for b in found) and len({b.bits for b in found if b is not None}) == 1:
                 usable.update(
                     {f"model.layers.{i}.{part}.weight": blocks[f"model.layers.{i}.{part}.weight"] for part in parts}
                 )
@@ -67,8 +68,7 @@ def kept_by_type(by_type: Counter[str]) -> str:
     """The file's blocks a model kept, per GGUF type, for its quantization_detail ("" when none was kept)."""
     if not by_type:
         return ""
-    how = {"Q4_0": " (run as Q4_1, m = -8d: the same values)"}
-    listing = ", ".join(f"{count} {kind}{how.get(kind, '')}" for kind, count in sorted(by_type.items()))
+    listing = ", ".join(f"{count} {kind}" for kind, count in sorted(by_type.items()))
     return f"; the file's blocks by type: {listing}"
 
 
@@ -255,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _quantize_blocks(self, kept: Mapping[str, QuantBlocks], method: str = "q4_1") -> None:
         """Linears as Q4_1, the lm_head as Q8_0; a weight the file stores as Q4_1, Q8_0 or Q4_0 keeps those
-        blocks (Q4_0 as Q4_1; a fused linear only when all its parts do, in one format: Q4_0 and Q4_1 mix).
+        blocks (a fused linear only when all its parts do, of one width: Q4_0 and Q4_1 parts mix as Q4_1).
 
         The embedding lookup keeps its float values, unless the file's embedding blocks were kept:
         then it reads them (exactly its values), and a tied lm_head shares them."""

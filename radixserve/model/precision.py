@@ -68,8 +68,7 @@ def resolve_dtype(requested: str, device: torch.device, cpu: CpuFeatures | None 
     )
 
 
-# The storage types whose blocks the q4_1 path keeps (quant_blocks.FILE_FORMATS): Q4_1 and Q8_0 as they are,
-# Q4_0 as the Q4_1 blocks of exactly its values (m = -8d; 20 bytes per block where the file has 18).
+# The storage types whose blocks the q4_1 path keeps as they are (quant_blocks.FILE_FORMATS).
 KEPT_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
@@ -102,11 +101,7 @@ def resolve_quantization(
     if not block_kernel:
         return "none", f"auto: none, the block kernel did not build (see the log; GGUF matrices: {listing})"
     # q4_1-exact, not q4_1: int8 activations are faster but lossy (docs: server/precision.md); auto loses nothing.
-    q4_0 = (
-        " (Q4_0 runs as Q4_1 blocks with m = -8d: the same values, 20 bytes per block for 18)"
-        if "Q4_0" in stored
-        else ""
-    )
+    q4_0 = " (Q4_0 by the Q4_1 kernels with m = -8d: the same values)" if "Q4_0" in stored else ""
     return "q4_1-exact", (
         f"auto: q4_1-exact, the GGUF stores its matrices as {listing}: kept as these blocks, lossless{q4_0}"
     )

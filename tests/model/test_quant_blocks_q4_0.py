@@ -1,4 +1,4 @@
-"""A GGUF's Q4_0 blocks kept: held as the Q4_1 blocks of exactly their values (m = -8d) and run by the Q4_1 kernels."""
+"""A GGUF's Q4_0 blocks kept as they are (18 bytes a block) and run by the Q4_1 kernels with m = -8d made from d."""
 
 from __future__ import annotations
 
@@ -36,21 +36,31 @@ def random_q4_0(out_features: int, in_features: int, seed: int) -> np.ndarray:
     return raw.reshape(out_features, -1)
 
 
-def test_q4_0_blocks_dequantize_to_gguf_own_values_bit_for_bit() -> None:
+def as_q4_1(blocks: QuantBlocks) -> QuantBlocks:
+    """The same weights as Q4_1 blocks: m = -8d stored (the reference the native Q4_0 path must match)."""
+    return QuantBlocks(blocks.qs, blocks.d, blocks.mins())
+
+
+def test_q4_0_blocks_are_the_files_bytes_and_dequantize_to_gguf_own_values() -> None:
     for raw in (random_q4_0(37, 160, seed=1), gguf.quants.quantize(np.random.randn(37, 160).astype(np.float32), Q4_0)):
         blocks = QuantBlocks.from_gguf(raw, "q4_0", "Q4_0")
         expected = torch.from_numpy(gguf.quants.dequantize(raw, Q4_0))
-        assert blocks.fmt == "q4_1" and blocks.source == "Q4_0"
-        assert blocks.m is not None and torch.equal(blocks.m, blocks.d * -8)
+        assert blocks.fmt == "q4_0" and blocks.source == "Q4_0" and blocks.m is None
+        assert sum(t.numel() * t.element_size() for t in (blocks.qs, blocks.d)) == raw.nbytes  # 18 bytes a block
         assert torch.equal(blocks.dequantize(), expected)
         assert torch.equal(blocks.dequantize_fast(), expected)  # the C++ dequantization where it builds
+        assert torch.equal(as_q4_1(blocks).dequantize(), expected)  # m = -8d: exact
 
 
-def test_a_scale_whose_min_overflows_float16_is_refused() -> None:
+def test_a_scale_whose_min_overflows_float16_runs_but_never_becomes_q4_1() -> None:
+    """-8d of a d over 8,188 has no float16: fine for Q4_0 (the kernels make it in float32), refused where a
+    Q4_0 part would join Q4_1 parts in one fused weight."""
     raw = random_q4_0(2, 32, seed=2)
     raw[0, :2] = np.array([10_000.0], dtype=np.float16).view(np.uint8)
-    with pytest.raises(ValueError, match="overflows float16"):
-        QuantBlocks.from_gguf(raw, "q4_0")
+    blocks = QuantBlocks.from_gguf(raw, "q4_0")
+    assert torch.equal(blocks.dequantize_fast(), torch.from_numpy(gguf.quants.dequantize(raw, Q4_0)))
+    with pytest.raises(ValueError, match="over 8188"):
+        blocks.mins()
 
 
 @needs_kernel
@@ -76,6 +86,27 @@ def test_block_linear_on_q4_0_equals_gguf_dequantize_then_matmul(
             assert torch.equal(layer(x[r : r + 1]), got[r : r + 1])
     else:
         assert torch.equal(got, F.linear(x, weight, bias))
+    assert torch.equal(BlockLinear(as_q4_1(layer.blocks), bias, torch.float32)(x), got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 40, 64])
+def test_native_q4_0_has_the_bits_of_q4_1_blocks_with_m_stored(
+    dtype: torch.dtype, int8_activations: bool, rows: int
+) -> None:
+    """Every kernel path (decode tiles, bfloat16 decoded chunks past 8 rows, int8 activations up to 48 rows,
+    the dequantized tiles, the residual add) makes Q4_0's mins as -8d: the same bits as Q4_1 blocks storing
+    them. 37 channels of 576: chunks and a partial one, 18 blocks: a group of 16 and a partial one."""
+    blocks = QuantBlocks.from_gguf(random_q4_0(37, 576, seed=rows), "q4_0")
+    generator = torch.Generator().manual_seed(300 + rows)
+    x = torch.randn(rows, 576, generator=generator).to(dtype)
+    residual = torch.randn(rows, 37, generator=generator).to(dtype)
+    native = BlockLinear(blocks, None, dtype, int8_activations)
+    stored = BlockLinear(as_q4_1(blocks), None, dtype, int8_activations)
+    assert torch.equal(native(x), stored(x))
+    assert torch.equal(native.forward_add(x, residual), stored.forward_add(x, residual))
 
 
 @needs_kernel
@@ -137,7 +168,7 @@ def test_the_files_q4_0_blocks_are_kept_and_dequantize_to_its_floats(q4_0_gguf: 
 def test_auto_keeps_q4_0_and_says_so_per_type(name: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(name)
     method, reason = resolve_quantization("auto", CPU, GGUFFile(path).matrix_types(), block_kernel=True)
-    assert method == "q4_1-exact" and "Q4_0 runs as Q4_1 blocks with m = -8d" in reason
+    assert method == "q4_1-exact" and "Q4_0 by the Q4_1 kernels with m = -8d" in reason
     loaded = load_model(str(path), CPU, torch.float32, quantization="auto")
     if loaded.model.quantization != "q4_1-exact":  # no compiler: the block kernel did not build
         assert "did not build" in loaded.quantization_reason
@@ -145,18 +176,17 @@ def test_auto_keeps_q4_0_and_says_so_per_type(name: str, request: pytest.Fixture
     detail = loaded.model.quantization_detail
     assert detail.startswith("q4_1-exact: 14 of 14 linear weights kept") and "lm_head kept as q8_0" in detail
     q4_0, q4_1 = (10, 4) if name == "q4_mixed_gguf" else (14, 0)
-    listing = f"{q4_0} Q4_0 (run as Q4_1, m = -8d: the same values)" + (f", {q4_1} Q4_1" if q4_1 else "")
+    listing = f"{q4_0} Q4_0" + (f", {q4_1} Q4_1" if q4_1 else "")
     assert detail.endswith(f"the file's blocks by type: {listing}, 1 Q8_0")
 
 
-def test_resident_weights_are_20_18_of_the_files_q4_0_bytes(q4_0_gguf: Path) -> None:
-    """Q4_0 held as Q4_1 costs one float16 min per block more: 20 bytes for the file's 18."""
+def test_resident_weights_are_the_files_bytes(q4_0_gguf: Path) -> None:
+    """Q4_0 blocks stay 18 bytes (no stored min), Q8_0 34: the block weights are the file's tensor bytes."""
     file = GGUFFile(q4_0_gguf)
-    q4_0_bytes = sum(int(t.n_bytes) for t in file.reader.tensors if t.tensor_type == Q4_0)
+    block_bytes = sum(int(t.n_bytes) for t in file.reader.tensors if t.tensor_type in (Q4_0, Q8_0))
     model = gguf_model(q4_0_gguf, "q4_1-exact")
-    linears = [m for m in model.modules() if isinstance(m, BlockLinear) and m is not model.lm_head]
-    resident = sum(t.numel() * t.element_size() for m in linears for t in m.buffers())
-    assert resident * 18 == q4_0_bytes * 20
+    kept = [m for m in model.modules() if isinstance(m, (BlockLinear, BlockEmbedding)) and m is not model.lm_head]
+    assert sum(t.numel() * t.element_size() for m in kept for t in m.buffers()) == block_bytes
     assert weight_bytes(model) < 0.3 * weight_bytes(gguf_model(q4_0_gguf, "none"))
 
 
