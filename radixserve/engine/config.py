@@ -35,7 +35,7 @@ class EngineConfig:
     enable_mixed_chunk: bool = False  # one forward per step: the prefill chunk and every running decode
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32
     kv_cache_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16: the KV pool's own dtype
-    # auto: a GGUF's own Q4_1/Q8_0 blocks with float activations (q4_1-exact, lossless) where it stores only
+    # auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks with float activations (q4_1-exact, lossless) where it stores only
     # those and the CPU block kernel runs, else none | none | int8 (weight-only, per-channel scales) |
     # q4_1 (GGUF-style blocks, int8 activations as llama.cpp) | q4_1-exact (the same, float activations)
     quantization: str = "auto"

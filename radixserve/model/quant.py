@@ -29,7 +29,7 @@ from torch import nn
 from radixserve.model import paged_kernel
 
 QUANTIZATIONS = ("none", "int8", "q4_1", "q4_1-exact")  # q4_1: GGUF-style blocks, quant_blocks.py
-# Q4_1/Q8_0 blocks; q4_1 with int8 activations (as llama.cpp), q4_1-exact with float32 ones.
+# Q4_1/Q8_0 blocks (and a GGUF's Q4_0); q4_1 with int8 activations (as llama.cpp), q4_1-exact with float32 ones.
 BLOCK_QUANTIZATIONS = ("q4_1", "q4_1-exact")
 OWN_KERNEL_MAX_ROWS = 16  # decode-sized batches: our weight-reading kernel; more rows: dequantize + GEMM
 

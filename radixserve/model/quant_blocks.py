@@ -3,7 +3,9 @@
 Q4_1 stores per block a float16 scale d and min m and 32 4-bit codes (w = d * q + m;
 0.625 bytes per weight); Q8_0 a float16 scale and 32 int8 codes (w = d * q; 1.0625 bytes).
 A GGUF file's own Q4_1 / Q8_0 blocks are kept exactly as they are (their float32 values
-are what the float path runs, so keeping them loses nothing); other weights are
+are what the float path runs, so keeping them loses nothing), and so are its Q4_0 blocks (a float16
+scale d and 32 4-bit codes, w = d * (q - 8): the Q4_1 kernels with m = -8d, made from d as they read
+it, exact; 0.5625 bytes per weight); other weights are
 quantized here with gguf's own quantizer. The kernels take and return the model's dtype:
 float32 rows multiply by the exact float32 weights, bfloat16 rows (AVX512-BF16) by those
 weights rounded to bfloat16, as the GEMM path and the bfloat16 float model round them. Each
@@ -44,30 +46,56 @@ INT8_KERNEL_MAX_ROWS = 48
 # time (MKL packs x again for each tile), 1 MiB tiles 1.00x; at 17-128 rows the two sizes ran alike.
 TILE_BYTES = 1024 * 1024
 FORMATS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
-_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # float16 d (and m for Q4_1), then the codes
+# The GGUF types whose blocks are kept (read by ``from_gguf``): FORMATS, and Q4_0.
+FILE_FORMATS = {**FORMATS, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q4_0": 18}  # float16 d (and m for Q4_1), then the codes
 
 
 @dataclass(frozen=True)
 class QuantBlocks:
-    """One weight [N, K] as blocks of 32 along K. ``qs``: Q4_1 uint8 [N, K/2] (byte j of a block holds
-    weight j in its low nibble and weight j + 16 in its high one), Q8_0 int8 [N, K]; ``d`` and ``m``
-    (Q4_1 only) float16 [N, K/32]."""
+    """One weight [N, K] as blocks of 32 along K. ``qs``: Q4_1 and Q4_0 uint8 [N, K/2] (byte j of a block
+    holds weight j in its low nibble and weight j + 16 in its high one), Q8_0 int8 [N, K]; ``d`` and ``m``
+    (Q4_1 only; Q4_0 is Q4_1 with m = -8d) float16 [N, K/32]. ``source``: the GGUF type a file stored them
+    as, None when quantized here."""
 
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
+    source: str | None = None
 
     @property
     def fmt(self) -> str:
-        return "q8_0" if self.m is None else "q4_1"
+        if self.qs.dtype == torch.int8:
+            return "q8_0"
+        return "q4_0" if self.m is None else "q4_1"
+
+    @property
+    def bits(self) -> int:
+        """4 (Q4_0, Q4_1) or 8 (Q8_0): blocks of one width concatenate (``cat``)."""
+        return 8 if self.qs.dtype == torch.int8 else 4
+
+    def mins(self) -> torch.Tensor:
+        """Q4_1's m, or Q4_0's -8d as float16 (exact; a d over 8,188 would overflow it: refused)."""
+        if self.m is not None:
+            return self.m
+        m = self.d * -8.0
+        if not torch.isfinite(m).all():
+            raise ValueError("a Q4_0 scale over 8188 has no float16 min -8d (Q4_1 blocks cannot hold it)")
+        return m
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.d.shape[0], self.d.shape[1] * BLOCK
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray, fmt: str) -> QuantBlocks:
-        """Split GGUF block bytes, uint8 [N, bytes per row], into codes and scales (a copy; bit for bit)."""
+    def from_gguf(cls, raw: np.ndarray, fmt: str, source: str | None = None) -> QuantBlocks:
+        """Split GGUF block bytes, uint8 [N, bytes per row], of a FILE_FORMATS type into codes and scales (a
+        copy; bit for bit).
+
+        Q4_0: float16 d, then the codes in Q4_1's nibble order; w = d * (q - 8), which the kernels run as Q4_1
+        with m = -8d made in float32 as they read d: d * q and -8d are exact, and so is their sum (it fits
+        float32's 24 bits), so every value is gguf's own and every kernel has the bits Q4_1 blocks holding
+        that m would give."""
         rows = raw.shape[0]
         blocks = np.ascontiguousarray(raw).reshape(rows, -1, _BLOCK_BYTES[fmt])
 
@@ -75,8 +103,10 @@ class QuantBlocks:
             return torch.from_numpy(np.ascontiguousarray(blocks[..., at : at + 2]).view(np.float16)[..., 0])
 
         if fmt == "q8_0":
-            return cls(torch.from_numpy(blocks[..., 2:].reshape(rows, -1).view(np.int8).copy()), half(0), None)
-        return cls(torch.from_numpy(blocks[..., 4:].reshape(rows, -1).copy()), half(0), half(2))
+            return cls(torch.from_numpy(blocks[..., 2:].reshape(rows, -1).view(np.int8).copy()), half(0), None, source)
+        if fmt == "q4_1":
+            return cls(torch.from_numpy(blocks[..., 4:].reshape(rows, -1).copy()), half(0), half(2), source)
+        return cls(torch.from_numpy(blocks[..., 2:].reshape(rows, -1).copy()), half(0), None, source)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt: str) -> QuantBlocks:
@@ -88,29 +118,32 @@ class QuantBlocks:
 
     @classmethod
     def cat(cls, parts: Sequence[QuantBlocks]) -> QuantBlocks:
-        """The blocks of the row-wise concatenation of ``parts`` (all of one format); one part is returned as is."""
+        """The blocks of the row-wise concatenation of ``parts`` (all of one width: ``bits``); one part is returned
+        as is. Q4_0 parts beside Q4_1 ones become Q4_1 (their exact mins, ``mins``)."""
         if len(parts) == 1:
             return parts[0]
-        m_parts = [p.m for p in parts if p.m is not None]
-        m = torch.cat(m_parts) if m_parts else None
-        return cls(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+        m = None if all(p.m is None for p in parts) else torch.cat([p.mins() for p in parts])
+        sources = sorted({p.source for p in parts if p.source is not None})
+        return cls(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m, "+".join(sources) or None)
 
     def to(self, device: torch.device) -> QuantBlocks:
-        return QuantBlocks(self.qs.to(device), self.d.to(device), None if self.m is None else self.m.to(device))
+        m = None if self.m is None else self.m.to(device)
+        return QuantBlocks(self.qs.to(device), self.d.to(device), m, self.source)
 
     def select(self, rows: torch.Tensor) -> QuantBlocks:
         """The blocks of the given rows (an embedding lookup)."""
-        return QuantBlocks(self.qs[rows], self.d[rows], None if self.m is None else self.m[rows])
+        return QuantBlocks(self.qs[rows], self.d[rows], None if self.m is None else self.m[rows], self.source)
 
     def dequantize(self) -> torch.Tensor:
         """Float32 [N, K] with torch ops: bit for bit gguf's own dequantization (d * q is exact in float32)."""
         n, k = self.shape
         d = self.d.float()[..., None]
-        if self.m is None:
+        if self.bits == 8:
             return (self.qs.view(n, -1, BLOCK).float() * d).view(n, k)
         codes = self.qs.view(n, -1, BLOCK // 2)
         q = torch.cat((codes & 0x0F, codes >> 4), dim=-1).float()
-        return (q * d + self.m.float()[..., None]).view(n, k)
+        m = d * -8.0 if self.m is None else self.m.float()[..., None]  # Q4_0: d * q - 8d is exactly d * (q - 8)
+        return (q * d + m).view(n, k)
 
     def dequantize_fast(self) -> torch.Tensor:
         """``dequantize()`` through our C++ kernel where it runs (CPU), else torch ops; the same values."""
@@ -122,9 +155,10 @@ class QuantBlocks:
 
 def kept_blocks(weight: torch.Tensor, parts: Sequence[QuantBlocks | None]) -> QuantBlocks | None:
     """The file's blocks for ``weight`` (the row-wise parts of a fused linear, in order) when every
-    part kept blocks and all in one format; else None (the caller quantizes ``weight``)."""
+    part kept blocks and all of one width (Q4_0 and Q4_1 mix, as Q4_1); else None (the caller quantizes
+    ``weight``)."""
     found = [p for p in parts if p is not None]
-    if not found or len(found) < len(parts) or len({p.fmt for p in found}) > 1:
+    if not found or len(found) < len(parts) or len({p.bits for p in found}) > 1:
         return None
     blocks = QuantBlocks.cat(found).to(weight.device)
     if blocks.shape != tuple(weight.shape):

@@ -170,10 +170,11 @@ def _model_flags(model: argparse._ArgumentGroup, d: EngineConfig) -> None:
         "--quantization",
         default=d.quantization,
         choices=["auto", *QUANTIZATIONS],
-        help="weight-only; auto = q4_1-exact on a GGUF stored as Q4_1/Q8_0 blocks (CPU), else none; "
+        help="weight-only; auto = q4_1-exact on a GGUF stored as Q4_0/Q4_1/Q8_0 blocks (CPU), else none; "
         "int8 = int8 weights with per-channel scales (~4x fewer weight bytes than float32); "
-        "q4_1 = GGUF-style 4-bit blocks (a GGUF's own Q4_1/Q8_0 blocks kept as they are) with int8 activations, "
-        "as llama.cpp; q4_1-exact = the same blocks with float activations (equals float32 on the GGUF)",
+        "q4_1 = GGUF-style 4-bit blocks (a GGUF's own Q4_0/Q4_1/Q8_0 blocks kept as they are) "
+        "with int8 activations, as llama.cpp; "
+        "q4_1-exact = the same blocks with float activations (equals float32 on the GGUF)",
     )
     model.add_argument(
         "--attention-backend",

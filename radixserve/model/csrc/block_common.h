@@ -28,13 +28,21 @@ namespace radixserve {
 
 constexpr int64_t kBlock = 32;
 
+// Q4_0 (w = d * (q - 8), no m stored) runs as Q4_1 with m = -8d, made from d where a kernel reads its mins
+// (q4_0_mins): exact in float32 (a power-of-two multiple of a float16), so the same bits as Q4_1 blocks with that m.
 struct BlockWeights {
-  const uint8_t* qs;     // Q4_1: 16 bytes per block; Q8_0: 32 int8 per block
+  const uint8_t* qs;     // Q4_0 / Q4_1: 16 bytes per block; Q8_0: 32 int8 per block
   const at::Half* d;     // [N, blocks]
-  const at::Half* m;     // [N, blocks]; nullptr for Q8_0
+  const at::Half* m;     // [N, blocks]; nullptr for Q8_0 and Q4_0
   int64_t blocks;        // per output row: K / 32
   int64_t qs_row_bytes;  // bytes of qs per output row
+  bool q4() const { return qs_row_bytes == blocks * 16; }
 };
+
+// Q4_0's mins from its scales, already float32: m[i] = -8 * d[i] for count values (exact).
+inline void q4_0_mins(const float* d, int64_t count, float* m) {
+  for (int64_t i = 0; i < count; ++i) m[i] = -8.f * d[i];
+}
 
 // Scales of one output row, and x's block sums, are padded with zeros to a multiple of 8 blocks:
 // the min term is then a plain 8-wide dot product.
@@ -59,7 +67,10 @@ template <bool Q4>
 inline void chunk_scales(const BlockWeights& w, int64_t c0, int64_t c1, float* d, float* m, int64_t ld) {
   for (int64_t n = c0; n < c1; ++n) {
     row_scales(w.d + n * w.blocks, w.blocks, d + (n - c0) * ld);
-    if constexpr (Q4) row_scales(w.m + n * w.blocks, w.blocks, m + (n - c0) * ld);
+    if constexpr (Q4) {
+      if (w.m != nullptr) row_scales(w.m + n * w.blocks, w.blocks, m + (n - c0) * ld);
+      else q4_0_mins(d + (n - c0) * ld, padded(w.blocks), m + (n - c0) * ld);
+    }
   }
 }
 
@@ -195,10 +206,11 @@ inline Epilogue make_epilogue(const at::Tensor& x, int64_t out_features, at::Ten
   return {out.data_ptr(), dtype, out_features, ptr(scales), ptr(bias), ptr(residual), round_before_residual};
 }
 
-// Checks shapes and dtypes; true for Q4_1 (qs uint8 [N, K/2]), false for Q8_0 (qs int8 [N, K]).
+// Checks shapes and dtypes; true for Q4_1 / Q4_0 (qs uint8 [N, K/2]; m for Q4_1 only), false for Q8_0 (qs int8
+// [N, K]).
 inline bool check_blocks(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m) {
   const bool q4 = qs.scalar_type() == at::kByte;
-  TORCH_CHECK(q4 || qs.scalar_type() == at::kChar, "qs: uint8 (Q4_1) or int8 (Q8_0)");
+  TORCH_CHECK(q4 || qs.scalar_type() == at::kChar, "qs: uint8 (Q4_1, Q4_0) or int8 (Q8_0)");
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.device().is_cpu(), "qs: contiguous [N, bytes] on CPU");
   const int64_t in_features = q4 ? 2 * qs.size(1) : qs.size(1);
   TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of 32");
@@ -207,8 +219,8 @@ inline bool check_blocks(const at::Tensor& qs, const at::Tensor& d, const std::o
            t.size(1) == in_features / kBlock;
   };
   TORCH_CHECK(scales_ok(d), "d: contiguous float16 [N, K / 32]");
-  TORCH_CHECK(q4 == m.has_value(), "m is given for Q4_1 and only for Q4_1");
-  TORCH_CHECK(!q4 || scales_ok(*m), "m: contiguous float16 [N, K / 32]");
+  TORCH_CHECK(q4 || !m.has_value(), "m is given for Q4_1 only (Q8_0 and Q4_0 have none)");
+  TORCH_CHECK(!m.has_value() || scales_ok(*m), "m: contiguous float16 [N, K / 32]");
   return q4;
 }
 

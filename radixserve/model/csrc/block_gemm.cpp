@@ -25,19 +25,21 @@ using radixserve::padded;
 using radixserve::row_scales;
 
 // Output channels n0..n1 as float32 rows of in_features, into out (row n at out + (n - n0) * in_features):
-// w = d * q (+ m). d * q is exact in float32 (11 x 8 bits at most), so whether the compiler fuses the add
-// or not, each value equals GGUF's own dequantization.
+// w = d * q (+ m; Q4_0's m = -8d). d * q is exact in float32 (11 x 8 bits at most), so whether the compiler fuses
+// the add or not, each value equals GGUF's own dequantization.
 void dequantize_channels(const BlockWeights& w, int64_t n0, int64_t n1, float* out) {
   const int64_t blocks = w.blocks, in_features = blocks * kBlock;
+  const bool q4 = w.q4();
   std::vector<float> dn(padded(blocks)), mn(padded(blocks), 0.f);
   for (int64_t n = n0; n < n1; ++n) {
     row_scales(w.d + n * blocks, blocks, dn.data());
     if (w.m != nullptr) row_scales(w.m + n * blocks, blocks, mn.data());
+    else if (q4) radixserve::q4_0_mins(dn.data(), blocks, mn.data());
     const uint8_t* q = w.qs + n * w.qs_row_bytes;
     float* o = out + (n - n0) * in_features;
     for (int64_t b = 0; b < blocks; ++b) {
       float* ob = o + b * kBlock;
-      if (w.m != nullptr) {
+      if (q4) {
         const uint8_t* qb = q + b * 16;
 #pragma omp simd
         for (int j = 0; j < 16; ++j) {
@@ -76,8 +78,9 @@ void dequantize_channels_bf16(const BlockWeights& w, int64_t n0, int64_t n1, uin
   for (int64_t n = n0; n < n1; ++n) {
     row_scales(w.d + n * blocks, blocks, dn.data());
     uint16_t* o = out + (n - n0) * in_features;
-    if (w.m != nullptr) {
-      row_scales(w.m + n * blocks, blocks, mn.data());
+    if (w.q4()) {
+      if (w.m != nullptr) row_scales(w.m + n * blocks, blocks, mn.data());
+      else radixserve::q4_0_mins(dn.data(), blocks, mn.data());
       const uint8_t* q = w.qs + n * w.qs_row_bytes;
       for (int64_t b = 0; b < blocks; ++b) {
         const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
@@ -102,8 +105,8 @@ void dequantize_channels_bf16(const BlockWeights& w, int64_t n0, int64_t n1, uin
 #endif
 
 BlockWeights weights_of(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m, bool q4) {
-  return {static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(), q4 ? m->data_ptr<at::Half>() : nullptr,
-          d.size(1), qs.size(1)};
+  const at::Half* mins = q4 && m.has_value() ? m->data_ptr<at::Half>() : nullptr;  // nullptr: Q8_0, or Q4_0
+  return {static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(), mins, d.size(1), qs.size(1)};
 }
 
 // Float32 [N, K] weights from the blocks (the whole weight: loading, the embedding, tests).

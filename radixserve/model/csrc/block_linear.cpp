@@ -180,6 +180,11 @@ constexpr int64_t kPrefetch = 4096;  // bytes ahead in the codes (an eighth of t
 
 inline int64_t padded16(int64_t blocks) { return (blocks + 15) / 16 * 16; }
 
+// The mins of 16 blocks from m (Q4_1; zeros past valid), or with m nullptr Q4_0's -8d from their scales dc (exact).
+inline __m512 mins16(const at::Half* m, __mmask16 valid, __m512 dc) {
+  return m != nullptr ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, m)) : _mm512_mul_ps(dc, _mm512_set1_ps(-8.f));
+}
+
 // Block b's codes as float32: weights 0..15 in lo, 16..31 in hi.
 template <bool Q4>
 inline void codes_f32(const uint8_t* qs, int64_t b, __m512& lo, __m512& hi) {
@@ -265,14 +270,14 @@ void dot_tile(const void* x, int64_t ldx, const float* xsum, int64_t ldxs, const
       const char* ahead = reinterpret_cast<const char*>(qs + c * ldq + g * (Q4 ? 16 : kBlock)) + kPrefetch;
       for (int line = 0; line < (Q4 ? 4 : 8); ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(d + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
-      if constexpr (Q4)
+      if (Q4 && m != nullptr)
         _mm_prefetch(reinterpret_cast<const char*>(m + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
       // With wscale (int8 weight-only, whose block scales d are 1) the block's scale is d * wscale_c.
       const __m512 dc = half16(d + c * blocks);
       _mm512_store_ps(scales[c], wscale == nullptr ? dc : _mm512_mul_ps(dc, _mm512_set1_ps(wscale[c])));
-      if constexpr (Q4 && BF16) _mm512_store_ps(mins[c], half16(m + c * blocks));
+      if constexpr (Q4 && BF16) _mm512_store_ps(mins[c], mins16(m == nullptr ? m : m + c * blocks + g, valid, dc));
       if constexpr (Q4 && !BF16) {
-        const __m512 mc = half16(m + c * blocks);
+        const __m512 mc = mins16(m == nullptr ? m : m + c * blocks + g, valid, dc);
         for (int r = 0; r < R; ++r)
           acc[r][c] = _mm512_fmadd_ps(mc, _mm512_loadu_ps(xsum + r * ldxs + g), acc[r][c]);
       }
@@ -318,7 +323,8 @@ void linear_channels(const at::Tensor& x, const float* xsum, const float* wscale
                                                                          float* sums) {
     return tile_rows<Q4, BF16>(tile, n + channels_for(tile) > c1, xp + r0 * row_bytes, in_features, xsum + r0 * ldxs,
                                ldxs, w.qs + n * w.qs_row_bytes, w.qs_row_bytes, w.d + n * w.blocks,
-                               Q4 ? w.m + n * w.blocks : nullptr, wscale == nullptr ? nullptr : wscale + n, w.blocks,
+                               Q4 && w.m != nullptr ? w.m + n * w.blocks : nullptr,
+                               wscale == nullptr ? nullptr : wscale + n, w.blocks,
                                sums);
   });
 }
@@ -340,11 +346,11 @@ void decode_chunk(const BlockWeights& w, const float* wscale, int64_t c0, int64_
       const char* ahead = reinterpret_cast<const char*>(qs + g * (Q4 ? 16 : kBlock)) + kPrefetch;
       for (int line = 0; line < (Q4 ? 4 : 8); ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w.d + n * w.blocks + g) + kPrefetch / 8, _MM_HINT_T0);
-      if constexpr (Q4)
+      if (Q4 && w.m != nullptr)
         _mm_prefetch(reinterpret_cast<const char*>(w.m + n * w.blocks + g) + kPrefetch / 8, _MM_HINT_T0);
       const __m512 dc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.d + n * w.blocks + g));
       _mm512_store_ps(scales, wscale == nullptr ? dc : _mm512_mul_ps(dc, _mm512_set1_ps(wscale[n])));
-      if constexpr (Q4) _mm512_store_ps(mins, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.m + n * w.blocks + g)));
+      if constexpr (Q4) _mm512_store_ps(mins, mins16(w.m == nullptr ? w.m : w.m + n * w.blocks + g, valid, dc));
       for (int64_t b = g; b < g + count; ++b)
         _mm512_storeu_si512(wbuf + ((n - c0) * w.blocks + b) * kBlock,
                             (__m512i)weights_bf16<Q4>(qs, b, scales[b - g], mins[b - g]));
@@ -480,7 +486,7 @@ at::Tensor block_linear_op(const at::Tensor& x, const at::Tensor& qs, const at::
   const radixserve::Epilogue epilogue =
       radixserve::make_epilogue(x, out_features, out, scales, bias, residual, round_before_residual);
   const BlockWeights w{static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
-                       q4 ? m->data_ptr<at::Half>() : nullptr, blocks, qs.size(1)};
+                       m.has_value() ? m->data_ptr<at::Half>() : nullptr, blocks, qs.size(1)};
 #ifdef RADIXSERVE_BLOCK_AVX512
 #ifdef RADIXSERVE_BLOCK_AVX512BF16
   if (x.scalar_type() == at::kBFloat16) {  // the scales go into the weights, as the GEMM path's weights

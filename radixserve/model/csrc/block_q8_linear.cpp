@@ -275,9 +275,11 @@ void dot_tile(const int8_t* xq, int64_t ldx, const float* xs, const float* xsum,
       const char* ahead = reinterpret_cast<const char*>(qs + c * ldq + g * 16) + kPrefetch;
       for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(d + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(m + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
+      if (m != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
       const __m512 dc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, d + c * blocks + g));
-      const __m512 mc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, m + c * blocks + g));
+      // Q4_1's mins, or Q4_0's -8d (m nullptr: see BlockWeights).
+      const __m512 mc = m != nullptr ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, m + c * blocks + g))
+                                     : _mm512_mul_ps(dc, _mm512_set1_ps(-8.f));
       for (int r = 0; r < R; ++r) {
         _mm512_store_ps(scale[r][c], _mm512_mul_ps(dc, _mm512_loadu_ps(xs + r * ldxs + g)));
         acc[r][c] = _mm512_fmadd_ps(mc, _mm512_loadu_ps(xsum + r * ldxs + g), acc[r][c]);
@@ -323,7 +325,7 @@ int tile_rows(int rows, bool single, const int8_t* xq, int64_t ldx, const float*
   }
 }
 
-// Output channels n0..n1 of every row, Q4_1 weights.
+// Output channels n0..n1 of every row, Q4_1 or Q4_0 weights.
 void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t n1, const radixserve::Epilogue& out) {
   const int64_t rows = x.codes.size(0), in_features = x.codes.size(1);
   const int8_t* xq = x.codes.data_ptr<int8_t>();
@@ -331,7 +333,7 @@ void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t
                                                                          float* sums) {
     return tile_rows(tile, n + channels_for(tile) > c1, xq + r0 * in_features, in_features,
                      x.scales.data() + r0 * x.ld, x.sums.data() + r0 * x.ld, x.ld, w.qs + n * w.qs_row_bytes,
-                     w.qs_row_bytes, w.d + n * w.blocks, w.m + n * w.blocks, w.blocks, sums);
+                     w.qs_row_bytes, w.d + n * w.blocks, w.m == nullptr ? w.m : w.m + n * w.blocks, w.blocks, sums);
   });
 }
 
@@ -351,7 +353,7 @@ at::Tensor block_linear_q8_op(const at::Tensor& x, const at::Tensor& qs, const a
       radixserve::make_epilogue(x, out_features, out, std::nullopt, bias, residual, /*round_before_residual=*/true);
   const Q8Rows xq = quantize_rows(x);
   const BlockWeights w{static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
-                       q4 ? m->data_ptr<at::Half>() : nullptr, blocks, qs.size(1)};
+                       m.has_value() ? m->data_ptr<at::Half>() : nullptr, blocks, qs.size(1)};
   at::parallel_for(0, out_features, 16, [&](int64_t n0, int64_t n1) {
 #ifdef RADIXSERVE_Q8_AVX512
     if (q4) return avx512::linear_channels(xq, w, n0, n1, epilogue);
