@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_T = gguf.GGMLQuantizationType
 # The GGUF types kept as rows, and each one's (weights, bytes) per block (gguf.GGML_QUANT_SIZES).
-ROW_TYPES = {name: _T[name] for name in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "F16", "BF16", "F32")}
+ROW_TYPES = {
+    name: gguf.GGMLQuantizationType[name] for name in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "F16", "BF16", "F32")
+}
 
 
 def row_bytes(qtype: str, in_features: int) -> int:
