@@ -65,7 +65,7 @@ def test_disk_tier_survives_a_restart_and_keeps_tenants_apart(
     assert again.close(30)
 
 
-@pytest.mark.parametrize("fault", ["flip", "truncate", "delete"])
+@pytest.mark.parametrize("fault", ["flip", "truncate", "delete", "directory"])
 def test_corrupt_disk_pages_are_recomputed(
     tiny_model_dir: Path, reference: list[list[int]], tmp_path: Path, fault: str
 ) -> None:
@@ -84,10 +84,12 @@ def test_corrupt_disk_pages_are_recomputed(
             page.write_bytes(page.read_bytes()[:100])
         else:
             page.unlink()
+            if fault == "directory":  # issue 37: IsADirectoryError failed the request and stopped the scheduler
+                page.mkdir()
     assert run(again, PROMPTS[6:]) == reference[6:]
     disk = again.cache.tiers.disk  # type: ignore[union-attr]
     assert disk is not None
-    counted = disk.stats.missing if fault == "delete" else disk.stats.corrupt
+    counted = {"delete": disk.stats.missing, "directory": disk.stats.unreadable}.get(fault, disk.stats.corrupt)
     assert counted >= 6 and again.cache.tiers.stats.hit_tokens["disk"] == 0  # type: ignore[union-attr]
     again.check_idle_invariants()
     again.close(30)

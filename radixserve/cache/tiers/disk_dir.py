@@ -11,10 +11,13 @@ never write one directory.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
+import shutil
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,10 +30,21 @@ logger = logging.getLogger(__name__)
 PROGRESS_EVERY = 10000  # pages between two "indexing" log lines on a large warm restart
 
 
-def take_lock(directory: Path) -> tuple[int, bool]:
-    """Create the directory, open its lock file; (fd, True) if we hold the lock (may write)."""
-    (directory / "pages").mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+# A directory we may read but not write (a read-only mount, another user's files): read it, write nothing.
+_READ_ONLY_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def take_lock(directory: Path) -> tuple[int | None, bool]:
+    """Create the directory, open its lock file; (fd, True) if we hold the lock (may write). A directory that
+    exists but cannot be written is read without a lock: (None, False)."""
+    try:
+        (directory / "pages").mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if exc.errno not in _READ_ONLY_ERRORS or not (directory / "pages").is_dir():
+            raise
+        logger.warning("cache dir %s cannot be written (%s): using it read-only", directory, exc.strerror)
+        return None, False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd, True
@@ -65,19 +79,40 @@ def check_fingerprint(
     return True
 
 
-def scan_pages(directory: Path, writable: bool) -> list[tuple[bytes, int]]:
-    """The page files already there (a warm restart) as (page hash, file size), oldest first.
+def page_hash_of(name: str) -> bytes | None:
+    """The page hash a file name stands for (32 hex digits + PAGE_SUFFIX), or None for any other name."""
+    stem, suffix = os.path.splitext(name)
+    if suffix != PAGE_SUFFIX or len(stem) != 32:
+        return None
+    try:
+        return bytes.fromhex(stem)
+    except ValueError:
+        return None
 
-    A writer also removes the temp files a crash left behind mid-write.
-    """
-    start, found = time.monotonic(), []
+
+def scan_pages(directory: Path, writable: bool) -> tuple[list[tuple[bytes, int]], int]:
+    """The page files already there (a warm restart) as (page hash, file size), oldest first, and how many
+    entries were skipped as unusable: a stray name, a directory or other non-file where a page should be, one
+    that cannot be stat'ed. A writer also removes the temp files a crash left behind mid-write, and directories
+    under a page's name (they would block that page's write)."""
+    start, found, skipped = time.monotonic(), [], 0
     for path in (directory / "pages").glob("*/*"):
-        if path.suffix == PAGE_SUFFIX and len(path.stem) == 32:
-            stat = path.stat()
-            found.append((stat.st_mtime, bytes.fromhex(path.stem), stat.st_size))
-        elif writable and path.name.endswith(TEMP_SUFFIX):
+        if writable and path.name.endswith(TEMP_SUFFIX):
             path.unlink(missing_ok=True)
-        if len(found) % PROGRESS_EVERY == 0 and found:
+            continue
+        page_hash = page_hash_of(path.name)
+        try:
+            info = path.lstat()
+        except OSError:
+            info = None
+        if page_hash is None or info is None or not stat.S_ISREG(info.st_mode):
+            skipped += 1
+            logger.warning("cache dir %s: skipping %s (not a page file)", directory, path)
+            if writable and page_hash is not None and info is not None and stat.S_ISDIR(info.st_mode):
+                shutil.rmtree(path, ignore_errors=True)
+            continue
+        found.append((info.st_mtime, page_hash, info.st_size))
+        if len(found) % PROGRESS_EVERY == 0:
             logger.info("cache dir %s: indexing, %d pages so far", directory, len(found))
     pages = [(page_hash, size) for _, page_hash, size in sorted(found)]
     logger.info(
@@ -88,4 +123,4 @@ def scan_pages(directory: Path, writable: bool) -> list[tuple[bytes, int]]:
         time.monotonic() - start,
         "" if writable else " (read-only)",
     )
-    return pages
+    return pages, skipped

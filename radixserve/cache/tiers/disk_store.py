@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -49,6 +50,7 @@ class DiskStats:
     bytes_read: int = 0
     corrupt: int = 0  # failed a header or checksum check: dropped, recomputed
     missing: int = 0  # indexed but gone when read (deleted under us)
+    unreadable: int = 0  # could not be read (a directory, permissions, an I/O error, a stray name): dropped
     write_errors: int = 0
     evicted: int = 0  # deleted to stay within the capacity
 
@@ -85,7 +87,9 @@ class DiskPageStore:
             self.writable = False
             return
         self.enabled = True
-        for page_hash, size in scan_pages(self.directory, self.writable):
+        pages, skipped = scan_pages(self.directory, self.writable)
+        self.stats.unreadable += skipped
+        for page_hash, size in pages:
             self._index[page_hash] = size
             self.used_bytes += size
         if self.writable:
@@ -134,6 +138,9 @@ class DiskPageStore:
                 self._count(missing=1)
                 self._forget(page_hash, unlink=False)
                 continue
+            except OSError as exc:
+                self._drop_unreadable(page_hash, exc)
+                continue
             if label is None:
                 self.drop_corrupt(page_hash)
             else:
@@ -159,6 +166,9 @@ class DiskPageStore:
             self._count(missing=1)
             self._forget(page_hash, unlink=False)
             return None
+        except OSError as exc:
+            self._drop_unreadable(page_hash, exc)
+            return None
         payload = decode_page(page_hash, self.digest, data)
         if payload is None:
             self.drop_corrupt(page_hash)
@@ -177,6 +187,13 @@ class DiskPageStore:
         """Drop a page that failed a check (here, or its caller's check of its label): counted as corrupt."""
         self._count(corrupt=1)
         logger.warning("cache dir page %s failed its check: dropped, will be recomputed", page_hash.hex())
+        self._forget(page_hash, unlink=self.writable)
+
+    def _drop_unreadable(self, page_hash: bytes, exc: OSError) -> None:
+        """Drop a page whose file cannot be read (a directory in its place, permissions, an I/O error): counted,
+        recomputed like a corrupt one; never an error for the request that asked."""
+        self._count(unreadable=1)
+        logger.warning("cache dir page %s unreadable (%s): dropped, will be recomputed", page_hash.hex(), exc)
         self._forget(page_hash, unlink=self.writable)
 
     def clear(self) -> int:
@@ -238,7 +255,13 @@ class DiskPageStore:
             if size is not None:
                 self.used_bytes -= size
         if unlink:
-            self._path(page_hash).unlink(missing_ok=True)
+            path = self._path(page_hash)
+            try:
+                path.unlink(missing_ok=True)
+            except IsADirectoryError:  # a directory in the page's place would block its next write
+                shutil.rmtree(path, ignore_errors=True)
+            except OSError as exc:  # a read-only mount: the index forgets it anyway
+                logger.warning("cache dir %s: could not delete page %s (%s)", self.directory, page_hash.hex(), exc)
         if size is not None and self.on_drop is not None:
             self.on_drop(page_hash)
 

@@ -5,7 +5,7 @@
     radixserve:tier_stored_bytes_total{tier=host|disk}    K/V bytes copied down
     radixserve:tier_load_seconds                          histogram: one continuation fetched and verified
     radixserve:tier_used_bytes{tier=host|disk}            what each tier holds now
-    radixserve:tier_disk_faults_total{kind=corrupt|missing|write_error}
+    radixserve:tier_disk_faults_total{kind=corrupt|missing|unreadable|write_error}
 
 The server renders each ``Figure`` as a Prometheus family (server/tier_metrics.py's
 ``TierCollector``): which figures there are and what they count stays here,
@@ -69,7 +69,8 @@ def tier_figures(tiers: TierIndex) -> Iterator[Figure]:
     yield Figure("tier_used_bytes", "Bytes each tier holds now.", "gauge", "tier", tuple(used))
     faults = []
     if disk is not None:
-        for kind, value in (("corrupt", disk.stats.corrupt), ("missing", disk.stats.missing)):
+        seen = disk.stats
+        for kind, value in (("corrupt", seen.corrupt), ("missing", seen.missing), ("unreadable", seen.unreadable)):
             faults.append((kind, value))
         faults.append(("write_error", disk.stats.write_errors))
     yield Figure("tier_disk_faults", "Disk tier pages dropped, by why.", "counter", "kind", tuple(faults))

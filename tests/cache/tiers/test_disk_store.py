@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -226,3 +227,74 @@ def test_clear_on_a_store_gone_read_only_still_deletes_and_another_servers_store
     assert owner.clear() == 3 and owner.flush(30)
     assert not list((tmp_path / "dir" / "pages").rglob("*.kv"))
     owner.close()
+
+
+def test_a_directory_in_a_pages_place_is_dropped_and_counted_not_raised(tmp_path: Path) -> None:
+    """Issue 37: a page file replaced by a directory raised IsADirectoryError out of get (500, then the scheduler
+    stopped). Under a running server it is dropped and counted; at a start it is skipped (and removed, so the page
+    can be written again)."""
+    store = store_with(tmp_path, range(3))
+    path = store._path(h(1))
+    path.unlink()
+    path.mkdir()
+    assert store.get(h(1)) is None and store.stats.unreadable == 1 and store.state(h(1)) == "absent"
+    assert sorted(store.labels()) == sorted((h(i), b"") for i in (0, 2))
+    assert not path.exists() and store.put(h(1), payload(1)) and store.flush(30) and store.get(h(1)) == payload(1)
+    assert store.writable  # the directory did not turn writing off
+    path = store._path(h(2))
+    store.close()
+    path.unlink()
+    path.mkdir()
+    again = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
+    assert again.stats.unreadable == 1 and again.state(h(2)) == "absent" and not path.exists()
+    assert again.labels() and again.get(h(0)) == payload(0)
+    assert again.put(h(2), payload(2)) and again.flush(30) and again.get(h(2)) == payload(2)
+    again.close()
+
+
+def test_stray_names_in_the_pages_folder_are_skipped(tmp_path: Path) -> None:
+    """Issue 37: a stray pages/zz/<non-hex name>.kv made the start fail (bytes.fromhex)."""
+    store_with(tmp_path, range(2)).close()
+    stray = tmp_path / "dir" / "pages" / "zz"
+    stray.mkdir()
+    (stray / ("z" * 32 + ".kv")).write_bytes(b"junk")
+    (stray / "notes.txt").write_bytes(b"junk")
+    again = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
+    assert again.enabled and again.writable and len(again) == 2 and again.stats.unreadable == 2
+    assert again.get(h(1)) == payload(1)
+    again.close()
+
+
+def test_an_unreadable_page_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page whose read fails with an I/O error (EIO, EACCES) is dropped and counted, and the others still serve."""
+    store = store_with(tmp_path, range(2))
+    bad = store._path(h(0))
+    real = Path.read_bytes
+
+    def read_bytes(self: Path) -> bytes:
+        if self == bad:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    assert store.get(h(0)) is None and store.stats.unreadable == 1 and store.get(h(1)) == payload(1)
+    store.close()
+
+
+def test_a_read_only_directory_is_read_not_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: a cache directory that cannot be written (a read-only mount) was ignored entirely; the README
+    says only writing is turned off. Simulated with EROFS on the lock file (root ignores permission bits)."""
+    store_with(tmp_path, range(3)).close()
+    real_open = os.open
+
+    def read_only_open(path: str | os.PathLike[str], flags: int, *args: int) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    store = DiskPageStore(tmp_path / "dir", 1 << 30, FINGERPRINT)
+    assert store.enabled and not store.writable and len(store) == 3
+    assert [store.get(h(i)) for i in range(3)] == [payload(i) for i in range(3)]
+    assert not store.put(h(7), payload(7))
+    store.close()
