@@ -51,6 +51,10 @@ class ServerArgs:
     hit_rate_window: int = 1000  # finished requests the cache_hit_rate gauge averages over
     max_queued_requests: int = 4096  # requests in flight (queued + running) before new ones get 503
     max_request_bytes: int = 8 << 20  # a POST body beyond this is a 413, refused before it is parsed
+    max_header_bytes: int = 64 << 10  # a request head (line + headers) beyond this is a 400, connection closed
+    header_timeout: float = 10.0  # seconds a connection gets to send a complete request head
+    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open after a response
+    max_connections: int = 0  # open connections at once (0: the descriptor limit less some headroom)
     graceful_shutdown_timeout: float = 30.0
     log_level: str = "info"
     # Scale-out (Ray Serve): 0 = this process only
@@ -91,6 +95,11 @@ class ServerArgs:
                 f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}",
             ),
             (0 < self.port < 65536, f"--port must be in 1..65535, got {self.port}"),
+            (
+                self.max_header_bytes >= 1024 and self.header_timeout > 0 and self.keep_alive_timeout > 0,
+                "--max-header-bytes must be >= 1024, --header-timeout and --keep-alive-timeout > 0",
+            ),
+            (self.max_connections >= 0, "--max-connections must be >= 0 (0: from the descriptor limit)"),
             (
                 self.hit_rate_window >= 1 and self.max_queued_requests >= 1 and self.graceful_shutdown_timeout >= 0,
                 "--hit-rate-window and --max-queued-requests must be >= 1, --graceful-shutdown-timeout >= 0",
@@ -358,6 +367,30 @@ def _limit_flags(server: argparse._ArgumentGroup) -> None:
         type=int,
         default=ServerArgs.max_request_bytes,
         help="largest POST body accepted; a bigger one gets 413 before it is read or parsed",
+    )
+    server.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=ServerArgs.max_header_bytes,
+        help="largest request head (request line + headers); a bigger one gets 400 and the connection closes",
+    )
+    server.add_argument(
+        "--header-timeout",
+        type=float,
+        default=ServerArgs.header_timeout,
+        help="seconds a connection gets to send a complete request head (idle and slow-loris ones are closed)",
+    )
+    server.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=ServerArgs.keep_alive_timeout,
+        help="seconds an idle keep-alive connection stays open after a response",
+    )
+    server.add_argument(
+        "--max-connections",
+        type=int,
+        default=ServerArgs.max_connections,
+        help="open connections at once; past it a new one is closed at once (0: the descriptor limit less 256)",
     )
     server.add_argument(
         "--hit-rate-window",

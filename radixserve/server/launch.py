@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, TypeVar
 import uvicorn
 
 from radixserve.server.args import ServerArgs, usage_error
+from radixserve.server.connections import uvicorn_limits
 
 if TYPE_CHECKING:
     from radixserve.kv_events.publisher import KVEventPublisher
@@ -165,6 +166,7 @@ def serve(args: ServerArgs) -> None:
         access_log=args.log_level == "debug",
         timeout_graceful_shutdown=int(args.graceful_shutdown_timeout),
         log_config=None,  # keep our logging format
+        **uvicorn_limits(args.header_timeout, args.max_connections, args.max_header_bytes, args.keep_alive_timeout),
     )
     _Server(config, app.state.radixserve.worker.stop).run(sockets=[sock])
     logger.info("server stopped")
