@@ -112,6 +112,17 @@ def test_an_unconstrained_neighbour_is_unchanged_by_a_constrained_one(engine: En
         ({"regex": "(ab"}, "invalid regex: Regex parsing error"),
         ({"ebnf": "root ::= missing_rule"}, 'Rule "missing_rule" is not defined'),
         ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one of"),
+        # issue 37: each compiled and was answered with output its own constraint rejects (or compiled for minutes)
+        ({"json_schema": '{"type": "object", "required": ["a"], "additionalProperties": false}'}, "is required but"),
+        ({"json_schema": '{"not": {}}'}, "keyword 'not' at # is not supported"),
+        ({"json_schema": '{"type": "number", "minimum": 1e308}'}, "minimum 1e+308 is beyond"),
+        ({"json_schema": '{"type": "string", "const": 5}'}, "no value of its const/enum satisfies"),
+        ({"json_schema": '{"type": "array", "items": {"type": "integer"}, "uniqueItems": true}'}, "'uniqueItems'"),
+        ({"json_schema": '{"allOf": [{"type": "integer"}, {"minimum": 3}]}'}, "allOf with several branches"),
+        ({"json_schema": '{"type": "string", "minLength": 5, "maxLength": 2}'}, "minLength 5 > maxLength 2"),
+        ({"json_schema": '{"type": "object", "properties": {"a": {"type": "strin"}}}'}, "invalid json_schema"),
+        ({"json_schema": '{"type": "object", "properties": {"a": ' * 30 + "{}" + "}}" * 30}, "too complex: nested"),
+        ({"regex": "a{99999999999}"}, "regex too complex: repetition {99999999999}"),
     ],
 )
 def test_a_bad_spec_is_an_error_that_changes_nothing(engine: Engine, params: dict[str, Any], words: str) -> None:
@@ -127,15 +138,44 @@ def test_a_bad_spec_is_an_error_that_changes_nothing(engine: Engine, params: dic
 # ---- random small schemas and regexes -----------------------------------------------------------
 
 LEAVES = st.one_of(
-    st.builds(lambda hi: {"type": "integer", "minimum": 0, "maximum": hi}, st.integers(1, 999)),
+    st.builds(
+        lambda lo, n: {"type": "integer", "minimum": lo, "maximum": lo + n}, st.integers(-50, 50), st.integers(0, 999)
+    ),
+    st.builds(lambda hi: {"type": "number", "minimum": 0, "maximum": hi}, st.integers(1, 99)),
     st.just({"type": "boolean"}),
-    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 3)),
-    st.builds(lambda v: {"enum": v}, st.lists(st.sampled_from(["red", "green", "a b", "7"]), min_size=1, unique=True)),
+    st.just({"type": "null"}),
+    st.builds(
+        lambda lo, n: {"type": "string", "minLength": lo, "maxLength": lo + n}, st.integers(0, 2), st.integers(0, 3)
+    ),
+    st.builds(
+        lambda v: {"enum": v}, st.lists(st.sampled_from(["red", "green", "a b", "7", 3, None]), min_size=1, unique=True)
+    ),
+    st.builds(lambda v: {"const": v}, st.sampled_from(["x", 12, True])),
+    st.just({"type": "string", "pattern": "^[a-c]{1,3}$"}),
+    st.just({"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]}),
 )
+
+
+def _object(props: dict[str, Any], required: int, closed: bool) -> dict[str, Any]:
+    schema = {"type": "object", "properties": props, "required": sorted(props)[:required]}
+    return {**schema, "additionalProperties": False} if closed else schema
+
+
 SCHEMAS = st.recursive(
     LEAVES,
-    lambda inner: st.dictionaries(st.sampled_from(["a", "bc", "key"]), inner, min_size=1, max_size=3).map(
-        lambda props: {"type": "object", "properties": props, "required": sorted(props)}
+    lambda inner: st.one_of(
+        st.builds(
+            _object,
+            st.dictionaries(st.sampled_from(["a", "bc", "key"]), inner, min_size=1, max_size=3),
+            st.integers(1, 3),
+            st.booleans(),
+        ),
+        st.builds(
+            lambda items, lo, n: {"type": "array", "items": items, "minItems": lo, "maxItems": lo + n},
+            inner,
+            st.integers(0, 2),
+            st.integers(0, 2),
+        ),
     ),
     max_leaves=4,
 ).filter(lambda s: s.get("type") == "object")

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from radixserve.model.grammar_checks import ConstraintError, check_source
+
 if TYPE_CHECKING:
     import xgrammar as xgr  # imported where used: most servers never constrain a request (0.4 s of start-up)
 
@@ -71,6 +73,10 @@ class GrammarCompiler:
     def _compile(self, kind: GrammarKind, source: str) -> xgr.CompiledGrammar:
         if not isinstance(source, str) or not source.strip():
             raise GrammarError(f"{kind} must be a non-empty string")
+        try:
+            check_source(kind, source)  # refused before compiling: a "stop" answer must satisfy its constraint
+        except ConstraintError as exc:
+            raise GrammarError(str(exc)) from None
         try:
             if kind == "json_schema":
                 # One layout (``{"a": 1, "b": [2, 3]}``): free whitespace lets a weak model spend every token on it.
