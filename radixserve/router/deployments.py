@@ -54,6 +54,7 @@ from radixserve.server.args import ServerArgs
 from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import shared_head_len
 from radixserve.server.launch import configure_logging
+from radixserve.server.openai_api import SSE_DONE, sse
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from radixserve.server.sglang_fields import triage
 from radixserve.server.tenancy import Tenancy
@@ -209,7 +210,8 @@ class FrontBase:
             )
         assert isinstance(head, dict)
         headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_HEADERS}
-        return StreamingResponse(_body(stream), status_code=head["status"], headers=headers)
+        events = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers.items())
+        return StreamingResponse(_body(stream, events), status_code=head["status"], headers=headers)
 
     async def router(self) -> RoutingTable:
         """The routing table of this process's engine handle (made on its first call; wait for replicas)."""
@@ -263,14 +265,22 @@ class FrontBase:
         return JSONResponse({"replicas": out}, status_code=worst)
 
 
-async def _body(stream: Any) -> AsyncIterator[bytes]:
-    """A replica's streamed body; if the client leaves first, the replica's side is cancelled."""
+async def _body(stream: Any, events: bool) -> AsyncIterator[bytes]:
+    """A replica's streamed body; if the client leaves first, the replica's side is cancelled. If the replica
+    dies mid-way, an event stream (``events``) ends with an error event and ``[DONE]``, as a request that failed
+    in the engine ends; another body just ends (its status went out with the head)."""
     done = False
     try:
         async for part in stream:
             assert isinstance(part, bytes)
             yield part
         done = True
+    except Exception as exc:  # the replica died mid-stream (Ray raises ActorDiedError, RayTaskError, ...)
+        done = True  # nothing left to cancel
+        logger.warning("an engine replica failed mid-stream: %s", exc)
+        if events:
+            message = f"the engine replica serving this stream failed: {type(exc).__name__}"
+            yield (sse(error_body(503, message, "replica_unavailable")) + SSE_DONE).encode()
     finally:
         if not done:  # the client left: cancel the replica's side (its requests are aborted)
             stream.cancel()
