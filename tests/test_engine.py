@@ -145,6 +145,19 @@ def test_seeded_sampling_is_reproducible_inside_any_batch(tiny_model_dir: Path) 
     assert batch[1].output_ids == alone
 
 
+def test_seeds_that_differ_above_32_bits_draw_differently(tiny_model_dir: Path) -> None:
+    """torch's CPU generator keeps a seed's low 32 bits: seeds 0 and 2^32 (and 5 and 2^32 + 5) gave the same
+    samples. Each is its own stream now, and seeds below 2^32 still draw what they drew."""
+    engine = make_engine(tiny_model_dir)
+    params = {"max_new_tokens": 16, "temperature": 1.5, "ignore_eos": True}
+    draws = {
+        seed: engine.generate(input_ids=[3, 4, 5], sampling_params={**params, "seed": seed}).output_ids
+        for seed in (0, 2**32, 5, 2**32 + 5, 2**63 - 1)
+    }
+    assert len({tuple(ids) for ids in draws.values()}) == len(draws)
+    assert draws[5] == engine.generate(input_ids=[3, 4, 5], sampling_params={**params, "seed": 5}).output_ids
+
+
 def test_chat_applies_the_template(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir)
     via_chat = engine.chat([{"role": "user", "content": "w10 w11"}], GREEDY)

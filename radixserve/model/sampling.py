@@ -26,6 +26,7 @@ streams on CPU and CUDA; reproducibility holds per device type.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 from collections.abc import Sequence
@@ -35,6 +36,17 @@ import torch
 
 from radixserve.core import SamplingParams, TopLogprobs
 from radixserve.model.grammar import GrammarState, apply_masks
+
+
+def generator_seed(seed: int, device: torch.device) -> int:
+    """The seed a generator on ``device`` is given for a request's ``seed``. torch's CPU generator (mt19937) keeps
+    only a seed's low 32 bits, so seeds 0 and 2^32 drew the same numbers: on the CPU a seed of 2^32 or more is
+    hashed to 32 bits (smaller ones are kept as they are), so seeds that differ draw differently but for chance
+    collisions (2^-32). CUDA's generator (Philox) takes the whole 64 bits."""
+    if device.type != "cpu" or 0 <= seed < 2**32:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(16, "little", signed=True), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 class SampleOutput(NamedTuple):
@@ -88,7 +100,7 @@ class SamplingState:
         to where the last taken token's draw left it: a draw depends on the state alone."""
         if self._generator is None:
             self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed)
+            self._generator.manual_seed(generator_seed(self.seed, device))
             self._position = self._generator.get_state()
         elif self._generator.device != device:
             raise ValueError(f"request sampled on {self._generator.device}, now given {device}")
