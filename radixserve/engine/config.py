@@ -40,6 +40,10 @@ class EngineConfig:
     # q4_1 (GGUF-style blocks, int8 activations as llama.cpp) | q4_1-exact (the same, float activations)
     quantization: str = "auto"
     attention_backend: str = "auto"  # auto | paged (in place, CPU kernel) | reference (gather + SDPA)
+    # A token's logits never depend on how many rows share its step (a cache hit, a chunk boundary, batch
+    # companions): the block linears run their own kernel at any row count (quant_blocks.make_split_invariant).
+    # Off: prefill rows go through the vendor GEMM (faster on AMX; a cache hit can change an answer).
+    split_invariant: bool = True
     device: str = "auto"  # auto: cuda when present, else cpu
     num_threads: int = 1  # torch CPU threads: 1 is the safe default on a small shared box
     enable_kv_events: bool = False

@@ -37,9 +37,11 @@ from radixserve.engine.driver import Driver
 from radixserve.engine.output import OutputStage
 from radixserve.engine.step import StepExecutor
 from radixserve.memory.kv_pool import KVPool
+from radixserve.model.attention import attention_split_invariance
 from radixserve.model.grammar import GrammarCompiler
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.precision import resolve_kv_cache_dtype
+from radixserve.model.quant_blocks import make_split_invariant
 from radixserve.model.runner import ModelRunner
 from radixserve.model.summary import describe_model
 from radixserve.scheduler.loop import Scheduler
@@ -83,6 +85,8 @@ class Engine(Driver):
         logger.info("quantization %s: %s", self.loaded.model.quantization, self.loaded.quantization_reason)
         if self.loaded.model.quantization != "none":  # what was kept as the file's blocks, per GGUF type
             logger.info("quantization detail: %s", self.loaded.model.quantization_detail)
+        self.split_invariant, self.split_invariant_reason = self._split_invariance(dtype)
+        logger.info("split invariance: %s", self.split_invariant_reason)
         self.tokenizer = self.loaded.tokenizer.with_chat_template(config.chat_template)
         model = self.loaded.config
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
@@ -336,6 +340,21 @@ class Engine(Driver):
             req.arrival_time = arrival_time
         return req
 
+    def _split_invariance(self, dtype: torch.dtype) -> tuple[bool, str]:
+        """Make the model split-invariant where it can be (``--split-invariant``): (whether a token's logits are
+        now independent of how its step is cut, why)."""
+        if not self.config.split_invariant:
+            return False, "off (--no-split-invariant)"
+        if self.device.type != "cpu":
+            return False, f"no split-invariant kernels on {self.device.type}"
+        linears, why = make_split_invariant(self.loaded.model)
+        model = self.loaded.config
+        kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, dtype)
+        attention = attention_split_invariance(dtype, kv_dtype, self.config.attention_backend, model.head_dim)
+        if attention is not None:
+            return False, attention
+        return linears, why
+
     def describe(self) -> dict[str, Any]:
         """The resolved configuration: what was asked for, and what it became on this machine."""
         model = self.loaded.config
@@ -352,6 +371,8 @@ class Engine(Driver):
             "resolved_quantization": self.loaded.model.quantization,
             "quantization_reason": self.loaded.quantization_reason,
             "quantization_detail": self.loaded.model.quantization_detail,
+            "split_invariant": self.split_invariant,
+            "split_invariant_reason": self.split_invariant_reason,
             "kv_pool_tokens": self.allocator.size,
             "context_length": self.context_length,
             "vocab_size": model.vocab_size,

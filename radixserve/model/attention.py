@@ -249,6 +249,19 @@ def extend_kernel_applies(q: torch.Tensor, kv_pool: KVPool) -> bool:
     return extend_kernel_usable()
 
 
+def attention_split_invariance(dtype: torch.dtype, kv_dtype: torch.dtype, backend: str, head_dim: int) -> str | None:
+    """None when a query's attention output does not depend on where its request's cached prefix ends (the bf16
+    extend kernel takes every extend and reads keys in blocks aligned to absolute positions, extend_attention.h);
+    else why not. Float32 extends go through gather + SDPA over the uncached tail's shape: not invariant."""
+    if backend == "reference":
+        return "the reference attention backend (gather + SDPA) is not split-invariant"
+    if dtype != torch.bfloat16 or kv_dtype != torch.bfloat16:
+        return "attention is split-invariant only in bfloat16 (the extend kernel; float32 extends run SDPA)"
+    if head_dim % 16 or not extend_kernel_usable():
+        return "the bfloat16 extend kernel does not run here (AVX512-BF16 and head_dim % 16 == 0 needed)"
+    return None
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped K/V heads, reading and writing the KV pool."""
 

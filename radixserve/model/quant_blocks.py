@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model import paged_kernel
+from radixserve.model.gguf_rows import GGUFRowsLinear
+from radixserve.model.quant import Int8Linear
 
 BLOCK = 32
 # Up to these rows our block kernels, more: dequantized tiles + the GEMM. Measured on SmolLM2's 30 layers of
@@ -220,11 +222,15 @@ class BlockLinear(_BlockModule):
         super().__init__(blocks, dtype)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.int8_activations = int8_activations
+        # Every row count through the decode kernel, whose result for a row never depends on the other rows of the
+        # call (make_split_invariant): the GEMM path's (oneDNN, MKL) does, so a cache hit, which changes how many
+        # rows a prompt's tail is computed with, changed answers.
+        self.split_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or not paged_kernel.load():
             return self._torch_forward(x)
-        if x.shape[0] <= self._kernel_rows():
+        if self._kernel_takes(x):
             return self._kernel(x, None)
         # Many rows (prefill): the dtype's own GEMM, a cache-sized tile of dequantized weights at a time; each
         # row's result depends on that row alone (with float rows, bit for bit F.linear on the float weights).
@@ -246,7 +252,7 @@ class BlockLinear(_BlockModule):
         if x.device.type != "cpu" or not paged_kernel.load():
             out: torch.Tensor = residual + self(x)
             return out
-        if x.shape[0] <= self._kernel_rows():
+        if self._kernel_takes(x):
             return self._kernel(x, residual.contiguous())
         if self.int8_activations or self.bias is not None:
             out = residual + self(x)
@@ -260,8 +266,11 @@ class BlockLinear(_BlockModule):
         added = torch.ops.radixserve.block_linear_tiled(x, self.qs, self.d, self.m, residual, tile)
         return added
 
-    def _kernel_rows(self) -> int:
-        return INT8_KERNEL_MAX_ROWS if self.int8_activations else KERNEL_MAX_ROWS
+    def _kernel_takes(self, x: torch.Tensor) -> bool:
+        """Whether the decode kernel runs these rows: up to its row count, or any count when split-invariant."""
+        if self.split_invariant and not self.int8_activations:
+            return True
+        return x.shape[0] <= (INT8_KERNEL_MAX_ROWS if self.int8_activations else KERNEL_MAX_ROWS)
 
     def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The decode kernel: x @ W.T + bias (+ residual) in x's dtype, summed in float32 (see forward_add)."""
@@ -277,6 +286,23 @@ class BlockLinear(_BlockModule):
             return F.linear(x, weight, self.bias)
         out = int8_activation_linear(x, weight)
         return out if self.bias is None else out + self.bias
+
+
+def make_split_invariant(model: nn.Module) -> tuple[bool, str]:
+    """Make every block linear of ``model`` split-invariant (``BlockLinear.split_invariant``) and say whether the
+    whole model now is: (holds, why). A token's logits then do not depend on how many rows share its step, which
+    is what lets a cache hit (or a chunk boundary, or batch companions) leave every answer as a cold run gives it.
+    Float linears (torch's GEMM), int8 weights and int8 activations are not: their GEMMs' bits depend on the row
+    count."""
+    others = []
+    for name, module in model.named_modules():
+        if isinstance(module, BlockLinear) and not module.int8_activations:
+            module.split_invariant = True
+        elif isinstance(module, BlockLinear | nn.Linear | Int8Linear | GGUFRowsLinear):
+            others.append(name)
+    if others:
+        return False, f"not split-invariant: {len(others)} linears run torch's GEMM (e.g. {others[0]})"
+    return True, "split-invariant: every linear runs the block kernel at any row count"
 
 
 class BlockEmbedding(_BlockModule):

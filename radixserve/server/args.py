@@ -191,6 +191,14 @@ def _model_flags(model: argparse._ArgumentGroup, d: EngineConfig) -> None:
         choices=ATTENTION_BACKENDS,
         help="auto = paged (reads the KV pool in place; CPU, C++ kernel) where it builds, else reference (gather+SDPA)",
     )
+    model.add_argument(
+        "--split-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=d.split_invariant,
+        help="a token's logits never depend on how many rows share its step, so a cache hit never changes an "
+        "answer (block linears run their own kernel at any row count); --no-split-invariant sends prefill rows "
+        "to the vendor GEMM: faster prefill on AMX CPUs, but a cache hit can change a bfloat16 answer",
+    )
     model.add_argument("--device", default=d.device, help="auto (cuda when present), cpu, cuda or cuda:N")
     model.add_argument(
         "--num-threads",
