@@ -307,7 +307,7 @@ class LlamaForCausalLM(nn.Module):
                     new = linear_of(
                         QuantBlocks.quantize(linear.weight, "q4_1"), linear.bias, self.dtype, int8_activations
                     )
-                setattr(owner, attr, new or linear)
+                setattr(owner, attr, linear if new is None else new)
         linears = list(outcomes.values())
         head, embed = self._keep_head(kept, int8_activations, float_rest, file_types, outcomes)
         types = {name: data.source for name, data in kept.items() if data.source} | dict(file_types)

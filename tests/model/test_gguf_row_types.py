@@ -25,10 +25,11 @@ from radixserve.model.gguf_rows import GGUFRowsEmbedding, GGUFRowsLinear
 from radixserve.model.kept_weights import PartsLinear, TypeReport
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import load_model
+from radixserve.model.precision import KEPT_TYPES
 from radixserve.model.quant_blocks import BlockLinear
 from radixserve.model.summary import format_summary
 from tests.model.tiny import alloc, load_ours, make_batch, make_pool
-from tests.support.archs import SPECS, gguf_path
+from tests.support.archs import GGUF_DIR, SPECS, gguf_path
 from tests.support.fidelity import fixture_prompt
 from tests.support.gguf_rewrite import rewrite_gguf
 
@@ -37,6 +38,7 @@ ROW_CASES = ("F16", "BF16", "F32", "Q5_0", "Q5_1")  # F16: the committed fixture
 # Per-layer linears of the mixed file (GGUF names): q and k Q5_0, v Q8_0 (as llama-quantize's Q4_K_M stores
 # SmolLM2's), gate BF16 beside up Q5_1, o and down F16 (the fixture's own).
 MIXED = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "ffn_gate": "BF16", "ffn_up": "Q5_1"}
+K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
 # Max |logit difference| over max |logit|: float32 summation order only. Measured with gguf_rows' placeholder
 # (gguf's dequantize + F.linear): 0 (the same bits) for every row case, 3e-7 for the mixed file (its Q8_0 part
 # through the block kernel at decode); the row kernels sum in their own order, within this bound.
@@ -180,3 +182,28 @@ def test_server_info_reports_each_type_and_the_files_bytes() -> None:
     assert info["weight_bytes_ratio"] == round(info["weight_bytes"] / info["file_tensor_bytes"], 4)
     assert 0.95 <= info["weight_bytes_ratio"] <= 1.05  # the issue's bound: resident weights <= 1.05x the file's
     assert "by GGUF type: 15 F16 kept" in format_summary(info)
+
+
+def k_quant_fixtures() -> list[Path]:
+    """The committed llama-quantize fixtures holding K-quant matrices (hidden 256: whole super-blocks of 256)."""
+    found = [
+        p
+        for p in sorted(GGUF_DIR.glob("*.gguf"))
+        if K_QUANTS & {t.tensor_type.name for t in gguf.GGUFReader(p).tensors}
+    ]
+    return found or [pytest.param(None, marks=pytest.mark.skip(reason="no K-quant fixture in tests/fixtures/gguf"))]
+
+
+@pytest.mark.parametrize("path", k_quant_fixtures(), ids=lambda p: getattr(p, "stem", "none"))
+def test_llama_quantize_files_keep_their_k_quant_rows(path: Path) -> None:
+    """Real llama-quantize files (Q4_K_M mixes K-quants with Q5_0 / Q8_0 / F16 and Q6_K heads): under auto every
+    matrix of a kept type runs as stored, K-quant ones as GGUFRows; logits as the float32 model of the file."""
+    model = load_model(str(path), CPU, torch.float32, quantization="auto").model
+    types = GGUFFile(path).weight_types()
+    assert model.weights_by_type and all(
+        report.kept == (report.matrices if qtype in KEPT_TYPES else 0)
+        for qtype, report in model.weights_by_type.items()
+    )
+    rows = {m.qtype for m in model.modules() if isinstance(m, (GGUFRowsLinear, GGUFRowsEmbedding))}
+    assert K_QUANTS & set(types.values()) <= rows
+    assert_runs_as_the_float_model(path, model)
