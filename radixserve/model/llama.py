@@ -315,9 +315,11 @@ class LlamaForCausalLM(nn.Module):
         rows_note = (
             " (rows: float)" if int8_activations and any(isinstance(m, GGUFRowsLinear) for m in self.modules()) else ""
         )
+        used = sum(not o.to for o in linears)
+        rest = "" if used == len(linears) else f", the rest {'dequantized to ' + to if float_rest else 'quantized'}"
         self.quantization_detail = (
-            f"{method}: {sum(not o.to for o in linears)} of {len(linears)} linear weights kept as the file's blocks, "
-            f"the rest {'dequantized to ' + to if float_rest else 'quantized'}; lm_head {head}; embedding {embed}; "
+            f"{method}: {used} of {len(linears)} linear weights kept as the file's blocks{rest}; "
+            f"lm_head {head}; embedding {embed}; "
             f"activations {'int8 blocks of 32 (CPU)' + rows_note if int8_activations else 'float'}"
             f"{describe_by_type(self.weights_by_type)}"
         )
