@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from radixserve.model import paged_kernel
 from radixserve.model.gguf_loader import default_model_path, load_gguf_blocks, read_gguf_config
-from radixserve.model.llama import FUSED_PARTS
+from radixserve.model.kept_weights import FUSED_PARTS
 from radixserve.model.quant_blocks import QuantBlocks, tile_columns
 
 # (the blocks, their float32 values made once, x) -> the output

@@ -1,5 +1,6 @@
-"""A GGUF's matrices kept as the file stores them, as the model's linears and embedding, and the account per GGUF
-type of what a load kept and what it converted, and why (quantization_detail, /server_info's ``weights_by_type``).
+"""A GGUF's matrices kept as the file stores them: which ones a model keeps (``usable_blocks``), as its linears and
+embedding, and the account per GGUF type of what a load kept and what it converted, and why (quantization_detail,
+/server_info's ``weights_by_type``).
 
 A fused linear (q|k|v, gate|up) is kept when every part is. Parts of one kind (blocks of one width: Q4_0 with
 Q4_1; rows of one type) concatenate into one weight; runs of different kinds (llama-quantize's Q4_K_M stores
@@ -23,6 +24,38 @@ from radixserve.model.gguf_loader import Kept
 from radixserve.model.gguf_rows import GGUFRows, GGUFRowsEmbedding, GGUFRowsLinear
 from radixserve.model.precision import KEPT_TYPES
 from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks
+
+# Each fused linear of a decoder layer and the HF weights it holds, rows in this order.
+FUSED_PARTS = {
+    ("self_attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn", "o_proj"): ("self_attn.o_proj",),
+    ("mlp", "gate_up_proj"): ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp", "down_proj"): ("mlp.down_proj",),
+}
+
+
+def layer_parts(prefix: str, fused_checkpoint: bool) -> dict[tuple[str, str], tuple[str, ...]]:
+    """(owner, attr) of each fused linear of a layer -> the HF weight names it holds, rows in order (phi3's
+    checkpoints hold q|k|v and gate|up fused already, as one name each)."""
+    return {
+        (owner, attr): (f"{prefix}{owner}.{attr}.weight",)
+        if fused_checkpoint
+        else tuple(f"{prefix}{p}.weight" for p in parts)
+        for (owner, attr), parts in FUSED_PARTS.items()
+    }
+
+
+def usable_blocks(blocks: Mapping[str, Kept], num_layers: int) -> dict[str, Kept]:
+    """The part of ``blocks`` (HF name -> a file's own weights, ``GGUFFile.blocks``) that ``quantize("q4_1", blocks)``
+    keeps as it is: a fused linear's parts only when every part is there (of any types: ``kept_linear``); the
+    embedding and lm_head alone."""
+    usable = {name: blocks[name] for name in ("model.embed_tokens.weight", "lm_head.weight") if name in blocks}
+    for i in range(num_layers):
+        for fused in (False, True):
+            for names in layer_parts(f"model.layers.{i}.", fused).values():
+                if all(name in blocks for name in names):
+                    usable.update({name: blocks[name] for name in names})
+    return usable
 
 
 class PartsLinear(nn.Module):

@@ -43,7 +43,9 @@ from radixserve.model.kept_weights import (
     describe_by_type,
     embedding_of,
     kept_linear,
+    layer_parts,
     linear_of,
+    usable_blocks,
     weights_by_type,
 )
 from radixserve.model.layers import GatedMLP, RotaryEmbedding, make_norm, rotary_cos_sin, softcap, uninitialised
@@ -51,38 +53,6 @@ from radixserve.model.paged_kernel import resolve_backend
 from radixserve.model.precision import KEPT_TYPES
 from radixserve.model.quant import BLOCK_QUANTIZATIONS, QUANTIZATIONS, Int8Linear, quantize_linears
 from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks
-
-# Each fused linear of a decoder layer and the HF weights it holds, rows in this order.
-FUSED_PARTS = {
-    ("self_attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn", "o_proj"): ("self_attn.o_proj",),
-    ("mlp", "gate_up_proj"): ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp", "down_proj"): ("mlp.down_proj",),
-}
-
-
-def layer_parts(prefix: str, fused_checkpoint: bool) -> dict[tuple[str, str], tuple[str, ...]]:
-    """(owner, attr) of each fused linear of a layer -> the HF weight names it holds, rows in order (phi3's
-    checkpoints hold q|k|v and gate|up fused already, as one name each)."""
-    return {
-        (owner, attr): (f"{prefix}{owner}.{attr}.weight",)
-        if fused_checkpoint
-        else tuple(f"{prefix}{p}.weight" for p in parts)
-        for (owner, attr), parts in FUSED_PARTS.items()
-    }
-
-
-def usable_blocks(blocks: Mapping[str, Kept], num_layers: int) -> dict[str, Kept]:
-    """The part of ``blocks`` (HF name -> a file's own weights, ``GGUFFile.blocks``) that ``quantize("q4_1", blocks)``
-    keeps as it is: a fused linear's parts only when every part is there (of any types: ``kept_linear``); the
-    embedding and lm_head alone."""
-    usable = {name: blocks[name] for name in ("model.embed_tokens.weight", "lm_head.weight") if name in blocks}
-    for i in range(num_layers):
-        for fused in (False, True):
-            for names in layer_parts(f"model.layers.{i}.", fused).values():
-                if all(name in blocks for name in names):
-                    usable.update({name: blocks[name] for name in names})
-    return usable
 
 
 class DecoderLayer(nn.Module):

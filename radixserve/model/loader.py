@@ -17,7 +17,8 @@ import torch
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_loader import GGUFFile, Kept, default_model_path
 from radixserve.model.hf_loader import load_hf_folder
-from radixserve.model.llama import LlamaForCausalLM, usable_blocks
+from radixserve.model.kept_weights import usable_blocks
+from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.precision import resolve_quantization
 from radixserve.model.quant import BLOCK_QUANTIZATIONS
 from radixserve.model.tokenizer import Tokenizer

@@ -11,7 +11,8 @@ import torch
 
 from radixserve.model import gguf_loader
 from radixserve.model.gguf_loader import GGUFFile, load_gguf, load_gguf_blocks
-from radixserve.model.llama import LlamaForCausalLM, usable_blocks
+from radixserve.model.kept_weights import usable_blocks
+from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.precision import resolve_quantization
 from radixserve.model.quant_blocks import BlockLinear
