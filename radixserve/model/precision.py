@@ -106,7 +106,7 @@ def resolve_quantization(
         return "none", f"auto: none, the block kernel did not build (see the log; GGUF matrices: {listing})"
     # q4_1-exact, not q4_1: int8 activations are faster but lossy (docs: server/precision.md); auto loses nothing.
     q4_0 = " (Q4_0 by the Q4_1 kernels with m = -8d: the same values)" if "Q4_0" in stored else ""
-    rest = f"; {', '.join(other)} have no kernel: dequantized to floats, not re-quantized (lossy)" if other else ""
+    rest = f"; {', '.join(other)} have no kernel: dequantized to floats, lossless (never re-quantized)" if other else ""
     return "q4_1-exact", (
         f"auto: q4_1-exact, the GGUF stores its matrices as {listing}: kept as the file stores them, "
         f"lossless{q4_0}{rest}"

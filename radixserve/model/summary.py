@@ -3,7 +3,7 @@
 architecture gemma3 | 26 layers | heads 8, kv heads 4, head dim 256 | context 131072
 rope theta 1e+06, linear {'factor': 8.0}; sliding layers theta 10000, default
 sliding window 512 (22 sliding, 4 full) | tokenizer BPE (GGUF) | chat template: the GGUF
-weights 1.9 GiB (bfloat16, none); the file's tensors 1.9 GiB (1.00x)
+weights 1.9 GiB (bfloat16, q4_1-exact); the file's tensors 1.9 GiB (1.00x)
 by GGUF type: 183 Q4_K kept, 26 Q6_K kept; 1 IQ4_NL to bfloat16 (no kernel for IQ4_NL: dequantized (lossless))
 """
 

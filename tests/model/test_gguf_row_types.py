@@ -147,7 +147,7 @@ def test_a_type_without_a_kernel_is_dequantized_with_a_warning(
         loaded = load_model(str(path), CPU, torch.float32, quantization="auto")
     assert "stored as 4 F16, 4 MXFP4 are not kept as stored: dequantized to float32" in caplog.text
     model, layers = loaded.model, loaded.config.num_layers
-    assert "MXFP4 have no kernel: dequantized to floats, not re-quantized" in loaded.quantization_reason
+    assert "MXFP4 have no kernel: dequantized to floats, lossless" in loaded.quantization_reason
     layer = model.layers[0]
     assert type(layer.self_attn.qkv_proj) is nn.Linear and type(layer.mlp.down_proj) is nn.Linear
     assert isinstance(layer.mlp.gate_up_proj, GGUFRowsLinear)

@@ -57,7 +57,7 @@ def test_auto_keeps_what_it_can_or_falls_back_to_none_and_says_why(mixed_gguf: P
     method, reason = resolve_quantization("auto", CPU, types, block_kernel=True)
     assert method == "q4_1-exact" and "4 F32, 10 Q4_1, 1 Q8_0: kept as the file stores them" in reason  # F32: rows
     method, reason = resolve_quantization("auto", CPU, {"a": "Q4_1", "b": "MXFP4"}, block_kernel=True)
-    assert method == "q4_1-exact" and "MXFP4 have no kernel: dequantized to floats, not re-quantized" in reason
+    assert method == "q4_1-exact" and "MXFP4 have no kernel: dequantized to floats, lossless" in reason
     method, reason = resolve_quantization("auto", CPU, {"a": "IQ4_NL", "b": "MXFP4"}, block_kernel=True)
     assert method == "none" and "IQ4_NL, MXFP4 cannot stay as stored" in reason  # nothing to keep
     blocks_only = {"w": "Q4_1"}
