@@ -165,5 +165,5 @@ def describe_by_type(table: Mapping[str, TypeReport]) -> str:
     """The quantization_detail's account: the file's weights kept per type, then those converted and why."""
     kept = ", ".join(f"{r.kept} {qtype}" for qtype, r in table.items() if r.kept)
     text = f"; the file's blocks by type: {kept}" if kept else ""
-    converted = [f"{r.converted} {qtype} to {r.converted_to} ({r.why})" for qtype, r in table.items() if r.converted]
-    return text + (f"; converted: {', '.join(converted)}" if converted else "")
+    changed = [f"{r.converted} {qtype} to {r.converted_to} ({r.why})" for qtype, r in table.items() if r.converted]
+    return text + (f"; converted: {', '.join(changed)}" if changed else "")
