@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from radixserve.model import paged_kernel
 from radixserve.model.gguf_loader import default_model_path, load_gguf_blocks, read_gguf_config
-from radixserve.model.llama import FUSED_PARTS
+from radixserve.model.kept_weights import FUSED_PARTS
 from radixserve.model.quant_blocks import QuantBlocks, tile_columns
 
 # (the blocks, their float32 values made once, x) -> the output
@@ -61,7 +61,10 @@ def layer_weights(model_path: str, layers: int) -> list[tuple[QuantBlocks, torch
     fused = []
     for i in range(layers):
         for parts in FUSED_PARTS.values():
-            w = QuantBlocks.cat([blocks[f"model.layers.{i}.{part}.weight"] for part in parts])
+            found = [blocks[f"model.layers.{i}.{part}.weight"] for part in parts]
+            if not all(isinstance(b, QuantBlocks) for b in found):  # rows of another type: not these kernels
+                raise ValueError(f"{model_path}: layer {i}'s linears are not all Q4_0 / Q4_1 / Q8_0 blocks")
+            w = QuantBlocks.cat([b for b in found if isinstance(b, QuantBlocks)])
             fused.append((w, w.dequantize_fast()))
     return fused
 

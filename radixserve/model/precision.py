@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from radixserve.model import paged_kernel
+from radixserve.model.gguf_rows import ROW_TYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The KV pool's own dtype (SGLang's --kv-cache-dtype): auto = the model's. bfloat16 under float32
@@ -68,8 +69,10 @@ def resolve_dtype(requested: str, device: torch.device, cpu: CpuFeatures | None 
     )
 
 
-# The storage types whose blocks the q4_1 path keeps as they are (quant_blocks.FILE_FORMATS).
+# The storage types whose blocks the q4_1 path keeps as they are (quant_blocks.FILE_FORMATS), and every type a
+# load keeps as the file stores it (those, and gguf_rows.ROW_TYPES: the K-quants, Q5_0 / Q5_1, F16 / BF16 / F32).
 KEPT_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+KEPT_TYPES = (*KEPT_BLOCK_TYPES, *ROW_TYPES)
 
 
 def resolve_quantization(
@@ -79,8 +82,9 @@ def resolve_quantization(
 
     auto keeps what the checkpoint stores, and only where that loses nothing and runs fast:
     ``matrix_types`` (HF name -> storage type of each matrix a forward multiplies by; None for an
-    HF float checkpoint) all Q4_0 / Q4_1 / Q8_0 -> q4_1-exact (those blocks, bit for bit, float activations),
-    on a CPU where the block kernel builds (``block_kernel``; None: ask ``paged_kernel.load``). Else none.
+    HF float checkpoint) with any KEPT_TYPES -> q4_1-exact (those weights as the file stores them, float
+    activations), on a CPU where the block kernel builds (``block_kernel``; None: ask ``paged_kernel.load``).
+    Matrices of other types are then dequantized to floats (the loader: ``float_rest``), not re-quantized. Else none.
     """
     if requested != "auto":
         return requested, f"{requested} as asked"
@@ -88,10 +92,10 @@ def resolve_quantization(
         return "none", "auto: none, a float checkpoint (its weights as stored)"
     stored = Counter(matrix_types.values())
     listing = ", ".join(f"{count} {kind}" for kind, count in sorted(stored.items()))
-    other = sorted(kind for kind in stored if kind not in KEPT_BLOCK_TYPES)
-    if other:
+    other = sorted(kind for kind in stored if kind not in KEPT_TYPES)
+    if len(other) == len(stored):
         return "none", (
-            f"auto: none, the GGUF stores its matrices as {listing}; {', '.join(other)} cannot stay blocks "
+            f"auto: none, the GGUF stores its matrices as {listing}; {', '.join(other)} cannot stay as stored "
             "(q4_1 would re-quantize them: lossy), so every tensor is dequantized"
         )
     if device.type != "cpu":
@@ -102,6 +106,8 @@ def resolve_quantization(
         return "none", f"auto: none, the block kernel did not build (see the log; GGUF matrices: {listing})"
     # q4_1-exact, not q4_1: int8 activations are faster but lossy (docs: server/precision.md); auto loses nothing.
     q4_0 = " (Q4_0 by the Q4_1 kernels with m = -8d: the same values)" if "Q4_0" in stored else ""
+    rest = f"; {', '.join(other)} have no kernel: dequantized to floats, lossless (never re-quantized)" if other else ""
     return "q4_1-exact", (
-        f"auto: q4_1-exact, the GGUF stores its matrices as {listing}: kept as these blocks, lossless{q4_0}"
+        f"auto: q4_1-exact, the GGUF stores its matrices as {listing}: kept as the file stores them, "
+        f"lossless{q4_0}{rest}"
     )

@@ -3,11 +3,13 @@
 architecture gemma3 | 26 layers | heads 8, kv heads 4, head dim 256 | context 131072
 rope theta 1e+06, linear {'factor': 8.0}; sliding layers theta 10000, default
 sliding window 512 (22 sliding, 4 full) | tokenizer BPE (GGUF) | chat template: the GGUF
-weights 1.9 GiB (bfloat16, none)
+weights 1.9 GiB (bfloat16, q4_1-exact); the file's tensors 1.9 GiB (1.00x)
+by GGUF type: 183 Q4_K kept, 26 Q6_K kept; 1 IQ4_NL to bfloat16 (no kernel for IQ4_NL: dequantized (lossless))
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from radixserve.model.config import ModelConfig
@@ -15,8 +17,13 @@ from radixserve.model.quant import weight_bytes
 from radixserve.model.tokenizer import Tokenizer
 
 
-def describe_model(config: ModelConfig, tokenizer: Tokenizer, model: Any) -> dict[str, Any]:
-    """The model's fields of Engine.describe(): architecture, shape, rope, window, tokenizer, weights."""
+def describe_model(
+    config: ModelConfig, tokenizer: Tokenizer, model: Any, file_tensor_bytes: int | None = None
+) -> dict[str, Any]:
+    """The model's fields of Engine.describe(): architecture, shape, rope, window, tokenizer, weights: the bytes
+    they take resident (``weight_bytes``) next to a GGUF's tensor bytes (``file_tensor_bytes``, None for an HF
+    folder) and their ratio, and per GGUF type how many matrices run as stored and how many were converted, why."""
+    resident = weight_bytes(model)
     return {
         "architecture": config.architecture,
         "num_layers": config.num_layers,
@@ -30,7 +37,10 @@ def describe_model(config: ModelConfig, tokenizer: Tokenizer, model: Any) -> dic
         "layer_types": layer_types_summary(config),
         "tokenizer_kind": tokenizer.kind,
         "chat_template_source": tokenizer.chat_template_source,
-        "weight_bytes": weight_bytes(model),
+        "weight_bytes": resident,
+        "file_tensor_bytes": file_tensor_bytes,
+        "weight_bytes_ratio": round(resident / file_tensor_bytes, 4) if file_tensor_bytes else None,
+        "weights_by_type": {qtype: asdict(report) for qtype, report in model.weights_by_type.items()},
     }
 
 
@@ -42,6 +52,10 @@ def layer_types_summary(config: ModelConfig) -> str:
 
 def format_summary(info: dict[str, Any]) -> str:
     """describe()'s model fields as the start-up log's lines."""
+    file_bytes, by_type = info.get("file_tensor_bytes"), info.get("weights_by_type") or {}
+    on_file = (
+        f"; the file's tensors {file_bytes / 2**20:.1f} MiB ({info['weight_bytes_ratio']:.2f}x)" if file_bytes else ""
+    )
     window = "none" if not info["sliding_window"] else f"{info['sliding_window']} ({info['layer_types']})"
     return (
         f"model {info['resolved_model_path']}: architecture {info['architecture']}, {info['num_layers']} layers, "
@@ -50,5 +64,17 @@ def format_summary(info: dict[str, Any]) -> str:
         f"  rope {info['rope']}; sliding window {window}\n"
         f"  tokenizer {info['tokenizer_kind']}; chat template: {info['chat_template_source']}\n"
         f"  weights {info['weight_bytes'] / 2**20:.1f} MiB ({info['resolved_dtype']}, "
-        f"quantization {info['resolved_quantization']})"
+        f"quantization {info['resolved_quantization']}){on_file}"
+        + (f"\n  by GGUF type: {types_summary(by_type)}" if by_type else "")
     )
+
+
+def types_summary(by_type: dict[str, dict[str, Any]]) -> str:
+    """``weights_by_type`` in a line: "14 Q5_0 kept; 2 MXFP4 to bfloat16 (why)"."""
+    parts = [f"{row['kept']} {qtype} kept" for qtype, row in by_type.items() if row["kept"]]
+    parts += [
+        f"{row['converted']} {qtype} to {row['converted_to']} ({row['why']})"
+        for qtype, row in by_type.items()
+        if row["converted"]
+    ]
+    return "; ".join(parts)

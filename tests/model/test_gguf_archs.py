@@ -18,7 +18,8 @@ import torch
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_loader import GGUFFile, load_gguf
 from radixserve.model.hf_loader import load_hf_folder
-from radixserve.model.llama import LlamaForCausalLM, usable_blocks
+from radixserve.model.kept_weights import usable_blocks
+from radixserve.model.llama import LlamaForCausalLM
 from tests.model.test_llama import prefill
 from tests.model.tiny import load_ours
 from tests.support.archs import SPECS, gguf_path

@@ -11,7 +11,8 @@ import torch
 
 from radixserve.model import gguf_loader
 from radixserve.model.gguf_loader import GGUFFile, load_gguf, load_gguf_blocks
-from radixserve.model.llama import LlamaForCausalLM, usable_blocks
+from radixserve.model.kept_weights import usable_blocks
+from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.precision import resolve_quantization
 from radixserve.model.quant_blocks import BlockLinear
@@ -51,10 +52,14 @@ def test_auto_keeps_a_gguf_stored_as_q4_1_and_q8_0_blocks(q4_gguf: Path) -> None
     assert method == "q4_1-exact" and "14 Q4_1, 1 Q8_0" in reason and "lossless" in reason
 
 
-def test_auto_falls_back_to_none_and_says_why(mixed_gguf: Path) -> None:
+def test_auto_keeps_what_it_can_or_falls_back_to_none_and_says_why(mixed_gguf: Path) -> None:
     types = GGUFFile(mixed_gguf).matrix_types()
     method, reason = resolve_quantization("auto", CPU, types, block_kernel=True)
-    assert method == "none" and "F32 cannot stay blocks" in reason  # k and up would be re-quantized
+    assert method == "q4_1-exact" and "4 F32, 10 Q4_1, 1 Q8_0: kept as the file stores them" in reason  # F32: rows
+    method, reason = resolve_quantization("auto", CPU, {"a": "Q4_1", "b": "MXFP4"}, block_kernel=True)
+    assert method == "q4_1-exact" and "MXFP4 have no kernel: dequantized to floats, lossless" in reason
+    method, reason = resolve_quantization("auto", CPU, {"a": "IQ4_NL", "b": "MXFP4"}, block_kernel=True)
+    assert method == "none" and "IQ4_NL, MXFP4 cannot stay as stored" in reason  # nothing to keep
     blocks_only = {"w": "Q4_1"}
     assert resolve_quantization("auto", torch.device("cuda"), blocks_only)[0] == "none"
     assert "CPU-only" in resolve_quantization("auto", torch.device("cuda"), blocks_only)[1]
@@ -75,7 +80,7 @@ def test_load_model_resolves_auto_and_reports_the_reason(q4_gguf: Path, mixed_gg
     else:
         assert "did not build" in loaded.quantization_reason
     mixed = load_model(str(mixed_gguf), CPU, torch.float32, quantization="auto")
-    assert mixed.model.quantization == "none" and "F32" in mixed.quantization_reason
+    assert mixed.model.quantization == loaded.model.quantization and "F32" in mixed.quantization_reason
 
 
 def test_kept_blocks_are_never_dequantized_at_load(q4_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,8 +130,9 @@ def test_loading_the_blocks_directly_gives_the_same_model(name: str, request: py
 def test_load_blocks_refuses_blocks_it_would_not_keep_and_changes_nothing(mixed_gguf: Path) -> None:
     file = GGUFFile(mixed_gguf)
     blocks = file.blocks()
+    del blocks["model.layers.0.self_attn.k_proj.weight"]  # as if k were of a type not kept: q and v cannot be
     usable = usable_blocks(blocks, file.config.num_layers)
-    assert "model.layers.0.self_attn.q_proj.weight" in blocks  # q is Q4_1, but k (F32) shares its fused linear
+    assert "model.layers.0.self_attn.q_proj.weight" in blocks  # q is Q4_1, but k shares its fused linear
     assert "model.layers.0.self_attn.q_proj.weight" not in usable
     assert "model.layers.0.self_attn.o_proj.weight" in usable
     model = LlamaForCausalLM(file.config)

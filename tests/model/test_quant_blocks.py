@@ -184,10 +184,10 @@ def q4_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_files_blocks_dequantize_to_exactly_the_float_tensors(mixed_gguf: Path) -> None:
     _, tensors = load_gguf(mixed_gguf)
     kept = load_gguf_blocks(mixed_gguf)
-    assert {blocks.fmt for blocks in kept.values()} == {"q4_1", "q8_0"}
+    assert {blocks.fmt for blocks in kept.values()} == {"q4_1", "q8_0", "f32"}
     assert kept["model.embed_tokens.weight"].fmt == "q8_0"
     assert kept["model.layers.0.self_attn.q_proj.weight"].fmt == "q4_1"  # rows un-permuted as the floats are
-    assert "model.layers.0.self_attn.k_proj.weight" not in kept  # F32 in the file: nothing to keep
+    assert kept["model.layers.0.self_attn.k_proj.weight"].fmt == "f32"  # F32 in the file: kept as its rows
     for name, blocks in kept.items():
         assert torch.equal(blocks.dequantize(), tensors[name]), name
 
@@ -228,9 +228,10 @@ def test_q4_1_holds_a_fraction_of_the_weight_bytes_and_says_what_it_kept(q4_gguf
     assert sum(isinstance(m, BlockLinear) for m in model.modules()) == 4 * model.config.num_layers + 1
     assert model.quantization_detail.startswith("q4_1: 14 of 14 linear weights kept")
     model = gguf_model(mixed_gguf, "q4_1")
-    # Per layer the file holds q, v, o, gate, down as Q4_1, k and up as F32: o and down are kept
-    # whole, q|k|v and gate|up are fused linears with a float part, quantized from the floats.
-    assert model.quantization_detail.startswith("q4_1: 4 of 14 linear weights kept")
+    # Per layer the file holds q, v, o, gate, down as Q4_1, k and up as F32: every part is kept (F32 as its
+    # rows), q|k|v and gate|up as one linear of their parts (kept_weights.PartsLinear).
+    assert model.quantization_detail.startswith("q4_1: 14 of 14 linear weights kept")
+    assert model.quantization_detail.endswith("the file's blocks by type: 4 F32, 10 Q4_1, 1 Q8_0")
     assert model.lm_head is not None and model.lm_head.qs is model.embed_tokens.qs  # tied: one copy of the blocks
 
 
