@@ -30,45 +30,70 @@ def nearest_int(value: np.ndarray) -> np.ndarray:
 
 
 def _rint_clip(value: np.ndarray, low: int, high: int) -> np.ndarray:
-    """``MAX(low, MIN(high, nearest_int(value)))`` as float32: rounding commutes with clipping to integers."""
-    return np.rint(np.clip(value, F32(low), F32(high)))
+    """``MAX(low, MIN(high, nearest_int(value)))`` as float32, in place: rounding commutes with clipping to integers."""
+    np.maximum(value, F32(low), out=value)
+    np.minimum(value, F32(high), out=value)
+    return np.rint(value, out=value)
 
 
 def _running_sum(values: np.ndarray) -> np.ndarray:
-    """Sum over axis 0 in order, rounding after each add, as a C loop ``s += v[i]`` does (not numpy's pairwise)."""
-    total = values[0].copy()
-    for row in values[1:]:
-        total += row
+    """Sum over axis 0 in order, rounding after each add, as a C loop ``s += v[i]`` does.
+
+    numpy sums pairwise only along the contiguous axis; over axis 0 of a C-contiguous array it adds row
+    after row (tests/test_kquants_port.py checks this against an explicit loop)."""
+    total: np.ndarray = np.add.reduce(values, axis=0)
     return total
+
+
+def _levels(x: np.ndarray, low: np.ndarray, iscale: np.ndarray, nmax: int, out: np.ndarray) -> np.ndarray:
+    """``MAX(0, MIN(nmax, nearest_int(iscale * (x - min))))`` into ``out``."""
+    np.subtract(x, low, out=out)
+    out *= iscale
+    return _rint_clip(out, 0, nmax)
+
+
+def _weighted_error(
+    weights: np.ndarray, x: np.ndarray, scale: np.ndarray, low: np.ndarray, levels: np.ndarray, work: np.ndarray
+) -> np.ndarray:
+    """The C's ``sum of w * (scale * L + min - x)^2`` in its order, ``work`` a scratch array like ``x``."""
+    np.multiply(levels, scale, out=work)
+    work += low
+    work -= x
+    work *= work
+    work *= weights
+    return _running_sum(work)
 
 
 def make_qkx2_quants(
     x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(scale, the_min, L) per column of ``x`` [n, S]: ggml's weighted search for a scale and a min (min <= 0)."""
+    """(scale, the_min, L) per column of ``x`` [n, S]: ggml's weighted search for a scale and a min (min <= 0).
+
+    Each trial scale that lowers the weighted error replaces the scale, the min and the levels; the next
+    trials start from the new min, as in C."""
     low = np.minimum(x.min(axis=0), F32(0))
     high = x.max(axis=0)
     flat = high == low
     sum_w, sum_x = _running_sum(weights), _running_sum(weights * x)
+    levels, trial, work = np.empty_like(x), np.empty_like(x), np.empty_like(x)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = F32(nmax) / (high - low)
         scale = F32(1) / iscale
-        levels = _rint_clip(iscale * (x - low), 0, nmax)
-        best_error = _running_sum(weights * np.square(scale * levels + low - x))
+        best_error = _weighted_error(weights, x, scale, low, _levels(x, low, iscale, nmax, levels), work)
         for step in range(nstep + 1):
-            iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (high - low)
-            trial = _rint_clip(iscale * (x - low), 0, nmax)
-            weighted = weights * trial
-            sum_l, sum_l2, sum_xl = _running_sum(weighted), _running_sum(weighted * trial), _running_sum(weighted * x)
+            _levels(x, low, (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (high - low), nmax, trial)
+            weighted = np.multiply(weights, trial, out=work)
+            sum_l, sum_l2 = _running_sum(weighted), _running_sum(np.multiply(weighted, trial, out=work))
+            sum_xl = _running_sum(np.multiply(np.multiply(weights, trial, out=work), x, out=work))
             det = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
             clamped = this_min > 0
             this_min = np.where(clamped, F32(0), this_min)
             this_scale = np.where(clamped, sum_xl / sum_l2, this_scale)
-            error = _running_sum(weights * np.square(this_scale * trial + this_min - x))
+            error = _weighted_error(weights, x, this_scale, this_min, trial, work)
             better = (det > 0) & (error < best_error)
-            levels = np.where(better, trial, levels)
+            np.copyto(levels, trial, where=better)
             best_error = np.where(better, error, best_error)
             scale, low = np.where(better, this_scale, scale), np.where(better, this_min, low)
     scale = np.where(flat, F32(0), scale)
