@@ -11,6 +11,7 @@ as an array). ``requantize_gguf`` is ``llama-quantize --allow-requantize`` with 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +51,12 @@ def rewrite_gguf(src: Path, dst: Path, matrix_type: str | None = None, add: dict
     return _write(reader, dst, file_type, types, add)
 
 
-def requantize_gguf(src: Path, dst: Path, preset: str, add: dict[str, Any] | None = None) -> Path:
+def requantize_gguf(src: Path, dst: Path, preset: str, drop: Collection[str] = ()) -> Path:
     """``llama-quantize --allow-requantize src dst preset`` without an imatrix: each matrix dequantized to float32
-    and stored as the type ``preset_tensor_types`` gives it; one already of that type is copied, as llama does."""
+    and stored as the type ``preset_tensor_types`` gives it; one already of that type is copied, as llama does.
+    ``drop``: keys left out (e.g. the vocabulary, for a file whose tokenizer no test reads)."""
     reader = gguf.GGUFReader(src)
-    return _write(reader, dst, preset, preset_tensor_types(reader, preset), add)
+    return _write(reader, dst, preset, preset_tensor_types(reader, preset), None, drop)
 
 
 def fallback_type(qtype: QType, row_len: int) -> QType:
@@ -129,13 +131,18 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any:
 
 
 def _write(
-    reader: gguf.GGUFReader, dst: Path, file_type: str | None, types: dict[str, QType], add: dict[str, Any] | None
+    reader: gguf.GGUFReader,
+    dst: Path,
+    file_type: str | None,
+    types: dict[str, QType],
+    add: dict[str, Any] | None,
+    drop: Collection[str] = (),
 ) -> Path:
     """``reader``'s keys (general.file_type set to ``file_type`` when given) and ``add``, and its tensors, each
     re-stored as ``types[name]`` (dequantized to float32 first) where that differs from its own type."""
     writer = gguf.GGUFWriter(str(dst), str(_field(reader, "general.architecture")))
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in drop:
             continue
         if field.name == "general.file_type" and file_type is not None:
             writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{file_type}"])
