@@ -91,6 +91,21 @@ def test_fallback_types_follow_llama_cpp() -> None:
     assert fallback_type(Q4_K, 1536) == Q4_K and fallback_type(Q6_K, 40) == gguf.GGMLQuantizationType.F16
 
 
+def awkward_rows(rng: np.random.Generator, weight: np.ndarray) -> np.ndarray:
+    """``weight`` with its first rows made the cases a quantizer gets wrong: zeros, one constant (negative:
+    a flat block with a min), all positive, mostly zero, small integers, heavy tails, values near 1e-30."""
+    columns = weight.shape[1]
+    weight[0] = 0
+    weight[1] = -0.3
+    weight[2] = np.abs(weight[2])
+    weight[3] *= rng.random(columns) < 0.1
+    weight[4] = rng.integers(-8, 8, columns)
+    weight[5] = rng.standard_t(1, columns)
+    weight[6] *= 1e-30
+    weight[7, : columns // 2] = 0  # a zero super-block beside a live one
+    return weight
+
+
 def write_tiny_llama(path: Path, layers: int = 8) -> Path:
     """A random F32 Llama llama-quantize can read: hidden 256 (K-quant rows), ffn 288 (ffn_down falls back)."""
     rng = np.random.default_rng(7)
@@ -115,11 +130,12 @@ def write_tiny_llama(path: Path, layers: int = 8) -> Path:
         "ffn_up": (288, 256),
         "ffn_down": (256, 288),
     }
-    writer.add_tensor("token_embd.weight", rng.standard_normal((64, 256)).astype(np.float32))
+    writer.add_tensor("token_embd.weight", awkward_rows(rng, rng.standard_normal((64, 256)).astype(np.float32)))
     writer.add_tensor("output_norm.weight", np.ones(256, np.float32))
     for i in range(layers):
         for name, shape in shapes.items():
-            writer.add_tensor(f"blk.{i}.{name}.weight", (rng.standard_normal(shape) * 0.05).astype(np.float32))
+            weight = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+            writer.add_tensor(f"blk.{i}.{name}.weight", awkward_rows(rng, weight) if name == "attn_q" else weight)
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(256, np.float32))
     writer.write_header_to_file()

@@ -8,7 +8,7 @@ with ``--quantization auto --dtype float32``; next-token top-1 agreement and mea
 every position of a fixed prompt. The files are cached across runs under the system's temp folder, keyed by
 the source file, the quantizers' code and gguf's version: made cold, the seven take ~70 s of CPU (~2.5 min
 on a busy 2-core box); warm, the file runs in ~20 s of CPU. Each file's tensors equal those llama-quantize
-(llama.cpp b-0.3.36's, ``--allow-requantize``, 1 thread) writes from the same source, type and bytes.
+(llama.cpp as vendored by llama-cpp-python 0.3.36, ``--allow-requantize``) writes from the same source, type and bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -65,6 +66,9 @@ def requantized(preset: str) -> Path:
         key.update(Path(str(module.__file__)).read_bytes())
     folder = Path(tempfile.gettempdir()) / f"radixserve-requantized-{key.hexdigest()[:16]}"
     path = folder / f"{source.stem}.{preset}.gguf"
+    if not folder.exists():  # new code or source: the files of older keys (~750 MB a set) are stale
+        for stale in folder.parent.glob("radixserve-requantized-*"):
+            shutil.rmtree(stale, ignore_errors=True)
     if not path.exists():
         folder.mkdir(exist_ok=True)
         partial = folder / f".{path.name}.{os.getpid()}"
