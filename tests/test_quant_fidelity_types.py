@@ -18,6 +18,7 @@ import importlib.metadata
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -66,9 +67,10 @@ def requantized(preset: str) -> Path:
         key.update(Path(str(module.__file__)).read_bytes())
     folder = Path(tempfile.gettempdir()) / f"radixserve-requantized-{key.hexdigest()[:16]}"
     path = folder / f"{source.stem}.{preset}.gguf"
-    if not folder.exists():  # new code or source: the files of older keys (~750 MB a set) are stale
+    if not folder.exists():  # new code or source: sets of other keys (~750 MB each) a day old are stale
         for stale in folder.parent.glob("radixserve-requantized-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            if time.time() - stale.stat().st_mtime > 86_400:
+                shutil.rmtree(stale, ignore_errors=True)
     if not path.exists():
         folder.mkdir(exist_ok=True)
         partial = folder / f".{path.name}.{os.getpid()}"
