@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 
+from radixserve.model.gguf_loader import default_model_path
 from tests.support import kquants
 from tests.support.gguf_rewrite import fallback_type, preset_tensor_types, requantize_gguf, rewrite_gguf
 
@@ -174,3 +176,29 @@ def test_the_port_writes_llama_quantizes_bytes(ftype: str, pure: bool, tmp_path:
         assert got[name][1] == expected[name][1], name
     if not pure:
         assert len({t.name for t in preset_tensor_types(gguf.GGUFReader(source), preset).values()}) >= 2
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> gguf.GGUFReader:
+    return gguf.GGUFReader(default_model_path())
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [
+        ("Q4_K_M", {"Q4_K": 16, "Q5_0": 166, "Q6_K": 14, "Q8_0": 15}),
+        ("Q5_K_M", {"Q5_K": 16, "Q5_1": 166, "Q6_K": 14, "Q8_0": 15}),
+        ("Q6_K", {"Q6_K": 30, "Q8_0": 181}),
+        ("Q4_0", {"Q4_0": 210, "Q8_0": 1}),
+    ],
+)
+def test_preset_types_on_smollm2_are_llama_quantizes(
+    preset: str, expected: dict[str, int], smollm2: gguf.GGUFReader
+) -> None:
+    """The per-type counts of llama-quantize's files from the embedded SmolLM2 (576-wide rows fall back; the
+    tied embedding is Q8_0; ffn_down and attn_v get Q6_K in the 14 layers use_more_bits picks of 30)."""
+    types = preset_tensor_types(smollm2, preset)
+    assert Counter(t.name for t in types.values()) == expected
+    more_bits = [i for i in range(30) if types[f"blk.{i}.ffn_down.weight"] == gguf.GGMLQuantizationType.Q6_K]
+    picked = [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+    assert more_bits == {"Q6_K": list(range(30)), "Q4_0": []}.get(preset, picked)
