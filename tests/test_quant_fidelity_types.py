@@ -6,9 +6,10 @@ makes it (tests/support/gguf_rewrite.py's ``requantize_gguf``: gguf-py for Q4_0 
 tests/support/kquants.py for the K-quants, llama.cpp's per-tensor mix for Q4_K_M / Q5_K_M / Q6_K) and loaded
 with ``--quantization auto --dtype float32``; next-token top-1 agreement and mean KL are measured over
 every position of a fixed prompt. The files are cached across runs under the system's temp folder, keyed by
-the source file, the quantizers' code and gguf's version: made cold, the seven take ~70 s of CPU (~2.5 min
-on a busy 2-core box); warm, the file runs in ~20 s of CPU. Each file's tensors equal those llama-quantize
-(llama.cpp as vendored by llama-cpp-python 0.3.36, ``--allow-requantize``) writes from the same source, type and bytes.
+the source's bytes, the quantizers' code and gguf's version. Measured (1 thread, load ~7 on 2 cores): cold,
+the file takes ~65 s of CPU (~2.5 min of wall); warm ~24 s of CPU (~50 s of wall, ~25 s on a quiet box).
+Each file's tensors equal, type and bytes, those llama-quantize (llama.cpp as vendored by llama-cpp-python
+0.3.36, ``--allow-requantize``) writes from the same source.
 """
 
 from __future__ import annotations
@@ -58,22 +59,28 @@ THRESHOLDS = {
 }
 
 
-def requantized(preset: str) -> Path:
-    """SmolLM2 as ``llama-quantize --allow-requantize`` would store it as ``preset``: made once, then cached."""
-    source = Path(default_model_path())
-    key = hashlib.sha256(f"{source.name} {source.stat().st_size} {importlib.metadata.version('gguf')}".encode())
-    key.update(" ".join(VOCABULARY).encode())
+@pytest.fixture(scope="module")
+def cache() -> Path:
+    """The folder of the requantized files: keyed by the source's bytes, the quantizers' code, gguf's version."""
+    key = hashlib.sha256(Path(default_model_path()).read_bytes())
+    key.update(f"{importlib.metadata.version('gguf')} {' '.join(VOCABULARY)}".encode())
     for module in (gguf_rewrite, kquants):
         key.update(Path(str(module.__file__)).read_bytes())
     folder = Path(tempfile.gettempdir()) / f"radixserve-requantized-{key.hexdigest()[:16]}"
-    path = folder / f"{source.stem}.{preset}.gguf"
     if not folder.exists():  # new code or source: sets of other keys (~750 MB each) a day old are stale
         for stale in folder.parent.glob("radixserve-requantized-*"):
             if time.time() - stale.stat().st_mtime > 86_400:
                 shutil.rmtree(stale, ignore_errors=True)
-    if not path.exists():
         folder.mkdir(exist_ok=True)
-        partial = folder / f".{path.name}.{os.getpid()}"
+    return folder
+
+
+def requantized(cache: Path, preset: str) -> Path:
+    """SmolLM2 as ``llama-quantize --allow-requantize`` would store it as ``preset``: made once, then cached."""
+    source = Path(default_model_path())
+    path = cache / f"{source.stem}.{preset}.gguf"
+    if not path.exists():
+        partial = cache / f".{path.name}.{os.getpid()}"
         gguf_rewrite.requantize_gguf(source, partial, preset, drop=VOCABULARY)
         os.replace(partial, path)  # whole or absent, for a concurrent run
     return path
@@ -98,11 +105,11 @@ def logits_of(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("preset", list(THRESHOLDS))
 def test_requantized_smollm2_stays_close_to_float32(
-    preset: str, float32: tuple[list[int], torch.Tensor], monkeypatch: pytest.MonkeyPatch
+    preset: str, cache: Path, float32: tuple[list[int], torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompt, reference = float32
     monkeypatch.setattr("radixserve.model.loader.Tokenizer.from_model_path", lambda path, gguf_reader=None: None)
-    loaded = load_model(str(requantized(preset)), CPU, torch.float32, quantization="auto")
+    loaded = load_model(str(requantized(cache, preset)), CPU, torch.float32, quantization="auto")
     top1, kl = agreement_and_kl(reference, logits_of(loaded.model, prompt))
     print(f"{preset} vs float32 on SmolLM2 ({len(prompt)} positions): top-1 {top1:.3f}, mean KL {kl:.2e}")
     print(f"  {loaded.quantization_reason}")
