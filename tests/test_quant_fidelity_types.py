@@ -7,7 +7,7 @@ tests/support/kquants.py for the K-quants, llama.cpp's per-tensor mix for Q4_K_M
 with ``--quantization auto --dtype float32``; next-token top-1 agreement and mean KL are measured over
 every position of a fixed prompt. The files are cached across runs under the system's temp folder, keyed by
 the source's bytes, the quantizers' code and gguf's version. Measured (1 thread, load ~7 on 2 cores): cold,
-the file takes ~65 s of CPU (~2.5 min of wall); warm ~24 s of CPU (~50 s of wall, ~25 s on a quiet box).
+the file takes ~65 s of CPU (~2.5 min of wall); warm ~24 s of CPU (~50 s of wall).
 Each file's tensors equal, type and bytes, those llama-quantize (llama.cpp as vendored by llama-cpp-python
 0.3.36, ``--allow-requantize``) writes from the same source.
 """
