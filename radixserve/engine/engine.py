@@ -347,13 +347,12 @@ class Engine(Driver):
             return False, "off (--no-split-invariant)"
         if self.device.type != "cpu":
             return False, f"no split-invariant kernels on {self.device.type}"
-        linears, why = make_split_invariant(self.loaded.model)
         model = self.loaded.config
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, dtype)
         attention = attention_split_invariance(dtype, kv_dtype, self.config.attention_backend, model.head_dim)
-        if attention is not None:
+        if attention is not None:  # then the linears keep their faster GEMM path: invariance would not hold anyway
             return False, attention
-        return linears, why
+        return make_split_invariant(self.loaded.model)
 
     def describe(self) -> dict[str, Any]:
         """The resolved configuration: what was asked for, and what it became on this machine."""
