@@ -20,6 +20,7 @@ from torch import nn
 
 from radixserve.model import paged_kernel
 from radixserve.model.config import ModelConfig
+from radixserve.model.gguf_rows import GGUFRowsLinear
 from radixserve.model.quant import Int8Linear
 from radixserve.model.quant_blocks import BlockLinear
 
@@ -148,7 +149,7 @@ def linear_add(
     it in place and return it (the same bits). Otherwise ``residual`` is never written."""
     if type(linear) is nn.Linear and linear.bias is None and x.dim() == 2:
         return torch.addmm(residual, x, linear.weight.t())
-    if isinstance(linear, BlockLinear):  # adds inside its kernel or GEMM
+    if isinstance(linear, (BlockLinear, GGUFRowsLinear)):  # adds inside its kernel or GEMM
         return linear.forward_add(x, residual, overwrite_residual)
     if isinstance(linear, Int8Linear):
         return linear.forward_add(x, residual)
