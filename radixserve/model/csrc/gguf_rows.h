@@ -60,6 +60,14 @@ RADIXSERVE_ROWS_INLINE __m256i bit_to_16(__m256i v, int bit) {
   return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(bit)), one), 4);
 }
 
+// 0, 1, .., 15 (the codes a table of a block's values is indexed by).
+RADIXSERVE_ROWS_INLINE __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+// 16 bytes as 16 int32 lanes (zero-extended).
+RADIXSERVE_ROWS_INLINE __m512i bytes16(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 RADIXSERVE_ROWS_INLINE __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 #endif
 
@@ -114,15 +122,28 @@ struct KQuant {
   }
 
 #ifdef RADIXSERVE_BLOCK_AVX512
+  // Q4_K: the sub-block's 16 values D * q - dm as a table, looked up by code (vpermps reads an index's low 4 bits:
+  // the low nibbles need no mask); Q5_K: codes of 5 bits made in bytes, then converted.
   RADIXSERVE_ROWS_INLINE static void group(const uint8_t* u, const float* s, int j, __m512& lo, __m512& hi) {
-    __m256i q = load32(u + kCodes + 32 * (j / 2));
-    if (j % 2) q = _mm256_srli_epi16(q, 4);
-    q = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
-    if constexpr (Q5) q = _mm256_or_si256(q, bit_to_16(load32(u + 16), j));
-    bytes_f32(q, lo, hi);
     const __m512 d = _mm512_set1_ps(s[j]), dm = _mm512_set1_ps(s[8 + j]);
-    lo = _mm512_fmsub_ps(d, lo, dm);  // d * q exact: the bits of gguf's d * q - dm
-    hi = _mm512_fmsub_ps(d, hi, dm);
+    if constexpr (!Q5) {
+      const uint8_t* q = u + kCodes + 32 * (j / 2);
+      __m512i c0 = bytes16(q), c1 = bytes16(q + 16);
+      if (j % 2) {
+        c0 = _mm512_srli_epi32(c0, 4);
+        c1 = _mm512_srli_epi32(c1, 4);
+      }
+      const __m512 table = _mm512_fmsub_ps(d, iota16(), dm);  // d * q exact: the bits of gguf's d * q - dm
+      lo = _mm512_permutexvar_ps(c0, table);
+      hi = _mm512_permutexvar_ps(c1, table);
+    } else {
+      __m256i q = load32(u + kCodes + 32 * (j / 2));
+      if (j % 2) q = _mm256_srli_epi16(q, 4);
+      q = _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi8(0x0F)), bit_to_16(load32(u + 16), j));
+      bytes_f32(q, lo, hi);
+      lo = _mm512_fmsub_ps(d, lo, dm);  // as above
+      hi = _mm512_fmsub_ps(d, hi, dm);
+    }
   }
 #endif
 };
@@ -183,20 +204,25 @@ struct Q5Block {
   }
 
 #ifdef RADIXSERVE_BLOCK_AVX512
+  // The block's 32 values as two tables (codes 0..15, 16..31) looked up by code (vpermt2ps reads 5 bits): the
+  // nibbles as int32 lanes, the fifth bit set where the block's 32 bits say.
   RADIXSERVE_ROWS_INLINE static void group(const uint8_t* u, const float* s, int, __m512& lo, __m512& hi) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + kHigh + 4));
-    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
-    q = _mm256_or_si256(q, _mm256_maskz_mov_epi8(u32_at(u + kHigh), _mm256_set1_epi8(16)));  // bit i: 16 in byte i
-    const __m512 d = _mm512_set1_ps(s[0]);
-    if constexpr (Q5_1_) {
-      bytes_f32(q, lo, hi);
-      lo = _mm512_fmadd_ps(d, lo, _mm512_set1_ps(s[1]));  // d * q exact: the bits of gguf's d * q + m
-      hi = _mm512_fmadd_ps(d, hi, _mm512_set1_ps(s[1]));
-    } else {
-      q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-      lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
-      hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+    const __m512i c = bytes16(u + kHigh + 4), sixteen = _mm512_set1_epi32(16);
+    const uint32_t qh = u32_at(u + kHigh);
+    const __m512i low = _mm512_and_si512(c, _mm512_set1_epi32(0x0F)), high = _mm512_srli_epi32(c, 4);
+    const __m512i i0 = _mm512_mask_or_epi32(low, static_cast<__mmask16>(qh), low, sixteen);
+    const __m512i i1 = _mm512_mask_or_epi32(high, static_cast<__mmask16>(qh >> 16), high, sixteen);
+    const __m512 d = _mm512_set1_ps(s[0]), iota = iota16();
+    __m512 t0, t1;
+    if constexpr (Q5_1_) {  // d * q exact: the bits of gguf's d * q + m
+      t0 = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(s[1]));
+      t1 = _mm512_fmadd_ps(d, _mm512_add_ps(iota, _mm512_set1_ps(16.f)), _mm512_set1_ps(s[1]));
+    } else {  // d * (q - 16)
+      t0 = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.f)));
+      t1 = _mm512_mul_ps(d, iota);
     }
+    lo = _mm512_permutex2var_ps(t0, i0, t1);
+    hi = _mm512_permutex2var_ps(t0, i1, t1);
   }
 #endif
 };

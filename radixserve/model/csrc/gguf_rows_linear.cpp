@@ -163,9 +163,11 @@ void dot_tile(const void* x, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t
   alignas(64) float s[C][16];
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* unit = w + u * T::kBytes;
+    // Units under a line (Q5_0, Q5_1: 22, 24 bytes) prefetch a line ahead only where a new line starts in them.
+    const bool prefetch = T::kBytes >= 64 || (u * T::kBytes) % 64 < T::kBytes;
     for (int c = 0; c < C; ++c) {
       const char* ahead = reinterpret_cast<const char*>(unit + c * ldw) + kPrefetch;
-      for (int line = 0; line < (T::kBytes + 63) / 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      for (int line = 0; prefetch && line < (T::kBytes + 63) / 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
       T::scales(unit + c * ldw, s[c]);
     }
 #pragma GCC unroll 8
@@ -228,9 +230,10 @@ void linear_channels(const at::Tensor& x, const RowWeights& w, int64_t n0, int64
   });
 }
 
-// Channels c0..c1 decoded into buf as F32 rows (BF16: as BF16 rows), the values group (group_bf16) gives.
-template <typename T, bool BF16>
-void decode_chunk(const RowWeights& w, int64_t c0, int64_t c1, uint8_t* buf) {
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+// Channels c0..c1 decoded into buf as BF16 rows: the bits group_bf16 gives.
+template <typename T>
+void decode_chunk(const RowWeights& w, int64_t c0, int64_t c1, uint16_t* buf) {
   alignas(64) float s[16];
   for (int64_t n = c0; n < c1; ++n) {
     for (int64_t u = 0; u < w.in_features / T::kWeights; ++u) {
@@ -238,48 +241,37 @@ void decode_chunk(const RowWeights& w, int64_t c0, int64_t c1, uint8_t* buf) {
       _mm_prefetch(reinterpret_cast<const char*>(unit) + kPrefetch, _MM_HINT_T0);
       T::scales(unit, s);
 #pragma GCC unroll 8
-      for (int j = 0; j < T::kWeights / 32; ++j) {
-        const int64_t at = (n - c0) * w.in_features + u * T::kWeights + 32 * j;
-        if constexpr (BF16) {
-#ifdef RADIXSERVE_BLOCK_AVX512BF16
-          _mm512_storeu_si512(reinterpret_cast<uint16_t*>(buf) + at, (__m512i)group_bf16<T>(unit, s, j));
-#endif
-        } else {
-          __m512 lo, hi;
-          T::group(unit, s, j, lo, hi);
-          _mm512_storeu_ps(reinterpret_cast<float*>(buf) + at, lo);
-          _mm512_storeu_ps(reinterpret_cast<float*>(buf) + at + 16, hi);
-        }
-      }
+      for (int j = 0; j < T::kWeights / 32; ++j)
+        _mm512_storeu_si512(buf + (n - c0) * w.in_features + u * T::kWeights + 32 * j, (__m512i)group_bf16<T>(unit, s, j));
     }
   }
 }
 
-// More rows than a tile: each chunk of channels is decoded once (decode_chunk) and every row tile reads it as F32
-// (BF16) rows. Decoded per tile instead, 16 rows decode each unit twice (Q4_K at 16 bfloat16 rows: 1.4x the time).
-// The same weights and the same operations per (row, channel): a row's bits are those it gets alone.
-template <typename T, bool BF16>
+// bfloat16 x, more rows than a tile: each chunk of channels is decoded once (decode_chunk) and every row tile reads
+// it as BF16 rows. Decoded per tile instead, 16 rows decode each unit twice: Q4_K at 16 rows took 1.4x the time.
+// (Float32 x: a chunk decoded to float32, 96 KiB at K = 1,536, ran 1.2x slower than decoding per tile.) The same
+// weights and the same operations per (row, channel): a row's bits are those it gets alone.
+template <typename T>
 void linear_channels_decoded(const at::Tensor& x, const RowWeights& w, int64_t n0, int64_t n1,
                              const radixserve::Epilogue& out) {
-  using Decoded = gr::Float<BF16 ? gr::BF16 : gr::F32>;
-  if constexpr (std::is_same_v<T, Decoded>) return linear_channels<T, BF16>(x, w, n0, n1, out);  // decoded already
-  const int64_t k = w.in_features, ldw = k / 32 * Decoded::kBytes;
-  std::vector<uint8_t> buf(kChunk * ldw);
-  const RowWeights decoded{buf.data(), ldw, k};
+  using Decoded = gr::Float<gr::BF16>;
+  if constexpr (std::is_same_v<T, Decoded>) return linear_channels<T, true>(x, w, n0, n1, out);  // decoded already
+  const int64_t k = w.in_features, ldw = k * 2;
+  std::vector<uint16_t> buf(kChunk * k);
   int64_t chunk = n0, decoded_until = n0;  // buf holds channels chunk..decoded_until
-  const char* xp = static_cast<const char*>(x.data_ptr());
-  const int64_t x_row_bytes = k * (BF16 ? 2 : 4);
+  const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
   radixserve::walk_decode_tiles<kRowTile, kChunk>(x.size(0), n0, n1, out, [&](int64_t r0, int tile, int64_t n,
                                                                                int64_t c1, float* sums) {
     if (n >= decoded_until) {  // a chunk's first tile
-      decode_chunk<T, BF16>(w, n, c1, buf.data());
+      decode_chunk<T>(w, n, c1, buf.data());
       chunk = n;
       decoded_until = c1;
     }
-    return tile_rows<Decoded, BF16>(tile, n + channels_for(tile) > c1, xp + r0 * x_row_bytes, k,
-                                    decoded.raw + (n - chunk) * ldw, ldw, k / 32, sums);
+    const uint8_t* rows = reinterpret_cast<const uint8_t*>(buf.data() + (n - chunk) * k);
+    return tile_rows<Decoded, true>(tile, n + channels_for(tile) > c1, xp + r0 * k, k, rows, ldw, k / 32, sums);
   });
 }
+#endif
 
 }  // namespace avx512
 #endif
@@ -299,7 +291,7 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& raw, int64_t qtype, 
     if (bf16) {
       const at::Tensor xc = x.contiguous();
       at::parallel_for(0, raw.size(0), 16, [&](int64_t n0, int64_t n1) {
-        if (x.size(0) > avx512::kRowTile) avx512::linear_channels_decoded<T, true>(xc, w, n0, n1, epilogue);
+        if (x.size(0) > avx512::kRowTile) avx512::linear_channels_decoded<T>(xc, w, n0, n1, epilogue);
         else avx512::linear_channels<T, true>(xc, w, n0, n1, epilogue);
       });
       return;
@@ -309,8 +301,7 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& raw, int64_t qtype, 
 #ifdef RADIXSERVE_BLOCK_AVX512
     if (!bf16) {
       at::parallel_for(0, raw.size(0), 16, [&](int64_t n0, int64_t n1) {
-        if (x.size(0) > avx512::kRowTile) avx512::linear_channels_decoded<T, false>(xf, w, n0, n1, epilogue);
-        else avx512::linear_channels<T, false>(xf, w, n0, n1, epilogue);
+        avx512::linear_channels<T, false>(xf, w, n0, n1, epilogue);
       });
       return;
     }
