@@ -8,8 +8,8 @@ multiplies by is gguf's own ``dequantize`` of those bytes (float32; bfloat16 act
 bfloat16, as the GEMM path rounds them). Q4_0 / Q4_1 / Q8_0 have their own path (quant_blocks.py). As there,
 three matmuls by what the machine offers:
 
-- CPU, up to KERNEL_MAX_ROWS rows (decode): the decode kernel reads each row's bytes once (csrc/gguf_rows.h decodes
-  them in registers); a row's result is bitwise the same alone or in any batch;
+- CPU, up to KERNEL_MAX_ROWS rows (float32 x: FLOAT32_KERNEL_MAX_ROWS; decode): the decode kernel reads each row's
+  bytes once (csrc/gguf_rows.h decodes them in registers); a row's result is bitwise the same alone or in any batch;
 - CPU, more rows (prefill): a cache-sized tile of output channels dequantized into x's dtype at a time, then the
   dtype's GEMM (csrc/tiled_gemm.h): bit for bit F.linear on the dequantized weight;
 - otherwise (no compiler, CUDA): gguf's dequantize, then the GEMM.
@@ -33,9 +33,17 @@ from radixserve.model.quant_blocks import tile_columns
 ROW_TYPES = {
     name: gguf.GGMLQuantizationType[name] for name in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "F16", "BF16", "F32")
 }
-# Up to these rows the decode kernel, more: dequantized tiles + the GEMM. Measured (bench block-linears --formats,
-# SmolLM2's linears, CPU ms, 1 thread): see KERNEL_MAX_ROWS's commit.
-KERNEL_MAX_ROWS = 16
+# Up to these rows the decode kernel, more: dequantized tiles + the GEMM. Measured on SmolLM2's linears (bench
+# block-linears --formats, CPU ms per forward, 1 thread), kernel vs tiles: bfloat16 x (whose GEMM is fast) Q5_0 73 vs 91
+# at 20 rows, 82 vs 80 at 24; Q4_K 16 vs 17 at 20, 19 vs 17 at 24; float32 x Q5_0 139 vs 148 at 48, 158 vs 150 at 56,
+# Q6_K and F16 still ahead at 56.
+KERNEL_MAX_ROWS = 20
+FLOAT32_KERNEL_MAX_ROWS = 48
+
+
+def kernel_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which x of ``dtype`` runs the decode kernel (KERNEL_MAX_ROWS, float32 FLOAT32_KERNEL_MAX_ROWS)."""
+    return FLOAT32_KERNEL_MAX_ROWS if dtype == torch.float32 else KERNEL_MAX_ROWS
 
 
 def row_bytes(qtype: str, in_features: int) -> int:
@@ -140,7 +148,7 @@ class GGUFRowsLinear(_RowsModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or not paged_kernel.load():
             return F.linear(x, self.rows.dequantize().to(x.dtype), self.bias)
-        if x.shape[0] <= KERNEL_MAX_ROWS:
+        if x.shape[0] <= kernel_max_rows(x.dtype):
             return self._kernel(x, None)
         out: torch.Tensor = torch.ops.radixserve.gguf_rows_linear_tiled(
             x, self.raw, self.rows.type_id, self.in_features, self.bias, tile_columns(self.in_features)
@@ -155,7 +163,7 @@ class GGUFRowsLinear(_RowsModule):
         if x.device.type != "cpu" or not paged_kernel.load():
             out: torch.Tensor = residual + self(x)
             return out
-        if x.shape[0] <= KERNEL_MAX_ROWS:
+        if x.shape[0] <= kernel_max_rows(x.dtype):
             return self._kernel(x, residual.contiguous())
         if self.bias is not None:
             out = residual + self(x)

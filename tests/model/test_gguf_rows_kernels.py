@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from benchmarks.block_linears import random_rows
 from radixserve.model import paged_kernel
-from radixserve.model.gguf_rows import KERNEL_MAX_ROWS, ROW_TYPES, GGUFRows, GGUFRowsEmbedding, GGUFRowsLinear
+from radixserve.model.gguf_rows import ROW_TYPES, GGUFRows, GGUFRowsEmbedding, GGUFRowsLinear, kernel_max_rows
 from radixserve.model.layers import linear_add
 
 pytestmark = pytest.mark.skipif(not paged_kernel.load(), reason="no C++ compiler: the kernels cannot build")
@@ -116,10 +116,11 @@ def test_bfloat16_linear_multiplies_the_weights_rounded_to_bfloat16(qtype: str) 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(qtype: str, dtype: torch.dtype) -> None:
     rows = random_rows(qtype, 53, width(qtype), seed=5)  # 53 channels: tiles of 8, 4, 2 and single ones
-    x = torch.randn(16, rows.in_features, generator=torch.Generator().manual_seed(5)).to(dtype)
-    alone = torch.cat([kernel(x[i : i + 1], rows) for i in range(16)])
-    for batch in range(2, 17):
-        assert same_bits(kernel(x[16 - batch :], rows), alone[16 - batch :])
+    n = kernel_max_rows(dtype)  # every batch the module runs the kernel on (bfloat16 past 8 rows: decoded chunks)
+    x = torch.randn(n, rows.in_features, generator=torch.Generator().manual_seed(5)).to(dtype)
+    alone = torch.cat([kernel(x[i : i + 1], rows) for i in range(n)])
+    for batch in range(2, n + 1):
+        assert same_bits(kernel(x[n - batch :], rows), alone[n - batch :])
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -179,12 +180,12 @@ def test_module_paths_across_the_crossover(dtype: torch.dtype) -> None:
     weight = gguf_values(rows).to(dtype)
     for b in (None, bias):
         linear = GGUFRowsLinear(rows, b, dtype)
-        for n in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 40):
+        for n in (1, kernel_max_rows(dtype), kernel_max_rows(dtype) + 1, 60):
             x = torch.randn(n, 256, generator=generator).to(dtype)
             residual = torch.randn(n, 48, generator=generator).to(dtype)
             kept = residual.clone()
             bias_x = None if b is None else b.to(dtype)
-            if n <= KERNEL_MAX_ROWS:
+            if n <= kernel_max_rows(dtype):
                 assert same_bits(linear(x), kernel(x, rows, bias=bias_x))
                 assert same_bits(linear.forward_add(x, residual), kernel(x, rows, bias=bias_x, residual=residual))
             else:
