@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     model_path = args.model_path or default_model_path()
     num_layers = read_gguf_config(model_path).num_layers
     layers = min(args.layers, num_layers)
+    dtype = getattr(torch, args.dtype)
+    formats: dict[str, tuple[Weights, dict[str, Path]]] = {}
     for fmt in args.formats.split(","):
         if fmt == "file":
             weights: Weights = list(layer_weights(model_path, layers))
@@ -160,24 +162,44 @@ def main(argv: list[str] | None = None) -> None:
         else:
             weights = row_weights(model_path, layers, fmt.upper())
             paths = {n: ROW_PATHS[n] for n in args.paths.split(",") if n in ROW_PATHS}
-        run_format(fmt, weights, paths, args, num_layers, layers)
+        formats[fmt] = [(w, wf.to(dtype)) for w, wf in weights], paths
+    best = time_cells(formats, args, num_layers / layers)
+    for fmt, (weights, paths) in formats.items():
+        cells = {(r, n): ms for (f, r, n), ms in best.items() if f == fmt}
+        print_table(fmt, weights, paths, cells, args, (num_layers, layers))
 
 
-def run_format(
-    fmt: str, weights: Weights, paths: dict[str, Path], args: argparse.Namespace, num_layers: int, layers: int
-) -> None:
-    """One format's table: ms per forward by rows and path, then the same cells as ns per weight (GB/s)."""
-    dtype, scale = getattr(torch, args.dtype), num_layers / layers
-    weights = [(w, wf.to(dtype)) for w, wf in weights]
+def time_cells(
+    formats: dict[str, tuple[Weights, dict[str, Path]]], args: argparse.Namespace, scale: float
+) -> dict[tuple[str, int, str], float]:
+    """Best ms per forward by (format, rows, path); each round runs every format's paths, in turn reversed, so a
+    change in the machine's load falls on all of them alike."""
+    dtype = getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(0)
-    best: dict[tuple[int, str], float] = {}
+    best: dict[tuple[str, int, str], float] = {}
+    widths = {w.shape[1] for weights, _ in formats.values() for w, _ in weights}
+    cells = [(fmt, name, path) for fmt, (_, paths) in formats.items() for name, path in paths.items()]
     for rows in (int(r) for r in args.rows.split(",")):
-        inputs = {k: torch.randn(rows, k, generator=generator).to(dtype) for k in {w.shape[1] for w, _ in weights}}
+        inputs = {k: torch.randn(rows, k, generator=generator).to(dtype) for k in widths}
         for round_ in range(args.rounds):
-            order = list(paths.items())
-            for name, path in order if round_ % 2 == 0 else order[::-1]:
-                ms = forward_ms(path, weights, inputs, scale)
-                best[rows, name] = min(best.get((rows, name), float("inf")), ms)
+            for fmt, name, path in cells if round_ % 2 == 0 else cells[::-1]:
+                ms = forward_ms(path, formats[fmt][0], inputs, scale)
+                best[fmt, rows, name] = min(best.get((fmt, rows, name), float("inf")), ms)
+    return best
+
+
+def print_table(
+    fmt: str,
+    weights: Weights,
+    paths: dict[str, Path],
+    best: dict[tuple[int, str], float],
+    args: argparse.Namespace,
+    model_layers: tuple[int, int],
+) -> None:
+    """One format's table (of ``model_layers``: the model's layers, those timed): ms per forward by rows and path,
+    then the same cells as ns per weight (GB/s of the weights' bytes)."""
+    num_layers, layers = model_layers
+    scale = num_layers / layers
     clock = "CPU" if args.num_threads == 1 else "wall"
     kind = "" if fmt == "file" else f" ({fmt}: {len(weights) // layers} a layer)"
     print(
