@@ -68,7 +68,9 @@ RADIXSERVE_ROWS_INLINE __m512i bytes16(const uint8_t* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-RADIXSERVE_ROWS_INLINE __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+RADIXSERVE_ROWS_INLINE __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
 #endif
 
 // Q4_K and Q5_K's 8 sub-block scales and 8 mins, 6 bits each in 12 bytes (gguf's Q4_K.get_scale_min), as 16

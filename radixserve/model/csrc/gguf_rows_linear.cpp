@@ -67,7 +67,9 @@ at::Tensor dequantize_op(const at::Tensor& raw, int64_t qtype, int64_t in_featur
   float* op = out.data_ptr<float>();
   gr::dispatch(qtype, [&](auto t) {
     using T = decltype(t);
-    at::parallel_for(0, raw.size(0), 16, [&](int64_t a, int64_t b) { dequantize_rows<T>(w, a, b, op + a * in_features); });
+    at::parallel_for(0, raw.size(0), 16, [&](int64_t a, int64_t b) {
+      dequantize_rows<T>(w, a, b, op + a * in_features);
+    });
   });
   return out;
 }
@@ -147,7 +149,8 @@ RADIXSERVE_ROWS_INLINE __m512bh group_bf16(const uint8_t* u, const float* s, int
     T::group(u, s, j, lo, hi);
     if constexpr (T::kType != gr::F32) return _mm512_cvtne2ps_pbh(hi, lo);
     const __m256i l = _mm512_cvtepi32_epi16(radixserve::bf16_bits16(lo));
-    return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(l), _mm512_cvtepi32_epi16(radixserve::bf16_bits16(hi)), 1);
+    const __m256i h = _mm512_cvtepi32_epi16(radixserve::bf16_bits16(hi));
+    return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
   }
 }
 #endif
@@ -242,7 +245,8 @@ void decode_chunk(const RowWeights& w, int64_t c0, int64_t c1, uint16_t* buf) {
       T::scales(unit, s);
 #pragma GCC unroll 8
       for (int j = 0; j < T::kWeights / 32; ++j)
-        _mm512_storeu_si512(buf + (n - c0) * w.in_features + u * T::kWeights + 32 * j, (__m512i)group_bf16<T>(unit, s, j));
+        _mm512_storeu_si512(buf + (n - c0) * w.in_features + u * T::kWeights + 32 * j,
+                            (__m512i)group_bf16<T>(unit, s, j));
     }
   }
 }

@@ -44,12 +44,16 @@ void tiled_gemm(const at::Tensor& x, const Weights& weights, int64_t in_features
     at::Tensor weight = weight_buffer.narrow(0, 0, width);
     if (x.scalar_type() == at::kBFloat16 && weights.bf16_direct(n0, n0 + width)) {
       uint16_t* wp = reinterpret_cast<uint16_t*>(weight_buffer.data_ptr<at::BFloat16>());
-      at::parallel_for(n0, n0 + width, 8, [&](int64_t a, int64_t b) { weights.to_bf16(a, b, wp + (a - n0) * in_features); });
+      at::parallel_for(n0, n0 + width, 8, [&](int64_t a, int64_t b) {
+        weights.to_bf16(a, b, wp + (a - n0) * in_features);
+      });
     } else {
       if (x.scalar_type() == at::kFloat) float_buffer = weight_buffer;
       else if (!float_buffer.defined()) float_buffer = at::empty({widest, in_features}, x.options().dtype(at::kFloat));
       float* bp = float_buffer.data_ptr<float>();
-      at::parallel_for(n0, n0 + width, 8, [&](int64_t a, int64_t b) { weights.to_float(a, b, bp + (a - n0) * in_features); });
+      at::parallel_for(n0, n0 + width, 8, [&](int64_t a, int64_t b) {
+        weights.to_float(a, b, bp + (a - n0) * in_features);
+      });
       if (x.scalar_type() != at::kFloat) weight.copy_(float_buffer.narrow(0, 0, width));
     }
     at::Tensor columns = out.narrow(1, n0, width);  // row stride N: a valid GEMM output in place
