@@ -1,11 +1,18 @@
 """Weights kept as a GGUF file stores them, row by row: the K-quants (Q4_K, Q5_K, Q6_K), Q5_0 / Q5_1 and the
-float types (F16, BF16, F32), run by the CPU kernels of csrc/gguf_rows*.cpp straight from the file's bytes.
+float types (F16, BF16, F32), run by the CPU kernels of csrc/gguf_rows_linear.cpp straight from the file's bytes.
 
 Each output row of a weight [N, K] is the file's bytes of that row, unchanged: ``raw`` uint8 [N, row bytes]
 (K-quants: super-blocks of 256 weights, 144 / 176 / 210 bytes; Q5_0 / Q5_1 blocks of 32, 22 / 24 bytes; F16 and
 BF16 2 bytes a weight, F32 4). So the memory the weights take is the file's tensor bytes. Every value a kernel
 multiplies by is gguf's own ``dequantize`` of those bytes (float32; bfloat16 activations: those values rounded to
-bfloat16, as the GEMM path rounds them). Q4_0 / Q4_1 / Q8_0 have their own path (quant_blocks.py).
+bfloat16, as the GEMM path rounds them). Q4_0 / Q4_1 / Q8_0 have their own path (quant_blocks.py). As there,
+three matmuls by what the machine offers:
+
+- CPU, up to KERNEL_MAX_ROWS rows (float32 x: FLOAT32_KERNEL_MAX_ROWS; decode): the decode kernel reads each row's
+  bytes once (csrc/gguf_rows.h decodes them in registers); a row's result is bitwise the same alone or in any batch;
+- CPU, more rows (prefill): a cache-sized tile of output channels dequantized into x's dtype at a time, then the
+  dtype's GEMM (csrc/tiled_gemm.h): bit for bit F.linear on the dequantized weight;
+- otherwise (no compiler, CUDA): gguf's dequantize, then the GEMM.
 """
 
 from __future__ import annotations
@@ -19,10 +26,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model import paged_kernel
+from radixserve.model.quant_blocks import tile_columns
+
 # The GGUF types kept as rows, and each one's (weights, bytes) per block (gguf.GGML_QUANT_SIZES).
 ROW_TYPES = {
     name: gguf.GGMLQuantizationType[name] for name in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "F16", "BF16", "F32")
 }
+# Up to these rows the decode kernel, more: dequantized tiles + the GEMM. Measured on SmolLM2's linears (bench
+# block-linears --formats, CPU ms per forward, 1 thread), kernel vs tiles: bfloat16 x (whose GEMM is fast) Q5_0 73 vs 91
+# at 20 rows, 82 vs 80 at 24; Q4_K 16 vs 17 at 20, 19 vs 17 at 24; float32 x Q5_0 139 vs 148 at 48, 158 vs 150 at 56,
+# Q6_K and F16 still ahead at 56.
+KERNEL_MAX_ROWS = 20
+FLOAT32_KERNEL_MAX_ROWS = 48
+
+
+def kernel_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which x of ``dtype`` runs the decode kernel (KERNEL_MAX_ROWS, float32 FLOAT32_KERNEL_MAX_ROWS)."""
+    return FLOAT32_KERNEL_MAX_ROWS if dtype == torch.float32 else KERNEL_MAX_ROWS
 
 
 def row_bytes(qtype: str, in_features: int) -> int:
@@ -85,8 +106,16 @@ class GGUFRows:
         """The given rows (an embedding lookup)."""
         return GGUFRows(self.raw[rows.reshape(-1)], self.qtype, self.in_features)
 
+    @property
+    def type_id(self) -> int:
+        """gguf's number for the type (the kernels' ``qtype``)."""
+        return int(ROW_TYPES[self.qtype])
+
     def dequantize(self) -> torch.Tensor:
-        """Float32 [N, K]: gguf's own dequantization, bit for bit."""
+        """Float32 [N, K]: gguf's own dequantization, bit for bit (our kernel on CPU where it builds, else gguf-py)."""
+        if self.raw.device.type == "cpu" and paged_kernel.load():
+            out: torch.Tensor = torch.ops.radixserve.gguf_rows_dequantize(self.raw, self.type_id, self.in_features)
+            return out
         raw = self.raw.cpu().numpy()
         if self.qtype in ("F16", "F32"):
             values = raw.view(np.float16 if self.qtype == "F16" else np.float32).astype(np.float32)
@@ -117,11 +146,42 @@ class GGUFRowsLinear(_RowsModule):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.rows.dequantize().to(x.dtype), self.bias)
+        if x.device.type != "cpu" or not paged_kernel.load():
+            return F.linear(x, self.rows.dequantize().to(x.dtype), self.bias)
+        if x.shape[0] <= kernel_max_rows(x.dtype):
+            return self._kernel(x, None)
+        out: torch.Tensor = torch.ops.radixserve.gguf_rows_linear_tiled(
+            x, self.raw, self.rows.type_id, self.in_features, self.bias, tile_columns(self.in_features)
+        )
+        return out
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor, overwrite_residual: bool = False) -> torch.Tensor:
-        """residual + self(x) (``overwrite_residual``: the caller no longer needs ``residual``)."""
-        out: torch.Tensor = residual + self(x)
+        """residual + self(x) with the add inside the matmul, as ``BlockLinear.forward_add``: the kernel adds it to
+        each float32 sum before the one rounding to x's dtype, the tiled path inside the GEMM (addmm, as the float
+        model adds it). ``overwrite_residual``: the caller no longer needs ``residual``, so the tiled path may add
+        into it in place and return it; otherwise ``residual`` is never written."""
+        if x.device.type != "cpu" or not paged_kernel.load():
+            out: torch.Tensor = residual + self(x)
+            return out
+        if x.shape[0] <= kernel_max_rows(x.dtype):
+            return self._kernel(x, residual.contiguous())
+        if self.bias is not None:
+            out = residual + self(x)
+            return out
+        args = (self.raw, self.rows.type_id, self.in_features)
+        tile = tile_columns(self.in_features)
+        if overwrite_residual and residual.is_contiguous() and residual.dtype == x.dtype:
+            added: torch.Tensor = torch.ops.radixserve.gguf_rows_linear_tiled_add_(residual, x, *args, tile)
+            return added
+        added = torch.ops.radixserve.gguf_rows_linear_tiled(x, *args, residual, tile)
+        return added
+
+    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The decode kernel: x @ W.T + bias (+ residual) in x's dtype, summed in float32."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        out: torch.Tensor = torch.ops.radixserve.gguf_rows_linear(
+            x, self.raw, self.rows.type_id, self.in_features, bias, residual
+        )
         return out
 
 

@@ -50,6 +50,9 @@ SOURCES = (
     CSRC / "block_linear.cpp",
     CSRC / "block_q8_linear.cpp",
     CSRC / "block_gemm.cpp",
+    CSRC / "tiled_gemm.h",
+    CSRC / "gguf_rows.h",
+    CSRC / "gguf_rows_linear.cpp",
     CSRC / "extend_attention.cpp",
     CSRC / "fused_ops.cpp",
 )

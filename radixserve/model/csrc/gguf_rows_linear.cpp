@@ -1,0 +1,340 @@
+// Linear and dequantization over weights kept as a GGUF file's own row bytes (gguf_rows.h: Q4_K, Q5_K, Q6_K, Q5_0,
+// Q5_1, F16, BF16, F32). Every value multiplied is gguf's dequantized weight: float32 x by the float32 value,
+// bfloat16 x by that value rounded to bfloat16, as the GEMM path (gguf_rows_linear_tiled) multiplies.
+//
+// Decode (few rows): each unit of a weight row is decoded once into registers per tile of up to 8 rows and several
+// channels, prefetched ahead (batch 1 is bound by reading the weights). Each (row, channel) has one 16-lane
+// accumulator that adds its units' groups of 32 in order, then one fixed reduction (reduce_tile): a row's result is
+// bitwise the same alone or in any batch, whatever the thread split (threads split output channels only).
+// Prefill (many rows): tiled_gemm.h, tiles of output channels dequantized into x's dtype, then torch's GEMM.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "block_common.h"
+#include "gguf_rows.h"
+#include "tiled_gemm.h"
+
+namespace {
+
+namespace gr = radixserve::gguf_rows;
+
+// One weight [N, K] as rows of units of trait T.
+struct RowWeights {
+  const uint8_t* raw;
+  int64_t row_bytes;
+  int64_t in_features;
+};
+
+// raw: uint8 [N, bytes of a row of in_features weights of qtype], contiguous, on CPU.
+RowWeights check_raw(const at::Tensor& raw, int64_t qtype, int64_t in_features) {
+  const auto [weights, bytes] = gr::dispatch(qtype, [](auto t) {
+    return std::pair<int64_t, int64_t>{decltype(t)::kWeights, decltype(t)::kBytes};
+  });
+  TORCH_CHECK(in_features > 0 && in_features % weights == 0, "qtype ", qtype, " stores rows of whole units of ",
+              weights, " weights, not ", in_features);
+  const int64_t row_bytes = in_features / weights * bytes;
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.size(1) == row_bytes, "raw: uint8 [N, ",
+              row_bytes, "] for rows of ", in_features, " weights of qtype ", qtype, ", got ", raw.sizes());
+  TORCH_CHECK(raw.is_contiguous() && raw.device().is_cpu(), "raw: contiguous, on CPU");
+  return {raw.data_ptr<uint8_t>(), row_bytes, in_features};
+}
+
+// Rows a..b as float32 (row n at out + (n - a) * K): gguf's values.
+template <typename T>
+void dequantize_rows(const RowWeights& w, int64_t a, int64_t b, float* out) {
+  for (int64_t n = a; n < b; ++n)
+    for (int64_t u = 0; u < w.in_features / T::kWeights; ++u)
+      gr::dequantize_unit<T>(w.raw + n * w.row_bytes + u * T::kBytes, out + (n - a) * w.in_features + u * T::kWeights);
+}
+
+template <typename T>
+void dequantize_rows_bf16(const RowWeights& w, int64_t a, int64_t b, uint16_t* out) {
+  for (int64_t n = a; n < b; ++n)
+    for (int64_t u = 0; u < w.in_features / T::kWeights; ++u)
+      gr::dequantize_unit_bf16<T>(w.raw + n * w.row_bytes + u * T::kBytes,
+                                    out + (n - a) * w.in_features + u * T::kWeights);
+}
+
+at::Tensor dequantize_op(const at::Tensor& raw, int64_t qtype, int64_t in_features) {
+  const RowWeights w = check_raw(raw, qtype, in_features);
+  at::Tensor out = at::empty({raw.size(0), in_features}, raw.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  gr::dispatch(qtype, [&](auto t) {
+    using T = decltype(t);
+    at::parallel_for(0, raw.size(0), 16, [&](int64_t a, int64_t b) {
+      dequantize_rows<T>(w, a, b, op + a * in_features);
+    });
+  });
+  return out;
+}
+
+// tiled_gemm.h's weights: every row type rounds to bfloat16 exactly as torch (bf16.h), so always directly.
+struct RowTiles {
+  const RowWeights& w;
+  int64_t qtype;
+  void to_float(int64_t a, int64_t b, float* out) const {
+    gr::dispatch(qtype, [&](auto t) { dequantize_rows<decltype(t)>(w, a, b, out); });
+  }
+  bool bf16_direct(int64_t, int64_t) const { return true; }
+  void to_bf16(int64_t a, int64_t b, uint16_t* out) const {
+    gr::dispatch(qtype, [&](auto t) { dequantize_rows_bf16<decltype(t)>(w, a, b, out); });
+  }
+};
+
+at::Tensor linear_tiled_op(const at::Tensor& x, const at::Tensor& raw, int64_t qtype, int64_t in_features,
+                           const std::optional<at::Tensor>& bias, int64_t tile_columns) {
+  const RowWeights w = check_raw(raw, qtype, in_features);
+  radixserve::check_tiled_rows(x, in_features, tile_columns);
+  radixserve::check_tiled_bias(bias, x.size(0), raw.size(0));
+  at::Tensor out = at::empty({x.size(0), raw.size(0)}, x.options());
+  radixserve::tiled_gemm(x, RowTiles{w, qtype}, in_features, bias, tile_columns, out, false);
+  return out;
+}
+
+// residual [T, N] += x @ W.T in place: the bits of gguf_rows_linear_tiled(x, ..., bias=residual).
+at::Tensor linear_tiled_add_op(at::Tensor& residual, const at::Tensor& x, const at::Tensor& raw, int64_t qtype,
+                               int64_t in_features, int64_t tile_columns) {
+  const RowWeights w = check_raw(raw, qtype, in_features);
+  radixserve::check_tiled_rows(x, in_features, tile_columns);
+  radixserve::check_tiled_residual(residual, x, raw.size(0));
+  radixserve::tiled_gemm(x, RowTiles{w, qtype}, in_features, std::nullopt, tile_columns, residual, true);
+  return residual;
+}
+
+// The portable decode path: a weight row dequantized (bfloat16 x: rounded to bfloat16) into a buffer once, then
+// each row of x (float32) against it, 8 partial sums in a fixed order.
+template <typename T>
+void linear_portable(const float* x, int64_t rows, bool round_bf16, const RowWeights& w, int64_t n0, int64_t n1,
+                     const radixserve::Epilogue& out) {
+  const int64_t k = w.in_features;
+  std::vector<float> wrow(k);
+  for (int64_t n = n0; n < n1; ++n) {
+    dequantize_rows<T>(w, n, n + 1, wrow.data());
+    if (round_bf16)
+      for (float& v : wrow) v = radixserve::bf16_to_float(radixserve::float_to_bf16(v));
+    for (int64_t r = 0; r < rows; ++r) {
+      float acc[8] = {};
+      for (int64_t i = 0; i < k; ++i) acc[i % 8] += x[r * k + i] * wrow[i];
+      out.store(r, n, ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])));
+    }
+  }
+}
+
+#ifdef RADIXSERVE_BLOCK_AVX512
+namespace avx512 {
+
+constexpr int kRowTile = 8;  // rows sharing one decode of a unit
+constexpr int64_t kChunk = 16;
+constexpr int64_t kPrefetch = 4096;  // bytes ahead in each weight row
+
+// Channels per tile by rows: 8-16 accumulators, each x group loaded once for C channels (as block_linear.cpp).
+constexpr int channels_for(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : 2; }
+
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+// Group j of a unit as the 32 bfloat16 weights the GEMM path multiplies by. The quantized types' values are 0 or
+// at least 2^-24 in magnitude (multiples of float16's 2^-24), F16's too: never a float32 subnormal, which
+// vcvtne2ps2bf16 would flush; F32 rows round as torch rounds (bf16.h); BF16 rows are their own bits.
+template <typename T>
+RADIXSERVE_ROWS_INLINE __m512bh group_bf16(const uint8_t* u, const float* s, int j) {
+  if constexpr (T::kType == gr::BF16) {
+    return (__m512bh)_mm512_loadu_si512(u);
+  } else {
+    __m512 lo, hi;
+    T::group(u, s, j, lo, hi);
+    if constexpr (T::kType != gr::F32) return _mm512_cvtne2ps_pbh(hi, lo);
+    const __m256i l = _mm512_cvtepi32_epi16(radixserve::bf16_bits16(lo));
+    const __m256i h = _mm512_cvtepi32_epi16(radixserve::bf16_bits16(hi));
+    return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
+  }
+}
+#endif
+
+// R rows of x (float32, or bfloat16 when BF16; rows ldx apart) against C weight rows (ldw bytes apart): row r's sum
+// for channel c at sums[r * kChunk + c]. Per unit: prefetch, the C channels' scales, then per group of 32 weights
+// the C channels decoded once and each x group loaded once.
+template <typename T, int R, int C, bool BF16>
+void dot_tile(const void* x, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t units, float* sums) {
+  __m512 acc[R][C];  // R * C >= 8 chains in flight
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  alignas(64) float s[C][16];
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* unit = w + u * T::kBytes;
+    // Units under a line (Q5_0, Q5_1: 22, 24 bytes) prefetch a line ahead only where a new line starts in them.
+    const bool prefetch = T::kBytes >= 64 || (u * T::kBytes) % 64 < T::kBytes;
+    for (int c = 0; c < C; ++c) {
+      const char* ahead = reinterpret_cast<const char*>(unit + c * ldw) + kPrefetch;
+      for (int line = 0; prefetch && line < (T::kBytes + 63) / 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      T::scales(unit + c * ldw, s[c]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < T::kWeights / 32; ++j) {
+      const int64_t at = u * T::kWeights + 32 * j;
+      if constexpr (BF16) {
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+        __m512bh wb[C];
+        for (int c = 0; c < C; ++c) wb[c] = group_bf16<T>(unit + c * ldw, s[c], j);
+        for (int r = 0; r < R; ++r) {
+          const __m512bh xb = (__m512bh)_mm512_loadu_si512(static_cast<const uint16_t*>(x) + r * ldx + at);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, wb[c]);
+        }
+#endif
+      } else {
+        __m512 lo[C], hi[C];
+        for (int c = 0; c < C; ++c) T::group(unit + c * ldw, s[c], j, lo[c], hi[c]);
+        for (int r = 0; r < R; ++r) {
+          const float* xg = static_cast<const float*>(x) + r * ldx + at;
+          const __m512 xlo = _mm512_loadu_ps(xg), xhi = _mm512_loadu_ps(xg + 16);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xhi, hi[c], _mm512_fmadd_ps(xlo, lo[c], acc[r][c]));
+        }
+      }
+    }
+  }
+  radixserve::reduce_tile(acc, sums, kChunk);
+}
+
+// rows (1..kRowTile) against channels_for(rows) channels (or one when `single`); returns how many.
+template <typename T, bool BF16>
+int tile_rows(int rows, bool single, const void* x, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t units,
+              float* sums) {
+  switch (rows) {
+#define RADIXSERVE_TILE(R)                                                   \
+  case R:                                                                    \
+    if (single) return dot_tile<T, R, 1, BF16>(x, ldx, w, ldw, units, sums), 1; \
+    dot_tile<T, R, channels_for(R), BF16>(x, ldx, w, ldw, units, sums);       \
+    return channels_for(R);
+    RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4)
+    RADIXSERVE_TILE(5) RADIXSERVE_TILE(6) RADIXSERVE_TILE(7)
+#undef RADIXSERVE_TILE
+    default:
+      if (single) return dot_tile<T, kRowTile, 1, BF16>(x, ldx, w, ldw, units, sums), 1;
+      dot_tile<T, kRowTile, channels_for(kRowTile), BF16>(x, ldx, w, ldw, units, sums);
+      return channels_for(kRowTile);
+  }
+}
+
+// Output channels n0..n1 of every row of x ([rows, K] contiguous, float32, or bfloat16 when BF16).
+template <typename T, bool BF16>
+void linear_channels(const at::Tensor& x, const RowWeights& w, int64_t n0, int64_t n1,
+                     const radixserve::Epilogue& out) {
+  const int64_t k = w.in_features;
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const int64_t x_row_bytes = k * (BF16 ? 2 : 4);
+  radixserve::walk_decode_tiles<kRowTile, kChunk>(x.size(0), n0, n1, out, [&](int64_t r0, int tile, int64_t n,
+                                                                               int64_t c1, float* sums) {
+    return tile_rows<T, BF16>(tile, n + channels_for(tile) > c1, xp + r0 * x_row_bytes, k, w.raw + n * w.row_bytes,
+                              w.row_bytes, k / T::kWeights, sums);
+  });
+}
+
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+// Channels c0..c1 decoded into buf as BF16 rows: the bits group_bf16 gives.
+template <typename T>
+void decode_chunk(const RowWeights& w, int64_t c0, int64_t c1, uint16_t* buf) {
+  alignas(64) float s[16];
+  for (int64_t n = c0; n < c1; ++n) {
+    for (int64_t u = 0; u < w.in_features / T::kWeights; ++u) {
+      const uint8_t* unit = w.raw + n * w.row_bytes + u * T::kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(unit) + kPrefetch, _MM_HINT_T0);
+      T::scales(unit, s);
+#pragma GCC unroll 8
+      for (int j = 0; j < T::kWeights / 32; ++j)
+        _mm512_storeu_si512(buf + (n - c0) * w.in_features + u * T::kWeights + 32 * j,
+                            (__m512i)group_bf16<T>(unit, s, j));
+    }
+  }
+}
+
+// bfloat16 x, more rows than a tile: each chunk of channels is decoded once (decode_chunk) and every row tile reads
+// it as BF16 rows. Decoded per tile instead, 16 rows decode each unit twice: Q4_K at 16 rows took 1.4x the time.
+// (Float32 x: a chunk decoded to float32, 96 KiB at K = 1,536, ran 1.2x slower than decoding per tile.) The same
+// weights and the same operations per (row, channel): a row's bits are those it gets alone.
+template <typename T>
+void linear_channels_decoded(const at::Tensor& x, const RowWeights& w, int64_t n0, int64_t n1,
+                             const radixserve::Epilogue& out) {
+  using Decoded = gr::Float<gr::BF16>;
+  if constexpr (std::is_same_v<T, Decoded>) return linear_channels<T, true>(x, w, n0, n1, out);  // decoded already
+  const int64_t k = w.in_features, ldw = k * 2;
+  std::vector<uint16_t> buf(kChunk * k);
+  int64_t chunk = n0, decoded_until = n0;  // buf holds channels chunk..decoded_until
+  const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
+  radixserve::walk_decode_tiles<kRowTile, kChunk>(x.size(0), n0, n1, out, [&](int64_t r0, int tile, int64_t n,
+                                                                               int64_t c1, float* sums) {
+    if (n >= decoded_until) {  // a chunk's first tile
+      decode_chunk<T>(w, n, c1, buf.data());
+      chunk = n;
+      decoded_until = c1;
+    }
+    const uint8_t* rows = reinterpret_cast<const uint8_t*>(buf.data() + (n - chunk) * k);
+    return tile_rows<Decoded, true>(tile, n + channels_for(tile) > c1, xp + r0 * k, k, rows, ldw, k / 32, sums);
+  });
+}
+#endif
+
+}  // namespace avx512
+#endif
+
+// x [M, K] @ W.T (+ bias) (+ residual) in x's dtype, summed in float32, added before the one rounding (Epilogue).
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& raw, int64_t qtype, int64_t in_features,
+                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  const RowWeights w = check_raw(raw, qtype, in_features);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features && x.device().is_cpu(), "x [M, K] on CPU, weights [N, K]");
+  at::Tensor out;
+  const radixserve::Epilogue epilogue =
+      radixserve::make_epilogue(x, raw.size(0), out, std::nullopt, bias, residual, false);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  gr::dispatch(qtype, [&](auto t) {
+    using T = decltype(t);
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+    if (bf16) {
+      const at::Tensor xc = x.contiguous();
+      at::parallel_for(0, raw.size(0), 16, [&](int64_t n0, int64_t n1) {
+        if (x.size(0) > avx512::kRowTile) avx512::linear_channels_decoded<T>(xc, w, n0, n1, epilogue);
+        else avx512::linear_channels<T, true>(xc, w, n0, n1, epilogue);
+      });
+      return;
+    }
+#endif
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+#ifdef RADIXSERVE_BLOCK_AVX512
+    if (!bf16) {
+      at::parallel_for(0, raw.size(0), 16, [&](int64_t n0, int64_t n1) {
+        avx512::linear_channels<T, false>(xf, w, n0, n1, epilogue);
+      });
+      return;
+    }
+#endif
+    at::parallel_for(0, raw.size(0), 16, [&](int64_t n0, int64_t n1) {
+      linear_portable<T>(xf.data_ptr<float>(), x.size(0), bf16, w, n0, n1, epilogue);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("gguf_rows_dequantize(Tensor raw, int qtype, int in_features) -> Tensor");
+  m.def(
+      "gguf_rows_linear(Tensor x, Tensor raw, int qtype, int in_features, Tensor? bias=None, "
+      "Tensor? residual=None) -> Tensor");
+  m.def(
+      "gguf_rows_linear_tiled(Tensor x, Tensor raw, int qtype, int in_features, Tensor? bias, int tile_columns) -> "
+      "Tensor");
+  m.def(
+      "gguf_rows_linear_tiled_add_(Tensor(a!) residual, Tensor x, Tensor raw, int qtype, int in_features, "
+      "int tile_columns) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
+  m.impl("gguf_rows_dequantize", &dequantize_op);
+  m.impl("gguf_rows_linear", &linear_op);
+  m.impl("gguf_rows_linear_tiled", &linear_tiled_op);
+  m.impl("gguf_rows_linear_tiled_add_", &linear_tiled_add_op);
+}
