@@ -39,9 +39,9 @@ from radixserve.engine.step import StepExecutor
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.attention import attention_split_invariance
 from radixserve.model.grammar import GrammarCompiler
+from radixserve.model.invariance import make_split_invariant
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.precision import resolve_kv_cache_dtype
-from radixserve.model.quant_blocks import make_split_invariant
 from radixserve.model.runner import ModelRunner
 from radixserve.model.summary import describe_model
 from radixserve.scheduler.loop import Scheduler

@@ -35,8 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model import paged_kernel
-from radixserve.model.gguf_rows import GGUFRowsLinear
-from radixserve.model.quant import Int8Linear
 
 BLOCK = 32
 # Up to these rows our block kernels, more: dequantized tiles + the GEMM. Measured on SmolLM2's 30 layers of
@@ -286,23 +284,6 @@ class BlockLinear(_BlockModule):
             return F.linear(x, weight, self.bias)
         out = int8_activation_linear(x, weight)
         return out if self.bias is None else out + self.bias
-
-
-def make_split_invariant(model: nn.Module) -> tuple[bool, str]:
-    """Make every block linear of ``model`` split-invariant (``BlockLinear.split_invariant``) and say whether the
-    whole model now is: (holds, why). A token's logits then do not depend on how many rows share its step, which
-    is what lets a cache hit (or a chunk boundary, or batch companions) leave every answer as a cold run gives it.
-    Float linears (torch's GEMM), int8 weights and int8 activations are not: their GEMMs' bits depend on the row
-    count."""
-    others = []
-    for name, module in model.named_modules():
-        if isinstance(module, BlockLinear) and not module.int8_activations:
-            module.split_invariant = True
-        elif isinstance(module, BlockLinear | nn.Linear | Int8Linear | GGUFRowsLinear):
-            others.append(name)
-    if others:
-        return False, f"not split-invariant: {len(others)} linears run torch's GEMM (e.g. {others[0]})"
-    return True, "split-invariant: every linear runs the block kernel at any row count"
 
 
 class BlockEmbedding(_BlockModule):

@@ -1,0 +1,33 @@
+"""Split invariance: a token's logits do not depend on how many rows share its step.
+
+A cache hit computes a prompt's uncached tail with fewer rows than a cold run; a chunk boundary or batch
+companions change the row count too. The vendor GEMMs (oneDNN, MKL) pick their blocking by the row count, so a
+row's bits moved with it, and in bfloat16 that changed 5-25% of greedy answers. Our block kernel computes each
+(row, channel) with the same operations at any row count; the bfloat16 extend attention kernel reads keys in
+blocks aligned to absolute positions (attention.attention_split_invariance).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from radixserve.model.gguf_rows import GGUFRowsLinear
+from radixserve.model.quant import Int8Linear
+from radixserve.model.quant_blocks import BlockLinear
+
+
+def make_split_invariant(model: nn.Module) -> tuple[bool, str]:
+    """Make every block linear of ``model`` split-invariant (``BlockLinear.split_invariant``) and say whether the
+    whole model now is: (holds, why). A token's logits then do not depend on how many rows share its step, which
+    is what lets a cache hit (or a chunk boundary, or batch companions) leave every answer as a cold run gives it.
+    Float linears (torch's GEMM), int8 weights and int8 activations are not: their GEMMs' bits depend on the row
+    count."""
+    others = []
+    for name, module in model.named_modules():
+        if isinstance(module, BlockLinear) and not module.int8_activations:
+            module.split_invariant = True
+        elif isinstance(module, BlockLinear | nn.Linear | Int8Linear | GGUFRowsLinear):
+            others.append(name)
+    if others:
+        return False, f"not split-invariant: {len(others)} linears run torch's GEMM (e.g. {others[0]})"
+    return True, "split-invariant: every linear runs the block kernel at any row count"
