@@ -7,6 +7,7 @@ on the row count). ``bench split-invariance`` runs the same check over 1,000 pai
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 
 import pytest
@@ -90,4 +91,16 @@ def test_what_is_not_invariant_says_so() -> None:
     engine.close()
     engine = Engine(max_total_tokens=512, dtype="float32")
     assert not engine.split_invariant and "only in bfloat16" in engine.describe()["split_invariant_reason"]
+    engine.close()
+
+
+def test_a_gguf_kept_as_rows_keeps_it_too() -> None:
+    """An F16 GGUF under auto runs its rows (gguf_rows.py) in the rows' kernel at any row count: a tiny llama3
+    fixture, prompts of random token ids."""
+    engine = Engine(model_path="tests/fixtures/gguf/llama3.gguf", max_total_tokens=1024, dtype="bfloat16")
+    assert engine.split_invariant, engine.split_invariant_reason
+    rng = random.Random(3)
+    ids = [rng.randrange(10, 1000) for _ in range(90)]
+    for split in (1, 23, 64, 89):
+        check_split(engine, ids, split, [[rng.randrange(10, 1000) for _ in range(20)]])
     engine.close()

@@ -17,17 +17,20 @@ from radixserve.model.quant_blocks import BlockLinear
 
 
 def make_split_invariant(model: nn.Module) -> tuple[bool, str]:
-    """Make every block linear of ``model`` split-invariant (``BlockLinear.split_invariant``) and say whether the
-    whole model now is: (holds, why). A token's logits then do not depend on how many rows share its step, which
-    is what lets a cache hit (or a chunk boundary, or batch companions) leave every answer as a cold run gives it.
-    Float linears (torch's GEMM), int8 weights and int8 activations are not: their GEMMs' bits depend on the row
-    count."""
+    """Make every block linear of ``model`` split-invariant (``split_invariant``: the decode kernel at any row
+    count) when all its linears can be, and say whether the model now is: (holds, why). A token's logits then do
+    not depend on how many rows share its step, so a cache hit (or a chunk boundary, or batch companions) leaves
+    every answer as a cold run gives it. Float linears (torch's GEMM), int8 weights and int8 activations are not
+    invariant: their GEMMs' bits depend on the row count."""
+    kernels: list[BlockLinear | GGUFRowsLinear] = []
     others = []
     for name, module in model.named_modules():
-        if isinstance(module, BlockLinear) and not module.int8_activations:
-            module.split_invariant = True
-        elif isinstance(module, BlockLinear | nn.Linear | Int8Linear | GGUFRowsLinear):
+        if isinstance(module, BlockLinear) and not module.int8_activations or isinstance(module, GGUFRowsLinear):
+            kernels.append(module)
+        elif isinstance(module, BlockLinear | nn.Linear | Int8Linear):
             others.append(name)
-    if others:
+    if others:  # then the block linears keep their faster GEMM path: invariance would not hold anyway
         return False, f"not split-invariant: {len(others)} linears run torch's GEMM (e.g. {others[0]})"
-    return True, "split-invariant: every linear runs the block kernel at any row count"
+    for module in kernels:
+        module.split_invariant = True
+    return True, "split-invariant: every linear runs its block kernel at any row count"
