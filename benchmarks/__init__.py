@@ -26,6 +26,7 @@ BENCHMARKS = {
     "tiers": "tiers",
     "warm-scan": "warm_scan",
     "programs": "programs",
+    "quant-formats": "quant_formats",
 }
 
 
