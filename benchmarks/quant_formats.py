@@ -133,6 +133,6 @@ def main(argv: list[str] | None = None) -> None:
         for threads, cells in zip(thread_counts, measure_file(path, thread_counts, args))
     ]
     widths = {key: max(len(key), *(len(r[key]) for r in rows)) for key in rows[0]}
-    print("  ".join(f"{key:<{width}}" for key, width in widths.items()))
+    print("  ".join(f"{key:<{width}}" for key, width in widths.items()).rstrip())
     for r in rows:
         print("  ".join(f"{r[key]:<{width}}" for key, width in widths.items()).rstrip())
