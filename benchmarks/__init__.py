@@ -27,6 +27,7 @@ BENCHMARKS = {
     "warm-scan": "warm_scan",
     "programs": "programs",
     "split-invariance": "split_invariance",
+    "quant-formats": "quant_formats",
 }
 
 

@@ -68,12 +68,13 @@ def assert_matches_reference(path: Path, backend: str) -> None:
 
 
 def test_manifest_lists_every_committed_gguf_byte_for_byte() -> None:
+    listed = {**MANIFEST["fixtures"], **MANIFEST["quantized"]}  # quantized: tests/model/test_kquant_fixtures.py
     assert sorted(MANIFEST["fixtures"]) == sorted(NAMES)
-    assert sorted(p.stem for p in GGUF_DIR.glob("*.gguf")) == sorted(NAMES)
-    for name, entry in MANIFEST["fixtures"].items():
+    assert sorted(p.stem for p in GGUF_DIR.glob("*.gguf")) == sorted(listed)
+    for name, entry in listed.items():
         data = gguf_path(name).read_bytes()
         assert (len(data), hashlib.sha256(data).hexdigest()) == (entry["bytes"], entry["sha256"]), name
-    assert sum(entry["bytes"] for entry in MANIFEST["fixtures"].values()) < 15 * 2**20
+    assert sum(entry["bytes"] for entry in listed.values()) < 15 * 2**20
 
 
 @pytest.mark.parametrize("name", NAMES)
