@@ -50,6 +50,7 @@ SOURCES = (
     CSRC / "block_linear.cpp",
     CSRC / "block_q8_linear.cpp",
     CSRC / "block_gemm.cpp",
+    CSRC / "block_amx.cpp",
     CSRC / "extend_attention.cpp",
     CSRC / "fused_ops.cpp",
 )

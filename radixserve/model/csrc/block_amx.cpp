@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -86,11 +87,12 @@ inline void transpose16(__m512i (&r)[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// The scales (and mins) of channels n0 .. n0 + count, blocks g .. g + 16, as float32 [block][channel]: channel
+// The scales (and mins) of channels n0 .. n0 + count, blocks g .. min(g + 16, b1), as float32 [block][channel]: channel
 // rows converted from float16, then transposed. Zeros past count channels and past the last block.
 template <bool Q4>
-void tile_scales(const BlockWeights& w, int64_t n0, int64_t count, int64_t g, float (*d)[16], float (*m)[16]) {
-  const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, w.blocks - g)) - 1);
+void tile_scales(const BlockWeights& w, int64_t n0, int64_t count, int64_t g, int64_t b1, float (*d)[16],
+                 float (*m)[16]) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, b1 - g)) - 1);
   __m512i ds[16], ms[16];
   for (int n = 0; n < 16; ++n) {
     const auto half16 = [&](const at::Half* h) {
@@ -126,11 +128,14 @@ inline void block_tile(const __m512i* code, const float* d, const float* m, uint
   for (int r = 0; r < 16; ++r) {
     __m512 even, odd;
     if constexpr (Q4) {
-      const __m512i word = code[(r % 8) / 2], nibble = _mm512_set1_epi32(0x0F);
+      // A code as float32 in one permute: vpermps reads only an index's low 4 bits (no mask, no conversion).
+      const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i word = code[(r % 8) / 2];
       const int shift = 16 * (r % 2) + (r >= 8 ? 4 : 0);
       const __m512 min = _mm512_load_ps(m);
-      even = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(word, shift), nibble)), min);
-      odd = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(word, shift + 8), nibble)), min);
+      const __m512i low = shift == 0 ? word : _mm512_srli_epi32(word, shift);
+      even = _mm512_fmadd_ps(scale, _mm512_permutexvar_ps(low, codes), min);
+      odd = _mm512_fmadd_ps(scale, _mm512_permutexvar_ps(_mm512_srli_epi32(word, shift + 8), codes), min);
     } else {
       const __m512i word = code[r / 2];
       const int shift = 16 * (r % 2);
@@ -141,42 +146,51 @@ inline void block_tile(const __m512i* code, const float* d, const float* m, uint
   }
 }
 
-// Channels n0 .. n0 + count (<= 16; the rest weigh 0) as B tiles, block b's at out + b * kTileDwords. The codes are
-// read 64 bytes of a channel at a time (4 Q4 blocks or 2 Q8 blocks) and transposed 16 channels at once.
+// Blocks b0 .. b1 (b0 a multiple of 16) of channels n0 .. n0 + count (<= 16; the rest weigh 0) as B tiles, block b's
+// at out + (b - b0) * kTileDwords. The codes are read 64 bytes of a channel at a time (4 Q4 blocks or 2 Q8 blocks)
+// and transposed 16 channels at once.
 template <bool Q4>
-void decode_tile(const BlockWeights& w, int64_t n0, int64_t count, uint32_t* out) {
+void decode_tile(const BlockWeights& w, int64_t n0, int64_t count, int64_t b0, int64_t b1, uint32_t* out) {
   constexpr int64_t per_load = Q4 ? 4 : 2, dwords = kBlock / (Q4 ? 8 : 4);  // blocks per 64 bytes; dwords a block
   alignas(64) float d[16][16], m[16][16];
-  for (int64_t g = 0; g < w.blocks; g += 16) {
-    tile_scales<Q4>(w, n0, count, g, d, m);
-    for (int64_t b0 = g; b0 < std::min(g + 16, w.blocks); b0 += per_load) {
-      const int64_t blocks = std::min(per_load, w.blocks - b0);
+  for (int64_t g = b0; g < b1; g += 16) {
+    tile_scales<Q4>(w, n0, count, g, b1, d, m);
+    for (int64_t l = g; l < std::min(g + 16, b1); l += per_load) {
+      const int64_t blocks = std::min(per_load, b1 - l);
       const __mmask16 valid = static_cast<__mmask16>((1u << (blocks * dwords)) - 1);
       __m512i code[16];
       for (int n = 0; n < 16; ++n)
-        code[n] = n < count ? _mm512_maskz_loadu_epi32(valid, w.qs + (n0 + n) * w.qs_row_bytes + b0 * dwords * 4)
+        code[n] = n < count ? _mm512_maskz_loadu_epi32(valid, w.qs + (n0 + n) * w.qs_row_bytes + l * dwords * 4)
                             : _mm512_setzero_si512();
       transpose16(code);
-      for (int64_t b = b0; b < b0 + blocks; ++b)
-        block_tile<Q4>(code + (b - b0) * dwords, d[b - g], m[b - g], out + b * kTileDwords);
+      for (int64_t b = l; b < l + blocks; ++b)
+        block_tile<Q4>(code + (b - l) * dwords, d[b - g], m[b - g], out + (b - b0) * kTileDwords);
     }
   }
 }
 
-// C tiles for R row tiles (x rows at a[0], a[1], each row ldx bytes apart) against C channel tiles (B tiles at
-// wt[0], wt[1]): zero, then block by block in order; sums[row][channel], 32 floats a row.
+// A span of blocks [b0, b1) of a tile product: C tiles for R row tiles (x rows at a[0], a[1], each row ldx bytes apart)
+// and C channel tiles (the span's B tiles at wt[0], wt[1]). The first span zeroes C, the last stores it into
+// sums[row][channel] (32 floats a row); between spans C stays in its tiles: blocks are added in order either way.
+struct Span {
+  int64_t b0, b1;
+  bool first, last;
+};
+
 template <int R, int C>
-void tile_product(const uint16_t* const* a, int64_t ldx, const uint32_t* const* wt, int64_t blocks, float* sums) {
-  _tile_zero(0);
-  if constexpr (C > 1) _tile_zero(1);
-  if constexpr (R > 1) _tile_zero(2);
-  if constexpr (R > 1 && C > 1) _tile_zero(3);
-  for (int64_t b = 0; b < blocks; ++b) {
+void tile_product(const uint16_t* const* a, int64_t ldx, const uint32_t* const* wt, Span span, float* sums) {
+  if (span.first) {
+    _tile_zero(0);
+    if constexpr (C > 1) _tile_zero(1);
+    if constexpr (R > 1) _tile_zero(2);
+    if constexpr (R > 1 && C > 1) _tile_zero(3);
+  }
+  for (int64_t b = span.b0; b < span.b1; ++b) {
     _tile_loadd(4, a[0] + b * kBlock, ldx);
-    _tile_loadd(6, wt[0] + b * kTileDwords, 64);
+    _tile_loadd(6, wt[0] + (b - span.b0) * kTileDwords, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (C > 1) {
-      _tile_loadd(7, wt[1] + b * kTileDwords, 64);
+      _tile_loadd(7, wt[1] + (b - span.b0) * kTileDwords, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (R > 1) {
@@ -185,6 +199,7 @@ void tile_product(const uint16_t* const* a, int64_t ldx, const uint32_t* const* 
       if constexpr (C > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
+  if (!span.last) return;
   constexpr int64_t ld = 2 * kTile * sizeof(float);
   _tile_stored(0, sums, ld);
   if constexpr (C > 1) _tile_stored(1, sums + kTile, ld);
@@ -192,46 +207,64 @@ void tile_product(const uint16_t* const* a, int64_t ldx, const uint32_t* const* 
   if constexpr (R > 1 && C > 1) _tile_stored(3, sums + kTile * 2 * kTile + kTile, ld);
 }
 
-// Output channels c0 .. c1 (<= 32: one or two B tiles, decoded in wbuf) of every row. Rows go 32 at a time (two A
-// tiles); the last partial row tile is read from tail (16 rows, zeros past the real ones).
-void channel_group(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* tail, const uint32_t* wbuf,
-                   int64_t blocks, int64_t c0, int64_t c1, const radixserve::Epilogue& out) {
+// The rows of x, 16 to an A tile: the last partial tile read from tail (zeros past the real rows).
+struct Rows {
+  const uint16_t* x;
+  const uint16_t* tail;
+  int64_t count, ld;  // rows; elements from one row to the next
+  int64_t tiles() const { return (count + kTile - 1) / kTile; }
+  const uint16_t* tile(int64_t t) const { return (t + 1) * kTile <= count ? x + t * kTile * ld : tail; }
+};
+
+// Row tiles t, t + 1 (if any) against the channels c0 .. c1 (one or two B tiles at wt) over one span.
+void row_pair(const Rows& x, int64_t t, const uint32_t* const* wt, int64_t c0, int64_t c1, Span span, float* sums) {
+  const uint16_t* a[2] = {x.tile(t), x.tile(t + 1)};
+  const bool two_rows = t + 1 < x.tiles(), two_channels = c1 - c0 > kTile;
+  const int64_t ldx = x.ld * 2;
+  if (two_rows && two_channels) tile_product<2, 2>(a, ldx, wt, span, sums);
+  else if (two_rows) tile_product<2, 1>(a, ldx, wt, span, sums);
+  else if (two_channels) tile_product<1, 2>(a, ldx, wt, span, sums);
+  else tile_product<1, 1>(a, ldx, wt, span, sums);
+}
+
+// Output channels c0 .. c1 (<= 32: one or two B tiles) of every row. Up to two row tiles (32 rows), the C tiles
+// stay in place while the weights are decoded 16 blocks at a time (an L1-sized wbuf); more rows: all blocks are
+// decoded once, then each pair of row tiles reads them all. wbuf: two B tiles of `chunk` blocks.
+void channel_group(const Rows& x, const BlockWeights& w, int64_t c0, int64_t c1, int64_t chunk, uint32_t* wbuf,
+                   const radixserve::Epilogue& out) {
   alignas(64) float sums[2 * kTile][2 * kTile];
-  const uint32_t* wt[2] = {wbuf, wbuf + blocks * kTileDwords};
-  const int64_t full = rows / kTile * kTile, tiles = (rows + kTile - 1) / kTile;
-  const auto rows_at = [&](int64_t t) { return t * kTile < full ? x + t * kTile * ldx : tail; };
-  for (int64_t t = 0; t < tiles; t += 2) {
-    const uint16_t* a[2] = {rows_at(t), rows_at(t + 1)};
-    const int64_t bytes = ldx * 2;
-    const bool two_rows = t + 1 < tiles, two_channels = c1 - c0 > kTile;
-    if (two_rows && two_channels) tile_product<2, 2>(a, bytes, wt, blocks, sums[0]);
-    else if (two_rows) tile_product<2, 1>(a, bytes, wt, blocks, sums[0]);
-    else if (two_channels) tile_product<1, 2>(a, bytes, wt, blocks, sums[0]);
-    else tile_product<1, 1>(a, bytes, wt, blocks, sums[0]);
-    for (int64_t r = t * kTile; r < std::min(rows, (t + 2) * kTile); ++r) out.store_row(r, c0, c1 - c0, sums[r - t * kTile]);
+  const uint32_t* wt[2] = {wbuf, wbuf + chunk * kTileDwords};
+  for (int64_t b0 = 0; b0 < w.blocks; b0 += chunk) {
+    const Span span{b0, std::min(w.blocks, b0 + chunk), b0 == 0, b0 + chunk >= w.blocks};
+    for (int64_t c = c0; c < c1; c += kTile) {
+      uint32_t* at = wbuf + (c - c0) / kTile * chunk * kTileDwords;
+      if (w.q4()) decode_tile<true>(w, c, std::min(kTile, c1 - c), span.b0, span.b1, at);
+      else decode_tile<false>(w, c, std::min(kTile, c1 - c), span.b0, span.b1, at);
+    }
+    for (int64_t t = 0; t < x.tiles(); t += 2) {
+      row_pair(x, t, wt, c0, c1, span, sums[0]);
+      if (!span.last) continue;
+      for (int64_t r = t * kTile; r < std::min(x.count, (t + 2) * kTile); ++r)
+        out.store_row(r, c0, c1 - c0, sums[r - t * kTile]);
+    }
   }
 }
 
-// x [rows, K] bfloat16, contiguous. Work items: groups of 32 output channels, each decoded once, then all rows.
+// x [rows, K] bfloat16, contiguous. Work items: groups of 32 output channels.
 void linear(const at::Tensor& x, const BlockWeights& w, const radixserve::Epilogue& out) {
   const int64_t rows = x.size(0), ldx = x.size(1), groups = (out.out_features + 2 * kTile - 1) / (2 * kTile);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  std::vector<uint16_t> tail(kTile * ldx, 0);  // the last partial row tile, padded with zero rows
+  std::vector<uint16_t> tail(kTile * ldx, 0);
   const int64_t full = rows / kTile * kTile;
   std::copy(xp + full * ldx, xp + rows * ldx, tail.begin());
+  const Rows r{xp, tail.data(), rows, ldx};
+  const int64_t chunk = r.tiles() <= 2 ? 16 : w.blocks;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     const TileConfig config;
     _tile_loadconfig(&config);
-    std::vector<uint32_t> wbuf(2 * w.blocks * kTileDwords);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t c0 = g * 2 * kTile, c1 = std::min(out.out_features, c0 + 2 * kTile);
-      for (int64_t c = c0; c < c1; c += kTile) {
-        uint32_t* at = wbuf.data() + (c - c0) / kTile * w.blocks * kTileDwords;
-        if (w.q4()) decode_tile<true>(w, c, std::min(kTile, c1 - c), at);
-        else decode_tile<false>(w, c, std::min(kTile, c1 - c), at);
-      }
-      channel_group(xp, rows, ldx, tail.data(), wbuf.data(), w.blocks, c0, c1, out);
-    }
+    std::unique_ptr<uint32_t[]> wbuf(new uint32_t[2 * chunk * kTileDwords]);
+    for (int64_t g = g0; g < g1; ++g)
+      channel_group(r, w, g * 2 * kTile, std::min(out.out_features, (g + 1) * 2 * kTile), chunk, wbuf.get(), out);
     _tile_release();
   });
 }
