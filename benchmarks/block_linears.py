@@ -10,6 +10,7 @@ layer count: ms per forward. Paths, interleaved round by round in one process (e
 - ``tiled``: block_gemm.cpp, a cache-sized tile of dequantized weights at a time (``tiled@K`` for K KiB tiles);
 - ``kernel``: block_linear.cpp (float activations) over all rows;
 - ``kernel-q8``: block_q8_linear.cpp (int8 activations) over all rows;
+- ``amx``: block_amx.cpp (bfloat16 x only, AMX-BF16 CPUs) over all rows, a row's bits independent of the row count;
 - ``tiled-q8``: the int8 rows' values (dequantized_rows_q8) through the tiled GEMM.
 
 At one thread the figures are this thread's CPU time (time spent waiting for a core shared with other
@@ -51,6 +52,7 @@ PATHS: dict[str, Path] = {
     "tiled": tiled(None),
     "kernel": lambda w, wf, x: ops.block_linear(x, w.qs, w.d, w.m),
     "kernel-q8": lambda w, wf, x: ops.block_linear_q8(x, w.qs, w.d, w.m),
+    "amx": lambda w, wf, x: ops.block_linear_amx(x, w.qs, w.d, w.m),
     "tiled-q8": lambda w, wf, x: tiled(None)(w, wf, ops.dequantized_rows_q8(x)),
 }
 
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixserve bench block-linears", description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", default=None, help="a GGUF whose linears are Q4_1/Q8_0 (default: SmolLM2)")
     parser.add_argument("--rows", default="16,17,32,80,128,512,2048")
-    parser.add_argument("--paths", default=",".join(PATHS), help=f"of {','.join(PATHS)}, and tiled@KiB")
+    parser.add_argument("--paths", default=None, help=f"of {','.join(PATHS)}, and tiled@KiB (default: all that run)")
     parser.add_argument("--layers", type=int, default=30, help="layers timed (scaled to the model's count)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-threads", type=int, default=1)
@@ -96,7 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     weights = [(w, wf.to(dtype)) for w, wf in layer_weights(model_path, min(args.layers, num_layers))]
     scale = num_layers / min(args.layers, num_layers)
-    paths = {name: tiled(int(name[6:])) if name.startswith("tiled@") else PATHS[name] for name in args.paths.split(",")}
+    runs_amx = args.dtype == "bfloat16" and bool(ops.amx_available())
+    names = args.paths.split(",") if args.paths else [name for name in PATHS if name != "amx" or runs_amx]
+    paths = {name: tiled(int(name[6:])) if name.startswith("tiled@") else PATHS[name] for name in names}
     generator = torch.Generator().manual_seed(0)
     best: dict[tuple[int, str], float] = {}
     for rows in (int(r) for r in args.rows.split(",")):
