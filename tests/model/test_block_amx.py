@@ -99,3 +99,17 @@ def test_bad_inputs_are_refused_clearly() -> None:
     with pytest.raises(RuntimeError, match="in_features must be a multiple of 32"):
         ops.block_linear_amx(x[:, :48], w.qs[:, :24].contiguous(), w.d, w.m)
     assert ops.block_linear_amx(x[:0], w.qs, w.d, w.m).shape == (0, 32)
+
+
+def test_threads_split_channels_not_rows_bits() -> None:
+    """Each thread configures its own tiles; the channel groups a thread takes change no bit."""
+    w = random_blocks("q4_1", 200, 576, seed=5)
+    x = torch.randn(50, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = amx(x, w)
+        torch.set_num_threads(2)
+        assert torch.equal(amx(x, w), alone)
+    finally:
+        torch.set_num_threads(threads)
