@@ -78,7 +78,8 @@ inline void transpose16(__m512i (&r)[16]) {
   }
   for (int c = 0; c < 4; ++c) {
     const __m512i u = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), v = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
-    const __m512i w = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), x = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+    const __m512i w = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i x = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
     t[c] = _mm512_shuffle_i32x4(u, w, 0x88);
     t[4 + c] = _mm512_shuffle_i32x4(v, x, 0x88);
     t[8 + c] = _mm512_shuffle_i32x4(u, w, 0xdd);
@@ -101,7 +102,8 @@ void tile_scales(const BlockWeights& w, int64_t n0, int64_t count, int64_t g, in
     };
     const __m512 dn = half16(w.d);
     ds[n] = _mm512_castps_si512(dn);
-    if constexpr (Q4) ms[n] = _mm512_castps_si512(w.m != nullptr ? half16(w.m) : _mm512_mul_ps(dn, _mm512_set1_ps(-8.f)));
+    if constexpr (Q4)
+      ms[n] = _mm512_castps_si512(w.m != nullptr ? half16(w.m) : _mm512_mul_ps(dn, _mm512_set1_ps(-8.f)));
   }
   transpose16(ds);
   for (int b = 0; b < 16; ++b) _mm512_store_si512(d[b], ds[b]);
@@ -111,7 +113,8 @@ void tile_scales(const BlockWeights& w, int64_t n0, int64_t count, int64_t g, in
   }
 }
 
-// Float32 weights (lane n: channel n) rounded to bfloat16 and interleaved into B's pairs: dword n = even_n | odd_n << 16.
+// Float32 weights (lane n: channel n) rounded to bfloat16 and interleaved into B's pairs:
+// dword n = even_n | odd_n << 16.
 inline __m512i pairs_bf16(__m512 even, __m512 odd) {
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -284,26 +287,31 @@ at::Tensor block_linear_amx_op(const at::Tensor& x, const at::Tensor& qs, const 
                                const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& bias,
                                const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(amx_available(), "block_linear_amx: this CPU, kernel or build has no AMX-BF16 (see amx_available())");
+#ifdef RADIXSERVE_BLOCK_AMX
   const bool q4 = radixserve::check_blocks(qs, d, m);
   const int64_t out_features = qs.size(0), blocks = d.size(1);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "block_linear_amx: x must be bfloat16");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == blocks * 32 && x.device().is_cpu(), "x [M, K] on CPU against weights [N, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == blocks * 32 && x.device().is_cpu(),
+              "x [M, K] on CPU against weights [N, K]");
   at::Tensor out;
   const radixserve::Epilogue epilogue =
       radixserve::make_epilogue(x, out_features, out, std::nullopt, bias, residual, false);
-#ifdef RADIXSERVE_BLOCK_AMX
   const BlockWeights w{static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
                        q4 && m.has_value() ? m->data_ptr<at::Half>() : nullptr, blocks, qs.size(1)};
   if (x.size(0) > 0) linear(x.contiguous(), w, epilogue);
-#endif
   return out;
+#else
+  return {};  // not reached: amx_available() is false
+#endif
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("amx_available() -> bool", &amx_available);
-  m.def("block_linear_amx(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  m.def(
+      "block_linear_amx(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias=None, Tensor? residual=None) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
