@@ -10,6 +10,7 @@ layer count: ms per forward. Paths, interleaved round by round in one process (e
 - ``tiled``: block_gemm.cpp, a cache-sized tile of dequantized weights at a time (``tiled@K`` for K KiB tiles);
 - ``kernel``: block_linear.cpp (float activations) over all rows;
 - ``kernel-q8``: block_q8_linear.cpp (int8 activations) over all rows;
+- ``amx``: block_amx.cpp (bfloat16 x only, AMX-BF16 CPUs) over all rows, a row's bits independent of the row count;
 - ``tiled-q8``: the int8 rows' values (dequantized_rows_q8) through the tiled GEMM.
 
 ``--formats`` times GGUF row types instead (gguf_rows.py: q4_k, q5_k, q6_k, q5_0, q5_1, f16, bf16, f32): random
@@ -62,6 +63,7 @@ PATHS: dict[str, Path] = {
     "tiled": tiled(None),
     "kernel": lambda w, wf, x: ops.block_linear(x, w.qs, w.d, w.m),
     "kernel-q8": lambda w, wf, x: ops.block_linear_q8(x, w.qs, w.d, w.m),
+    "amx": lambda w, wf, x: ops.block_linear_amx(x, w.qs, w.d, w.m),
     "tiled-q8": lambda w, wf, x: tiled(None)(w, wf, ops.dequantized_rows_q8(x)),
 }
 
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixserve bench block-linears", description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", default=None, help="a GGUF whose linears are Q4_1/Q8_0 (default: SmolLM2)")
     parser.add_argument("--rows", default="16,17,32,80,128,512,2048")
-    parser.add_argument("--paths", default=",".join(PATHS), help=f"of {','.join(PATHS)}, and tiled@KiB")
+    parser.add_argument("--paths", default=None, help=f"of {','.join(PATHS)}, and tiled@KiB (default: all that run)")
     parser.add_argument("--formats", default="file", help=f"file (the model's blocks) or of {','.join(ROW_TYPES)}")
     parser.add_argument("--layers", type=int, default=30, help="layers timed (scaled to the model's count)")
     parser.add_argument("--rounds", type=int, default=2)
@@ -157,14 +159,16 @@ def main(argv: list[str] | None = None) -> None:
     num_layers = read_gguf_config(model_path).num_layers
     layers = min(args.layers, num_layers)
     dtype = getattr(torch, args.dtype)
+    runs_amx = args.dtype == "bfloat16" and bool(ops.amx_available())
+    names = args.paths.split(",") if args.paths else [name for name in PATHS if name != "amx" or runs_amx]
     formats: dict[str, tuple[Weights, dict[str, Path]]] = {}
     for fmt in args.formats.split(","):
         if fmt == "file":
             weights: Weights = list(layer_weights(model_path, layers))
-            paths = {n: tiled(int(n[6:])) if n.startswith("tiled@") else PATHS[n] for n in args.paths.split(",")}
+            paths = {n: tiled(int(n[6:])) if n.startswith("tiled@") else PATHS[n] for n in names}
         else:
             weights = row_weights(model_path, layers, fmt.upper())
-            paths = {n: ROW_PATHS[n] for n in args.paths.split(",") if n in ROW_PATHS}
+            paths = {n: ROW_PATHS[n] for n in names if n in ROW_PATHS}
         formats[fmt] = [(w, wf.to(dtype)) for w, wf in weights], paths
     best = time_cells(formats, args, num_layers / layers)
     for fmt, (weights, paths) in formats.items():

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from benchmarks.split_invariance import corpus_words
 from radixserve import Engine
+from radixserve.model.invariance import amx_available
 
 GREEDY = {"max_new_tokens": 3, "temperature": 0.0, "top_logprobs": 5}
 CACHE_PREFIX = {"max_new_tokens": 1, "temperature": 0.0}
@@ -103,4 +104,19 @@ def test_a_gguf_kept_as_rows_keeps_it_too() -> None:
     ids = [rng.randrange(10, 1000) for _ in range(90)]
     for split in (1, 23, 64, 89):
         check_split(engine, ids, split, [[rng.randrange(10, 1000) for _ in range(20)]])
+    engine.close()
+
+
+def test_the_amx_kernel_keeps_it_where_amx_runs() -> None:
+    """--split-invariant-kernel amx: the block linears on AMX tiles at every row count (block_amx.cpp); refused
+    with a clear error where the CPU has no AMX-BF16."""
+    if not amx_available():
+        with pytest.raises(ValueError, match="needs a CPU"):
+            Engine(max_total_tokens=512, split_invariant_kernel="amx")
+        return
+    engine = Engine(max_total_tokens=2048, split_invariant_kernel="amx")
+    assert engine.split_invariant and "(amx)" in engine.split_invariant_reason
+    ids = prompt(engine, 777, 80)
+    for split in (1, 17, len(ids) // 2, len(ids) - 1):
+        check_split(engine, ids, split, [prompt(engine, 99, 30)])
     engine.close()

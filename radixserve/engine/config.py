@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from radixserve.cache import EVICTION_POLICIES, PREFIX_CACHES, WRITE_POLICIES
+from radixserve.model.invariance import INVARIANT_KERNELS
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import DTYPES as DTYPES  # re-exported: server/args.py builds --dtype from it
 from radixserve.model.precision import KV_CACHE_DTYPES, resolve_dtype
@@ -44,6 +45,9 @@ class EngineConfig:
     # companions): the block linears run their own kernel at any row count (quant_blocks.make_split_invariant).
     # Off: prefill rows go through the vendor GEMM (faster on AMX; a cache hit can change an answer).
     split_invariant: bool = True
+    # vector: the block decode kernel at every row count | amx: bfloat16 rows on AMX tiles (prefill near the GEMM's
+    # speed, block linears' decode ~2x slower; needs AMX-BF16)
+    split_invariant_kernel: str = "vector"
     device: str = "auto"  # auto: cuda when present, else cpu
     num_threads: int = 1  # torch CPU threads: 1 is the safe default on a small shared box
     enable_kv_events: bool = False
@@ -70,6 +74,10 @@ class EngineConfig:
             (
                 self.quantization == "auto" or self.quantization in QUANTIZATIONS,
                 f"quantization must be one of {('auto', *QUANTIZATIONS)}",
+            ),
+            (
+                self.split_invariant_kernel in INVARIANT_KERNELS,
+                f"split_invariant_kernel must be one of {INVARIANT_KERNELS}",
             ),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device: auto|cpu|cuda[:N]"),

@@ -352,7 +352,7 @@ class Engine(Driver):
         attention = attention_split_invariance(dtype, kv_dtype, self.config.attention_backend, model.head_dim)
         if attention is not None:  # then the linears keep their faster GEMM path: invariance would not hold anyway
             return False, attention
-        return make_split_invariant(self.loaded.model)
+        return make_split_invariant(self.loaded.model, self.config.split_invariant_kernel)
 
     def describe(self) -> dict[str, Any]:
         """The resolved configuration: what was asked for, and what it became on this machine."""

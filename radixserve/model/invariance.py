@@ -9,19 +9,25 @@ blocks aligned to absolute positions (attention.attention_split_invariance).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from radixserve.model import paged_kernel
 from radixserve.model.gguf_rows import GGUFRowsLinear
 from radixserve.model.quant import Int8Linear
 from radixserve.model.quant_blocks import BlockLinear
 
+INVARIANT_KERNELS = ("vector", "amx")
 
-def make_split_invariant(model: nn.Module) -> tuple[bool, str]:
+
+def make_split_invariant(model: nn.Module, kernel: str = "vector") -> tuple[bool, str]:
     """Make every block linear of ``model`` split-invariant (``split_invariant``: the decode kernel at any row
     count) when all its linears can be, and say whether the model now is: (holds, why). A token's logits then do
     not depend on how many rows share its step, so a cache hit (or a chunk boundary, or batch companions) leaves
     every answer as a cold run gives it. Float linears (torch's GEMM), int8 weights and int8 activations are not
-    invariant: their GEMMs' bits depend on the row count."""
+    invariant: their GEMMs' bits depend on the row count. ``kernel``: "vector" (the block decode kernel at every
+    row count: decode at its speed, prefill slower than the vendor GEMM) or "amx" (block_amx.cpp: bfloat16 rows on
+    AMX tiles: prefill near the GEMM's speed, the block linears' decode ~2x slower; GGUF row types keep "vector")."""
     kernels: list[BlockLinear | GGUFRowsLinear] = []
     others = []
     for name, module in model.named_modules():
@@ -31,6 +37,16 @@ def make_split_invariant(model: nn.Module) -> tuple[bool, str]:
             others.append(name)
     if others:  # then the block linears keep their faster GEMM path: invariance would not hold anyway
         return False, f"not split-invariant: {len(others)} linears run torch's GEMM (e.g. {others[0]})"
+    if kernel == "amx" and not amx_available():
+        raise ValueError("split_invariant_kernel amx needs a CPU (and kernel build) with AMX-BF16; use vector")
     for module in kernels:
-        module.split_invariant = True
-    return True, "split-invariant: every linear runs its block kernel at any row count"
+        if isinstance(module, BlockLinear):
+            module.invariant_kernel = kernel
+        else:
+            module.split_invariant = True
+    return True, f"split-invariant: every linear runs one kernel ({kernel}) at any row count"
+
+
+def amx_available() -> bool:
+    """block_amx.cpp runs here: the kernel library built with AMX and the CPU and kernel grant the tile state."""
+    return paged_kernel.load() and bool(torch.ops.radixserve.amx_available())

@@ -53,6 +53,7 @@ SOURCES = (
     CSRC / "tiled_gemm.h",
     CSRC / "gguf_rows.h",
     CSRC / "gguf_rows_linear.cpp",
+    CSRC / "block_amx.cpp",
     CSRC / "extend_attention.cpp",
     CSRC / "fused_ops.cpp",
 )
@@ -64,14 +65,15 @@ STALE_AFTER_DAYS = 14
 
 
 def build_fingerprint(csrc: Path = CSRC) -> str:
-    """What the built library depends on: CPU flags, torch, compile flags, each csrc/ file's name and bytes.
+    """What the built library depends on: CPU flags, torch, compile flags, the SOURCES it compiles, each csrc/
+    file's name and bytes (a build made while a new file sat in csrc/ unlisted is not reused once it is listed).
 
     Not where the checkout lies: the same sources anywhere share one build."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = "unknown"
-    digest = hashlib.sha256("\0".join((flags, torch.__version__, *CFLAGS)).encode())
+    digest = hashlib.sha256("\0".join((flags, torch.__version__, *CFLAGS, *(p.name for p in SOURCES))).encode())
     for path in sorted(p for p in csrc.iterdir() if p.is_file()):
         data = path.read_bytes()
         digest.update(f"\0{path.name}\0{len(data)}\0".encode() + data)

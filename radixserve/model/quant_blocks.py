@@ -220,10 +220,11 @@ class BlockLinear(_BlockModule):
         super().__init__(blocks, dtype)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.int8_activations = int8_activations
-        # Every row count through the decode kernel, whose result for a row never depends on the other rows of the
-        # call (make_split_invariant): the GEMM path's (oneDNN, MKL) does, so a cache hit, which changes how many
-        # rows a prompt's tail is computed with, changed answers.
-        self.split_invariant = False
+        # Every row count through one kernel whose result for a row never depends on the other rows of the call
+        # (model/invariance.py): the GEMM path's (oneDNN, MKL) does, so a cache hit, which changes how many rows a
+        # prompt's tail is computed with, changed answers. "vector": the decode kernel; "amx": block_amx.cpp
+        # (bfloat16 rows on AMX tiles); None: the decode kernel up to its rows, the tiled GEMM past them.
+        self.invariant_kernel: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or not paged_kernel.load():
@@ -266,7 +267,7 @@ class BlockLinear(_BlockModule):
 
     def _kernel_takes(self, x: torch.Tensor) -> bool:
         """Whether the decode kernel runs these rows: up to its row count, or any count when split-invariant."""
-        if self.split_invariant and not self.int8_activations:
+        if self.invariant_kernel is not None and not self.int8_activations:
             return True
         return x.shape[0] <= (INT8_KERNEL_MAX_ROWS if self.int8_activations else KERNEL_MAX_ROWS)
 
@@ -274,6 +275,8 @@ class BlockLinear(_BlockModule):
         """The decode kernel: x @ W.T + bias (+ residual) in x's dtype, summed in float32 (see forward_add)."""
         op = torch.ops.radixserve.block_linear_q8 if self.int8_activations else torch.ops.radixserve.block_linear
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.invariant_kernel == "amx" and x.dtype == torch.bfloat16:
+            op = torch.ops.radixserve.block_linear_amx
         out: torch.Tensor = op(x, self.qs, self.d, self.m, bias, residual)
         return out
 

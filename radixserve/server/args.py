@@ -19,6 +19,7 @@ from radixserve.core import ROUTER_INDEXES, ROUTER_POLICIES
 from radixserve.engine import DTYPES, EngineConfig
 from radixserve.engine.config import ENGINE_OPTIONS
 from radixserve.kv_events.config import KVEventsConfig, parse_kv_events_config
+from radixserve.model.invariance import INVARIANT_KERNELS
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import KV_CACHE_DTYPES
 from radixserve.model.quant import QUANTIZATIONS
@@ -198,6 +199,14 @@ def _model_flags(model: argparse._ArgumentGroup, d: EngineConfig) -> None:
         help="a token's logits never depend on how many rows share its step, so a cache hit never changes an "
         "answer (block linears run their own kernel at any row count); --no-split-invariant sends prefill rows "
         "to the vendor GEMM: faster prefill on AMX CPUs, but a cache hit can change a bfloat16 answer",
+    )
+    model.add_argument(
+        "--split-invariant-kernel",
+        default=d.split_invariant_kernel,
+        choices=INVARIANT_KERNELS,
+        help="the kernel split-invariant block linears run at every row count: vector (AVX512-BF16 dot products: "
+        "decode at full speed, prefill ~0.2x the vendor GEMM on AMX CPUs) or amx (AMX tiles: prefill near the "
+        "GEMM's speed, the linears' decode ~2x slower; needs AMX-BF16)",
     )
     model.add_argument("--device", default=d.device, help="auto (cuda when present), cpu, cuda or cuda:N")
     model.add_argument(
