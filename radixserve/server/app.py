@@ -12,9 +12,12 @@ Every POST body passes ``BodyGuard`` first (size limit, JSON sanity; body.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, params
 from fastapi.exceptions import RequestValidationError
@@ -142,7 +145,22 @@ async def respond(call: CompletionCall | ChatCall | NativeCall, stream: bool, re
     generation = await call.begin()
     if stream:
         return StreamingResponse(call.stream(generation), media_type="text/event-stream", headers=SSE_HEADERS)
-    return JSONResponse(await call.run(generation, request.is_disconnected))
+    body = await call.run(generation, request.is_disconnected)
+    return Response(await asyncio.to_thread(json_bytes, body), media_type="application/json")
+
+
+def json_bytes(body: Any) -> bytes:
+    """``body`` as JSONResponse renders it, a list's items (a batch, or an answer's choices) encoded one call each:
+    json's C encoder holds the GIL for a whole call, so a 100 MB answer in one call stalled the event loop (and
+    ``/health``) while a worker thread encoded it; between items the loop runs."""
+    if isinstance(body, list):
+        return b"[" + b",".join(json_bytes(item) for item in body) + b"]"
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list) or len(choices) < 2:
+        return bytes(JSONResponse(body).body)
+    marker = f"choices-{uuid.uuid4().hex}"
+    head = bytes(JSONResponse({**body, "choices": marker}).body)
+    return head.replace(json.dumps(marker).encode(), json_bytes(choices), 1)
 
 
 def shared_heads(tokenizer: Tokenizer, args: ServerArgs) -> list[list[int]]:

@@ -10,6 +10,7 @@ SGLang's other request fields: see ``sglang_fields``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -136,8 +137,12 @@ class NativeCall:
     async def run(self, generation: Generation, is_disconnected: Callable[[], Any]) -> Any:
         results = await finish_unless_disconnected(generation, is_disconnected)
         raise_first_error(results)
-        outs = [self.answer(i, req, res) for i, (req, res) in enumerate(zip(generation.requests, results))]
-        return outs[0] if self.single else outs
+
+        def answers() -> Any:  # on a worker thread, as OpenAICall.run builds its answer
+            outs = [self.answer(i, req, res) for i, (req, res) in enumerate(zip(generation.requests, results))]
+            return outs[0] if self.single else outs
+
+        return await asyncio.to_thread(answers)
 
     async def stream(self, generation: Generation) -> AsyncIterator[str]:
         try:

@@ -15,6 +15,7 @@ call; siblings' reuse of each other is not counted).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -140,9 +141,11 @@ class OpenAICall:
         raise_first_error(results)
 
     async def run(self, generation: Generation, is_disconnected: Callable[[], Any]) -> dict[str, Any]:
+        """The whole answer, built on a worker thread: n=64 choices with 20 top logprobs each are ~100 MB of
+        Python objects, which built on the event loop stalled every other request (``/health`` for 14 s)."""
         results = await finish_unless_disconnected(generation, is_disconnected)
         self.check_errors(results)
-        return self.response(results)
+        return await asyncio.to_thread(self.response, results)
 
     def response(self, results: list[GenerateResult]) -> dict[str, Any]:
         raise NotImplementedError
