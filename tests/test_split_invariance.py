@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from benchmarks.split_invariance import corpus_words
 from radixserve import Engine
+from radixserve.engine import config as engine_config
+from radixserve.engine.config import EngineConfig
 from radixserve.model.invariance import amx_available
 
 GREEDY = {"max_new_tokens": 3, "temperature": 0.0, "top_logprobs": 5}
@@ -107,13 +109,16 @@ def test_a_gguf_kept_as_rows_keeps_it_too() -> None:
     engine.close()
 
 
+def test_the_amx_kernel_is_refused_before_loading_where_amx_does_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_config, "amx_available", lambda: False)
+    with pytest.raises(ValueError, match="amx needs a CPU"):
+        EngineConfig(split_invariant_kernel="amx")
+    assert EngineConfig(split_invariant_kernel="amx", split_invariant=False).split_invariant_kernel == "amx"
+
+
+@pytest.mark.skipif(not amx_available(), reason="no AMX-BF16 here")
 def test_the_amx_kernel_keeps_it_where_amx_runs() -> None:
-    """--split-invariant-kernel amx: the block linears on AMX tiles at every row count (block_amx.cpp); refused
-    with a clear error where the CPU has no AMX-BF16."""
-    if not amx_available():
-        with pytest.raises(ValueError, match="needs a CPU"):
-            Engine(max_total_tokens=512, split_invariant_kernel="amx")
-        return
+    """--split-invariant-kernel amx: the block linears on AMX tiles at every row count (block_amx.cpp)."""
     engine = Engine(max_total_tokens=2048, split_invariant_kernel="amx")
     assert engine.split_invariant and "(amx)" in engine.split_invariant_reason
     ids = prompt(engine, 777, 80)

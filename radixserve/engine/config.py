@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from radixserve.cache import EVICTION_POLICIES, PREFIX_CACHES, WRITE_POLICIES
-from radixserve.model.invariance import INVARIANT_KERNELS
+from radixserve.model.invariance import INVARIANT_KERNELS, amx_available
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import DTYPES as DTYPES  # re-exported: server/args.py builds --dtype from it
 from radixserve.model.precision import KV_CACHE_DTYPES, resolve_dtype
@@ -78,6 +78,10 @@ class EngineConfig:
             (
                 self.split_invariant_kernel in INVARIANT_KERNELS,
                 f"split_invariant_kernel must be one of {INVARIANT_KERNELS}",
+            ),
+            (  # before any weight is read (a usage error of the flags, not a traceback after the load)
+                self.split_invariant_kernel != "amx" or not self.split_invariant or amx_available(),
+                "split_invariant_kernel amx needs a CPU (and kernel build) with AMX-BF16; use vector",
             ),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device: auto|cpu|cuda[:N]"),
