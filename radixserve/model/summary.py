@@ -66,6 +66,7 @@ def format_summary(info: dict[str, Any]) -> str:
         f"  weights {info['weight_bytes'] / 2**20:.1f} MiB ({info['resolved_dtype']}, "
         f"quantization {info['resolved_quantization']}){on_file}"
         + (f"\n  by GGUF type: {types_summary(by_type)}" if by_type else "")
+        + (f"\n  {info['split_invariant_reason']}" if "split_invariant_reason" in info else "")
     )
 
 
