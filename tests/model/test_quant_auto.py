@@ -16,27 +16,10 @@ from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.precision import resolve_quantization
 from radixserve.model.quant_blocks import BlockLinear
-from tests.model.test_gguf import _write_tiny_llama
 from tests.model.tiny import alloc, make_batch, make_pool
 
 Q4_1, Q8_0, F32 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def q4_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every layer matrix Q4_1, the embedding (tied lm_head) Q8_0, norms F32: as SmolLM2's GGUF."""
-    path = tmp_path_factory.mktemp("gguf") / "tiny-q4.gguf"
-    _write_tiny_llama(path, layer_types={Q8_0: Q4_1, F32: Q4_1})
-    return path
-
-
-@pytest.fixture(scope="module")
-def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Per layer q, v, o, gate, down Q4_1; k and up F32; the embedding Q8_0."""
-    path = tmp_path_factory.mktemp("gguf") / "tiny-mixed.gguf"
-    _write_tiny_llama(path, layer_types={Q8_0: Q4_1})
-    return path
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,6 @@ from radixserve.model.gguf_loader import load_gguf, load_gguf_blocks
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.quant import BLOCK_QUANTIZATIONS, weight_bytes
 from radixserve.model.quant_blocks import FORMATS, KERNEL_MAX_ROWS, BlockEmbedding, BlockLinear, QuantBlocks
-from tests.model.test_gguf import _write_tiny_llama
 from tests.model.tiny import alloc, load_ours, make_batch, make_pool
 
 needs_kernel = pytest.mark.skipif(not paged_kernel.load(), reason="no C++ compiler: the block kernel cannot build")
@@ -162,23 +161,6 @@ def test_shapes_the_blocks_cannot_hold_are_a_clear_error() -> None:
 
 
 Q4_1, Q8_0, F32 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
-
-
-@pytest.fixture(scope="module")
-def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama of test_gguf.py with its Q8_0 layer matrices stored as Q4_1: per layer q, v, o, gate
-    and down Q4_1, k and up F32; the embedding (tied lm_head) Q8_0."""
-    path = tmp_path_factory.mktemp("gguf") / "tiny-mixed.gguf"
-    _write_tiny_llama(path, layer_types={Q8_0: Q4_1})
-    return path
-
-
-@pytest.fixture(scope="module")
-def q4_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every layer matrix Q4_1, the embedding Q8_0: as the embedded SmolLM2 GGUF is stored."""
-    path = tmp_path_factory.mktemp("gguf") / "tiny-q4.gguf"
-    _write_tiny_llama(path, layer_types={Q8_0: Q4_1, F32: Q4_1})
-    return path
 
 
 def test_the_files_blocks_dequantize_to_exactly_the_float_tensors(mixed_gguf: Path) -> None:

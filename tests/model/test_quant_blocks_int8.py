@@ -13,17 +13,8 @@ import torch
 
 from radixserve.model import paged_kernel
 from radixserve.model.quant_blocks import INT8_KERNEL_MAX_ROWS, BlockLinear, QuantBlocks, quantize_activations
-from tests.model.test_gguf import _write_tiny_llama
 from tests.model.test_precision import agreement_and_kl, all_logits
-from tests.model.test_quant_blocks import F32, Q4_1, Q8_0, gguf_model, needs_kernel, random_blocks
-
-
-@pytest.fixture(scope="module")
-def q4_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every layer matrix Q4_1, the embedding Q8_0: as the embedded SmolLM2 GGUF is stored."""
-    path = tmp_path_factory.mktemp("gguf") / "tiny-q4.gguf"
-    _write_tiny_llama(path, layer_types={Q8_0: Q4_1, F32: Q4_1})
-    return path
+from tests.model.test_quant_blocks import gguf_model, needs_kernel, random_blocks
 
 
 def integer_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:

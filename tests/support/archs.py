@@ -27,23 +27,14 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tests.support.tiny_model import perturb_norms_and_biases
+from tests.support.tiny_model import TINY, perturb_norms_and_biases
 
 FIXTURES_DIR = Path(__file__).resolve().parent.parent / "fixtures"
 TOKENIZERS_DIR = FIXTURES_DIR / "tokenizers"
 GGUF_DIR = FIXTURES_DIR / "gguf"
 
-SMALL: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-    rms_norm_eps=1e-6,
-)
+# tiny_model.TINY's shape, the vocabulary set per fixture tokenizer, 512 positions.
+SMALL: dict[str, Any] = {**{k: v for k, v in TINY.items() if k != "vocab_size"}, "max_position_embeddings": 512}
 # vocab size and special ids of each committed tokenizer (the model's vocab is exactly the tokenizer's)
 TOKENIZER_IDS: dict[str, dict[str, int]] = {
     "bpe-smollm": dict(vocab_size=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2),
