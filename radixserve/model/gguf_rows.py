@@ -144,12 +144,14 @@ class GGUFRowsLinear(_RowsModule):
     def __init__(self, rows: GGUFRows, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(rows, dtype)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-        self.split_invariant = False  # every row count through the decode kernel (model/invariance.py)
+        # Not None: every row count through the decode kernel (model/invariance.py; the rows have no AMX kernel, so
+        # "amx" runs it too), a row's bits then never depending on the other rows of the call.
+        self.invariant_kernel: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or not paged_kernel.load():
             return F.linear(x, self.rows.dequantize().to(x.dtype), self.bias)
-        if self.split_invariant or x.shape[0] <= kernel_max_rows(x.dtype):
+        if self.invariant_kernel is not None or x.shape[0] <= kernel_max_rows(x.dtype):
             return self._kernel(x, None)
         out: torch.Tensor = torch.ops.radixserve.gguf_rows_linear_tiled(
             x, self.raw, self.rows.type_id, self.in_features, self.bias, tile_columns(self.in_features)
@@ -164,7 +166,7 @@ class GGUFRowsLinear(_RowsModule):
         if x.device.type != "cpu" or not paged_kernel.load():
             out: torch.Tensor = residual + self(x)
             return out
-        if self.split_invariant or x.shape[0] <= kernel_max_rows(x.dtype):
+        if self.invariant_kernel is not None or x.shape[0] <= kernel_max_rows(x.dtype):
             return self._kernel(x, residual.contiguous())
         if self.bias is not None:
             out = residual + self(x)

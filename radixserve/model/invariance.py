@@ -21,7 +21,7 @@ INVARIANT_KERNELS = ("vector", "amx")
 
 
 def make_split_invariant(model: nn.Module, kernel: str = "vector") -> tuple[bool, str]:
-    """Make every block linear of ``model`` split-invariant (``split_invariant``: the decode kernel at any row
+    """Make every block linear of ``model`` split-invariant (``invariant_kernel``: one kernel at any row
     count) when all its linears can be, and say whether the model now is: (holds, why). A token's logits then do
     not depend on how many rows share its step, so a cache hit (or a chunk boundary, or batch companions) leaves
     every answer as a cold run gives it. Float linears (torch's GEMM), int8 weights and int8 activations are not
@@ -40,10 +40,7 @@ def make_split_invariant(model: nn.Module, kernel: str = "vector") -> tuple[bool
     if kernel == "amx" and not amx_available():
         raise ValueError("split_invariant_kernel amx needs a CPU (and kernel build) with AMX-BF16; use vector")
     for module in kernels:
-        if isinstance(module, BlockLinear):
-            module.invariant_kernel = kernel
-        else:
-            module.split_invariant = True
+        module.invariant_kernel = kernel
     return True, f"split-invariant: every linear runs one kernel ({kernel}) at any row count"
 
 
