@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from radixserve.model import quant_blocks
 from radixserve.model.quant_blocks import INT8_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, BlockLinear, QuantBlocks, tile_columns
 from tests.model.test_quant_blocks import gguf_model, needs_kernel, random_blocks
-from tests.model.test_quant_blocks_int8 import integer_reference, q4_gguf  # noqa: F401  (a fixture)
+from tests.model.test_quant_blocks_int8 import integer_reference
 from tests.model.tiny import alloc, make_batch, make_pool
 
 pytestmark = needs_kernel
@@ -171,7 +171,7 @@ def test_bad_inputs_are_a_clear_error() -> None:
 
 
 def test_prefill_over_many_tiles_is_exactly_the_float_model(
-    q4_gguf: Path,  # noqa: F811
+    q4_gguf: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """q4_1-exact's prefill logits (rows past the kernel, in tiles of 64 channels: the lm_head's 128 in two)
