@@ -64,7 +64,7 @@ def create_app(engine: Engine, args: ServerArgs, events: KVEventPublisher | None
     """The app serving ``engine``; ``events``: the publisher ``open_kv_events(args)`` opened (None: open it here)."""
     if args.kv_events_endpoint and not engine.config.enable_kv_events:  # it would publish nothing, silently
         raise ValueError("--kv-events-endpoint needs an engine with enable_kv_events: build it from args.engine")
-    metrics = ServerMetrics(args.hit_rate_window) if args.enable_metrics else None
+    metrics = ServerMetrics(args.hit_rate_window, cache_config_labels(engine)) if args.enable_metrics else None
     if metrics is not None and engine.tiers is not None:
         metrics.registry.register(TierCollector(engine.tiers))
     if events is None:
@@ -86,6 +86,17 @@ def create_app(engine: Engine, args: ServerArgs, events: KVEventPublisher | None
     app.include_router(generation_router(state, auth))
     app.include_router(admin_router(state, auth))
     return app
+
+
+def cache_config_labels(engine: Engine) -> dict[str, str]:
+    """The labels of ``radixserve:cache_config_info``: how the prefix cache and the scheduler are set up."""
+    config = engine.config
+    return {
+        "prefix_cache": config.prefix_cache,
+        "eviction_policy": config.radix_eviction_policy,
+        "schedule_policy": config.schedule_policy,
+        "page_size": str(config.page_size),
+    }
 
 
 def lifespan(
