@@ -15,11 +15,14 @@ makes a ``radixserve.route`` span and forwards its own ``traceparent``, so each 
 span is its child. The SDK is an optional extra: ``pip install 'radixserve[tracing]'``.
 
 Thread-safety: ``begin`` runs on the event loop before the requests are submitted; ``on_batch``
-and ``on_finish`` on the loop's thread. They share one dict, changed one key at a time.
+and ``on_finish`` on the loop's thread. They share one dict, changed one key at a time. A finished
+request's record then goes, through a queue, to the thread that makes its spans.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -112,10 +115,20 @@ class _Trace:
     loads: list[TierLoad] = field(default_factory=list)
     decode_began: float | None = None
     decode_steps: int = 0
+    # Set when it finishes (perf_counter times, as the request keeps them):
+    attributes: dict[str, str | int] = field(default_factory=dict)
+    arrival: float = 0.0
+    first_token: float | None = None
+    finish: float = 0.0
+    error: str | None = None
 
 
 class RequestTracer:
-    """Each traced request's timeline while it runs, then its spans (the module docstring lists them)."""
+    """Each traced request's timeline while it runs, then its spans (the module docstring lists them).
+
+    The loop's thread only notes times; the spans are made on a thread of their own (``radixserve-tracing``),
+    so a finished request costs the scheduler a queue put, not the SDK's span bookkeeping.
+    """
 
     def __init__(self, tracing: Tracing, attributes: Mapping[str, str]) -> None:
         """``attributes``: set on every request span (the policies, the replica)."""
@@ -123,6 +136,9 @@ class RequestTracer:
         self.attributes = dict(attributes)
         self._live: dict[int, _Trace] = {}
         self._offset_ns = time.time_ns() - time.perf_counter_ns()  # perf_counter -> the epoch, as spans want
+        self._finished: queue.SimpleQueue[_Trace | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._emit_all, name="radixserve-tracing", daemon=True)
+        self._thread.start()
 
     def begin(self, requests: Sequence[Request], headers: Mapping[str, str]) -> None:
         """Trace ``requests`` (call it before submitting them), children of the caller's ``traceparent``."""
@@ -150,16 +166,28 @@ class RequestTracer:
         trace = self._live.pop(req.rid, None)
         if trace is None or req.finish_time is None:
             return
+        trace.attributes = {**self.attributes, **request_attributes(req, result)}
+        trace.arrival, trace.first_token, trace.finish = req.arrival_time, req.first_token_time, req.finish_time
+        trace.error = result.error
+        self._finished.put(trace)
+
+    def close(self) -> None:
+        """Make the spans of every finished request, send them, stop."""
+        self._finished.put(None)
+        self._thread.join()
+        self.tracing.close()
+
+    def _emit_all(self) -> None:
+        while (trace := self._finished.get()) is not None:
+            self._emit(trace)
+
+    def _emit(self, trace: _Trace) -> None:
         root = self.tracing.tracer.start_span(
-            "radixserve.request",
-            trace.parent,
-            SpanKind.SERVER,
-            {**self.attributes, **request_attributes(req, result)},
-            start_time=self._ns(req.arrival_time),
+            "radixserve.request", trace.parent, SpanKind.SERVER, trace.attributes, start_time=self._ns(trace.arrival)
         )
         inside = set_span_in_context(root)
         starts = [c.began for c in trace.chunks] + [load.began for load in trace.loads]
-        self._child(inside, "radixserve.queue", req.arrival_time, min(starts, default=req.finish_time), {})
+        self._child(inside, "radixserve.queue", trace.arrival, min(starts, default=trace.finish), {})
         for load in trace.loads:
             tokens = {f"radixserve.tier.{tier}_tokens": n for tier, n in load.num_tokens.items()}
             self._child(inside, "radixserve.tier_load", load.began, load.ended, tokens)
@@ -173,15 +201,12 @@ class RequestTracer:
             self._child(inside, "radixserve.prefill", chunk.began, chunk.ended, attributes)
         if trace.decode_began is not None:
             steps = {"radixserve.decode.steps": trace.decode_steps}
-            self._child(inside, "radixserve.decode", trace.decode_began, req.finish_time, steps)
-        if req.first_token_time is not None:
-            root.add_event("first_token", timestamp=self._ns(req.first_token_time))
-        if result.error is not None:
-            root.set_status(Status(StatusCode.ERROR, result.error))
-        root.end(self._ns(req.finish_time))
-
-    def close(self) -> None:
-        self.tracing.close()
+            self._child(inside, "radixserve.decode", trace.decode_began, trace.finish, steps)
+        if trace.first_token is not None:
+            root.add_event("first_token", timestamp=self._ns(trace.first_token))
+        if trace.error is not None:
+            root.set_status(Status(StatusCode.ERROR, trace.error))
+        root.end(self._ns(trace.finish))
 
     def _child(self, parent: Context, name: str, began: float, ended: float, attributes: Attributes) -> None:
         span = self.tracing.tracer.start_span(name, parent, attributes=attributes, start_time=self._ns(began))
