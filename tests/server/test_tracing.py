@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +168,76 @@ def test_an_endpoint_that_is_not_a_url_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exc:
         parse_args(["--otlp-traces-endpoint", "localhost:4318"])
     assert exc.value.code == 2
+
+
+# ---- in-process: the engine's loop, the tracer and the SDK's in-memory exporter ---------------------------------
+
+
+def test_aborted_requests_end_their_spans(tiny_model_dir: Path) -> None:
+    """Aborted mid-decode: the decode span ends with the request. Aborted while queued: only a queue span.
+    Aborted by the server's shutdown: the request span's status is the error."""
+    import queue
+    import threading
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from radixserve.engine import Engine
+    from radixserve.engine.driver import Delta
+    from radixserve.server.tracing import RequestTracer, Tracing
+    from radixserve.server.worker import ServerListener
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = RequestTracer(Tracing(provider), {"radixserve.eviction_policy": "lru"})
+    engine = Engine(model_path=str(tiny_model_dir), max_total_tokens=512)
+    stopping = threading.Event()
+    loop = threading.Thread(target=engine.run_forever, args=(stopping, ServerListener(None, None, tracer)))
+    loop.start()
+    deltas: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+    decoding, queued, cut = (
+        engine.make_request(list(range(3 + i, 40)), {"max_new_tokens": 200, "ignore_eos": True}) for i in range(3)
+    )
+    results = {}
+
+    def until(done: Callable[[], bool]) -> None:
+        while not done():
+            delta = deltas.get(timeout=120)
+            if delta.result is not None:
+                results[delta.rid] = delta.result
+
+    try:
+        tracer.begin([decoding, queued, cut], {})
+        engine.submit(decoding, deltas.put)
+        until(lambda: len(decoding.output_ids) >= 3)
+        engine.abort(decoding.rid)
+        # Both queued from the loop's own thread: its inbox runs them in one turn, before any step.
+        engine.call(lambda: (engine.submit(queued, deltas.put), engine.abort(queued.rid))).result(120)
+        engine.submit(cut, deltas.put)
+        until(lambda: len(cut.output_ids) >= 1 and len(results) == 2)
+    finally:
+        stopping.set()  # the shutdown aborts ``cut`` with an error
+        engine.call(lambda: None)
+        loop.join(120)
+        tracer.close()
+    until(lambda: len(results) == 3)
+    assert {r.finish_reason for r in results.values()} == {"abort"} and results[cut.rid].error is not None
+    spans = exporter.get_finished_spans()
+    roots = {s.attributes["radixserve.request_id"]: s for s in spans if s.name == "radixserve.request"}
+    assert set(roots) == {decoding.rid, queued.rid, cut.rid}
+
+    def children(rid: int) -> dict[str, Any]:
+        root = roots[rid].context.span_id
+        return {s.name: s for s in spans if s.parent is not None and s.parent.span_id == root}
+
+    assert set(children(decoding.rid)) == {"radixserve.queue", "radixserve.prefill", "radixserve.decode"}
+    assert children(decoding.rid)["radixserve.decode"].end_time == roots[decoding.rid].end_time
+    assert set(children(queued.rid)) == {"radixserve.queue"}
+    for rid in (decoding.rid, queued.rid):
+        assert roots[rid].status.status_code is StatusCode.UNSET
+        assert roots[rid].attributes["radixserve.finish_reason"] == "abort"
+    assert roots[cut.rid].status.status_code is StatusCode.ERROR
+    assert roots[cut.rid].status.description == results[cut.rid].error
