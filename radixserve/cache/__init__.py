@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from radixserve.cache.baselines.block import BlockHashCache
 from radixserve.cache.baselines.chunk import ChunkCache
-from radixserve.cache.core.base import BasePrefixCache, CacheReq, MatchResult
+from radixserve.cache.core.base import BasePrefixCache, CacheReq, MatchResult, TierLoad
 from radixserve.cache.core.key import RadixKey
 from radixserve.cache.core.listener import CacheListener
 from radixserve.cache.core.policy import EVICTION_POLICIES, create_eviction_strategy
@@ -100,6 +100,7 @@ __all__ = [
     "PageLabel",
     "RadixCache",
     "RadixKey",
+    "TierLoad",
     "TreeNode",
     "WRITE_POLICIES",
     "cache_page_size",

@@ -31,6 +31,7 @@ from radixserve.cache.events import KVEvent
 from radixserve.core import ErrorKind, GenerateResult, TopLogprobs
 from radixserve.engine.output import LogprobTokens, OutputCursor
 from radixserve.engine.step import StepExecutor
+from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.loop import Scheduler
 from radixserve.scheduler.request import Request
 
@@ -72,8 +73,11 @@ class LoopListener:
     def on_tokens(self, first: bool, seconds: float) -> None:
         """A request got new tokens: ``seconds`` since its arrival (``first``) or since its last tokens."""
 
-    def on_finish(self, result: GenerateResult) -> None:
-        """A submitted request finished (whatever the reason)."""
+    def on_batch(self, batch: ScheduledBatch, began: float, ended: float) -> None:
+        """The model step ran ``batch`` from ``began`` to ``ended`` (perf_counter; before ``process``)."""
+
+    def on_finish(self, req: Request, result: GenerateResult) -> None:
+        """A submitted request finished (whatever the reason); ``result`` is ``req.result()``."""
 
     def on_step(self, load: LoadStats) -> None:
         """After every step and every abort."""
@@ -189,7 +193,11 @@ class Driver:
         """One scheduling round and model step; the requests that finished in it (their sinks were told)."""
         self._check_thread()
         batch = self.scheduler.schedule()
-        finished = self.scheduler.process(batch, self.executor.run(batch))
+        began = time.perf_counter()
+        outputs = self.executor.run(batch)
+        if self._listener is not None and batch:  # one call a step: tracing's chunk and decode times
+            self._listener.on_batch(batch, began, time.perf_counter())
+        finished = self.scheduler.process(batch, outputs)
         self._publish()
         return finished
 
@@ -348,7 +356,7 @@ class Driver:
         if final:
             delta.result = result = req.result()
             if self._listener is not None:
-                self._listener.on_finish(result)
+                self._listener.on_finish(req, result)
         try:
             live.sink(delta)
         except Exception:  # the listener is gone (event loop closed): nothing to tell

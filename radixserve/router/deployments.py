@@ -29,7 +29,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -49,7 +49,7 @@ from radixserve.router import table as tables  # by module: cloudpickle copies a
 from radixserve.router.asgi_bridge import ASGIBridge, HTTPCall
 from radixserve.router.ray_serve import CacheAwareRouter
 from radixserve.router.table import RouteKey, RoutingTable
-from radixserve.server.app import build_tenancy, install_error_handlers, shared_heads
+from radixserve.server.app import build_tenancy, install_error_handlers, open_tracing, shared_heads
 from radixserve.server.args import ServerArgs
 from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import shared_head_len
@@ -86,7 +86,8 @@ class EngineReplica:
             )
         # Loaded as `serve` loads it: this thread keeps no OpenMP pool beside the scheduler thread's (launch.py).
         engine = off_the_main_thread(lambda: Engine(args.engine))
-        self.app = create_app(engine, args)
+        replica = str(serve.get_replica_context().replica_id.to_full_id_str())  # as the router names it
+        self.app = create_app(engine, args, replica=replica)
         self.state = self.app.state.radixserve
         self.bridge = ASGIBridge(self.app)
         await self.bridge.startup()
@@ -173,6 +174,7 @@ class FrontBase:
         self.tenancy = build_tenancy(args)
         self.heads = shared_heads(self.tokenizer, args)
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixserve-route-key")
+        self.tracing = open_tracing(args)  # the front's route spans; each replica sends its own request spans
 
     async def describe_router(self, request: Request) -> dict[str, Any]:
         self.tenancy.authenticate(request.headers)
@@ -194,6 +196,10 @@ class FrontBase:
     async def relay(self, request: Request) -> Response:
         """The call, routed by its key to one replica; that replica's answer streamed back."""
         call = await http_call(request)
+        span = None
+        if self.tracing is not None:  # the replica's request spans become children of this one
+            span, forwarded = self.tracing.route_span(call.path, call.headers)
+            call = dataclasses.replace(call, headers=forwarded)
         key = await asyncio.get_running_loop().run_in_executor(
             self.pool, route_key_for, call.path, call.body, request.headers, self.tokenizer, self.tenancy, self.heads
         )
@@ -203,6 +209,8 @@ class FrontBase:
         except Exception as exc:  # the replica died or is gone: the client may retry
             stream.cancel()
             logger.warning("no replica answered %s: %s", call.path, exc)
+            if self.tracing is not None and span is not None:
+                self.tracing.end(span, f"no engine replica answered: {type(exc).__name__}")
             return JSONResponse(
                 error_body(503, f"no engine replica answered: {type(exc).__name__}", "replica_unavailable"),
                 503,
@@ -211,7 +219,11 @@ class FrontBase:
         assert isinstance(head, dict)
         headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_HEADERS}
         events = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers.items())
-        return StreamingResponse(_body(stream, events), status_code=head["status"], headers=headers)
+        ended = None
+        if span is not None:
+            span.set_attribute("http.response.status_code", int(head["status"]))
+            ended = span.end
+        return StreamingResponse(_body(stream, events, ended), status_code=head["status"], headers=headers)
 
     async def router(self) -> RoutingTable:
         """The routing table of this process's engine handle (made on its first call; wait for replicas)."""
@@ -265,10 +277,11 @@ class FrontBase:
         return JSONResponse({"replicas": out}, status_code=worst)
 
 
-async def _body(stream: Any, events: bool) -> AsyncIterator[bytes]:
+async def _body(stream: Any, events: bool, ended: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
     """A replica's streamed body; if the client leaves first, the replica's side is cancelled. If the replica
     dies mid-way, an event stream (``events``) ends with an error event and ``[DONE]``, as a request that failed
-    in the engine ends; another body just ends (its status went out with the head)."""
+    in the engine ends; another body just ends (its status went out with the head). ``ended`` is called last
+    (the route span ends)."""
     done = False
     try:
         async for part in stream:
@@ -284,6 +297,8 @@ async def _body(stream: Any, events: bool) -> AsyncIterator[bytes]:
     finally:
         if not done:  # the client left: cancel the replica's side (its requests are aborted)
             stream.cancel()
+        if ended is not None:
+            ended()
 
 
 def make_front(args: ServerArgs) -> type:

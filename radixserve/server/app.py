@@ -17,7 +17,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, params
 from fastapi.exceptions import RequestValidationError
@@ -31,7 +31,7 @@ from radixserve.server.admin import admin_router
 from radixserve.server.args import ServerArgs
 from radixserve.server.body import BodyGuard
 from radixserve.server.errors import APIError, error_body
-from radixserve.server.generation import ServerState
+from radixserve.server.generation import CALL_HEADERS, ServerState
 from radixserve.server.info import VERSION, info_router, sglang_info_router
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.native_api import NativeCall
@@ -40,6 +40,9 @@ from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest,
 from radixserve.server.tenancy import Tenancy, key_tenant, read_key_file
 from radixserve.server.tier_metrics import TierCollector
 from radixserve.server.worker import EngineWorker
+
+if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
+    from radixserve.server.tracing import RequestTracer, Tracing
 
 logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -60,21 +63,54 @@ def open_kv_events(args: ServerArgs) -> KVEventPublisher | None:
     )
 
 
-def create_app(engine: Engine, args: ServerArgs, events: KVEventPublisher | None = None) -> FastAPI:
-    """The app serving ``engine``; ``events``: the publisher ``open_kv_events(args)`` opened (None: open it here)."""
+def open_tracing(args: ServerArgs) -> Tracing | None:
+    """Spans to ``--otlp-traces-endpoint`` (None: off, and OpenTelemetry is never imported)."""
+    if not args.otlp_traces_endpoint:
+        return None
+    from radixserve.server.tracing import Tracing
+
+    return Tracing.to_endpoint(args.otlp_traces_endpoint)
+
+
+def open_tracer(engine: Engine, args: ServerArgs, replica: str | None) -> RequestTracer | None:
+    """Request traces (see tracing.py), each request span labelled with the policies and ``replica``."""
+    tracing = open_tracing(args)
+    if tracing is None:
+        return None
+    from radixserve.server.tracing import RequestTracer
+
+    attributes = {f"radixserve.{name}": value for name, value in cache_config_labels(engine).items()}
+    if replica is not None:
+        attributes["radixserve.replica"] = replica
+    return RequestTracer(tracing, attributes)
+
+
+def create_app(
+    engine: Engine, args: ServerArgs, events: KVEventPublisher | None = None, replica: str | None = None
+) -> FastAPI:
+    """The app serving ``engine``; ``events``: the publisher ``open_kv_events(args)`` opened (None: open it here);
+    ``replica``: its name under ``--replicas`` (its request spans carry it)."""
     if args.kv_events_endpoint and not engine.config.enable_kv_events:  # it would publish nothing, silently
         raise ValueError("--kv-events-endpoint needs an engine with enable_kv_events: build it from args.engine")
-    metrics = ServerMetrics(args.hit_rate_window) if args.enable_metrics else None
+    metrics = ServerMetrics(args.hit_rate_window, cache_config_labels(engine)) if args.enable_metrics else None
     if metrics is not None and engine.tiers is not None:
         metrics.registry.register(TierCollector(engine.tiers))
     if events is None:
         events = open_kv_events(args)
-    worker = EngineWorker(engine, metrics, args.max_queued_requests, events, args.graceful_shutdown_timeout)
+    tracer = open_tracer(engine, args, replica)
+    worker = EngineWorker(engine, metrics, args.max_queued_requests, events, args.graceful_shutdown_timeout, tracer)
     state = ServerState(engine, args, worker, metrics, build_tenancy(args), shared_heads(engine.tokenizer, args))
+    state.tracer = tracer
+    closers = [c.close for c in (events, tracer) if c is not None]
+
+    def close() -> None:  # after the worker stopped: the last spans and KV events go out
+        for closer in closers:
+            closer()
+
     app = FastAPI(
         title="radixserve",
         version=VERSION,
-        lifespan=lifespan(state, events.close if events is not None else None),
+        lifespan=lifespan(state, close),
         description="RadixAttention LLM server: OpenAI-compatible and native APIs.",
     )
     app.state.radixserve = state
@@ -86,6 +122,17 @@ def create_app(engine: Engine, args: ServerArgs, events: KVEventPublisher | None
     app.include_router(generation_router(state, auth))
     app.include_router(admin_router(state, auth))
     return app
+
+
+def cache_config_labels(engine: Engine) -> dict[str, str]:
+    """The labels of ``radixserve:cache_config_info``: how the prefix cache and the scheduler are set up."""
+    config = engine.config
+    return {
+        "prefix_cache": config.prefix_cache,
+        "eviction_policy": config.radix_eviction_policy,
+        "schedule_policy": config.schedule_policy,
+        "page_size": str(config.page_size),
+    }
 
 
 def lifespan(
@@ -142,6 +189,7 @@ def generation_router(state: ServerState, auth: Sequence[params.Depends]) -> API
 
 async def respond(call: CompletionCall | ChatCall | NativeCall, stream: bool, request: Request) -> Response:
     """Start the call's requests; an SSE stream, or the whole answer (aborted if the client leaves)."""
+    CALL_HEADERS.set(request.headers)  # a traced request's parent (this task's own copy)
     generation = await call.begin()
     if stream:
         return StreamingResponse(call.stream(generation), media_type="text/event-stream", headers=SSE_HEADERS)

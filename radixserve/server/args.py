@@ -49,6 +49,7 @@ class ServerArgs:
     shared_prefixes: tuple[str, ...] = ()  # raw text prompt heads shared across namespaces
     shared_system_prompts: tuple[str, ...] = ()  # system messages (through the chat template) shared likewise
     enable_metrics: bool = False
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for request traces (off when None)
     hit_rate_window: int = 1000  # finished requests the cache_hit_rate gauge averages over
     max_queued_requests: int = 4096  # requests in flight (queued + running) before new ones get 503
     max_request_bytes: int = 8 << 20  # a POST body beyond this is a 413, refused before it is parsed
@@ -70,6 +71,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         """Every check here, so a ServerArgs built without flags (the Ray path, tests) is checked too."""
         problems = [message for ok, message in self._checks() if not ok]
+        if self.otlp_traces_endpoint:
+            problems += tracing_problems(self.otlp_traces_endpoint)
         if problems:
             raise ValueError("; ".join(problems))
         # One fact: KV events are on when they have an endpoint to go to. The engine's event log follows it,
@@ -311,6 +314,13 @@ def _server_flags(server: argparse._ArgumentGroup) -> None:
         "--tenant-isolation (with several, /flush_cache and /cache's text are for --admin-api-key only)",
     )
     server.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    server.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="send one OpenTelemetry trace per request (queue, prefill chunks, decode, tier loads) to this "
+        "OTLP/HTTP collector, e.g. http://127.0.0.1:4318 (/v1/traces is added to a URL without a path); "
+        "a traceparent header makes it part of the caller's trace; needs pip install 'radixserve[tracing]'",
+    )
 
 
 def _kv_event_flags(server: argparse._ArgumentGroup) -> None:
@@ -497,6 +507,22 @@ def parse_args(argv: list[str]) -> ServerArgs:
         )
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def tracing_problems(endpoint: str) -> list[str]:
+    """What keeps ``--otlp-traces-endpoint`` from working here: the SDK not installed, a URL that is not one."""
+    try:
+        from radixserve.server.tracing import traces_url
+    except ImportError as exc:
+        return [
+            f"--otlp-traces-endpoint needs the OpenTelemetry SDK and its OTLP/HTTP exporter ({exc.name} is not "
+            "installed): pip install 'radixserve[tracing]'"
+        ]
+    try:
+        traces_url(endpoint)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 def usage_error(message: str) -> NoReturn:

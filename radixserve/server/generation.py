@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import copy
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from radixserve.core import GenerateResult, SamplingParams
 from radixserve.engine import Engine
@@ -30,10 +31,18 @@ from radixserve.server.protocol import MAX_STOP
 from radixserve.server.tenancy import Tenancy
 from radixserve.server.worker import EngineWorker, Overloaded
 
+if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
+    from radixserve.server.tracing import RequestTracer
+
 T = TypeVar("T")
 MAX_REQUESTS_PER_CALL = 1024  # engine requests (prompts x choices) one HTTP call may make
 BIG_TEXT_CHARS = 32_768  # a call with more text than this tokenizes on the big-prompt thread
 MIN_CHARS_PER_TOKEN = 16  # the character bound's floor (tokenizers that drop whitespace between tokens)
+# The headers of the HTTP call this task handles (``respond`` sets them): a traced request's parent
+# comes from their ``traceparent``. Per task, as OpenTelemetry keeps its own current context.
+CALL_HEADERS: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "radixserve_call_headers", default=None
+)
 
 
 def chars_per_token_bound(tokenizer: Tokenizer) -> int:
@@ -68,6 +77,7 @@ class ServerState:
     )
     started: float = field(default_factory=time.time)
     warned_fields: set[str] = field(default_factory=set)  # ignored request fields already logged once
+    tracer: RequestTracer | None = None  # --otlp-traces-endpoint
 
     def __post_init__(self) -> None:
         self.max_prompt_chars = self.engine.context_length * chars_per_token_bound(self.tokenizer)
@@ -212,6 +222,8 @@ class Generation:
             raise APIError.overloaded(str(exc)) from None
         except RuntimeError as exc:  # shutting down, or the scheduler died (then /health says 503 too)
             raise APIError.overloaded(str(exc), "unavailable") from None
+        if state.tracer is not None:
+            state.tracer.begin(requests, CALL_HEADERS.get() or {})
         for index, req in enumerate(requests):
             self.worker.submit(req, sink, index)
 

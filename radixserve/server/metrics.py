@@ -20,6 +20,8 @@ Gauges ``num_running_reqs``, ``num_waiting_reqs`` and ``token_usage`` (share of 
 slots held by live requests, not reclaimable by eviction) are set after every
 scheduler step. Histograms: ``time_to_first_token_seconds`` (arrival at the
 server to first token), ``inter_token_latency_seconds``, ``e2e_request_latency_seconds``.
+``cache_config_info{prefix_cache, eviction_policy, schedule_policy, page_size}`` is 1: its
+labels say how the cache is set up (join on it to group other series by policy).
 
 Thread-safety: the scheduler thread updates, the HTTP thread renders;
 prometheus_client's metrics are thread-safe, and the window sums are changed
@@ -40,7 +42,7 @@ TOKEN_GAP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
 
 
 class ServerMetrics:
-    def __init__(self, hit_rate_window: int = 1000) -> None:
+    def __init__(self, hit_rate_window: int = 1000, cache_config: dict[str, str] | None = None) -> None:
         self.registry = registry = CollectorRegistry()
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
@@ -66,6 +68,12 @@ class ServerMetrics:
         self.num_running = gauge("num_running_reqs", "Requests admitted (prefilling or decoding).")
         self.num_waiting = gauge("num_waiting_reqs", "Requests in the waiting queue.")
         self.token_usage = gauge("token_usage", "Share of KV slots held by live requests.")
+        config = cache_config or {}
+        info = Gauge(
+            PREFIX + "cache_config_info", "How the prefix cache is set up (1).", tuple(config), registry=registry
+        )
+        if config:
+            info.labels(**config).set(1)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", TOKEN_GAP_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)

@@ -18,15 +18,19 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from radixserve.cache.events import KVEvent
 from radixserve.core import GenerateResult
 from radixserve.engine import Engine
 from radixserve.engine.driver import Delta, LoadStats, LoopListener, Sink
 from radixserve.kv_events.publisher import KVEventPublisher
+from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.request import Request
 from radixserve.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
+    from radixserve.server.tracing import RequestTracer
 
 T = TypeVar("T")
 
@@ -36,17 +40,27 @@ class Overloaded(RuntimeError):
 
 
 class ServerListener(LoopListener):
-    """The loop's figures into Prometheus metrics (``--enable-metrics``), its KV events onto ZMQ."""
+    """The loop's figures into Prometheus metrics (``--enable-metrics``), its KV events onto ZMQ, its
+    timeline into request traces (``--otlp-traces-endpoint``)."""
 
-    def __init__(self, metrics: ServerMetrics | None, events: KVEventPublisher | None) -> None:
+    def __init__(
+        self, metrics: ServerMetrics | None, events: KVEventPublisher | None, tracer: RequestTracer | None = None
+    ) -> None:
         self.metrics = metrics
         self.events = events
+        self.tracer = tracer
 
     def on_tokens(self, first: bool, seconds: float) -> None:
         if self.metrics is not None:
             (self.metrics.ttft if first else self.metrics.itl).observe(seconds)
 
-    def on_finish(self, result: GenerateResult) -> None:
+    def on_batch(self, batch: ScheduledBatch, began: float, ended: float) -> None:
+        if self.tracer is not None:
+            self.tracer.on_batch(batch, began, ended)
+
+    def on_finish(self, req: Request, result: GenerateResult) -> None:
+        if self.tracer is not None:
+            self.tracer.on_finish(req, result)
         if self.metrics is not None:
             self.metrics.on_finish(
                 result.prompt_tokens,
@@ -73,11 +87,12 @@ class EngineWorker:
         max_in_flight: int = 1 << 30,
         events: KVEventPublisher | None = None,
         close_timeout: float = 30.0,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.engine = engine
         self.close_timeout = close_timeout  # how long shutdown may spend flushing cache tiers to disk
         self.events = events
-        self.listener = ServerListener(metrics, events)
+        self.listener = ServerListener(metrics, events, tracer)
         self.max_in_flight = max_in_flight
         self._in_flight = 0  # submitted and not yet finished (any thread reads; changed under _count_lock)
         self._count_lock = threading.Lock()

@@ -21,7 +21,7 @@ the same but keeps the request running, now locked on its own longer prefix.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple
 
@@ -35,6 +35,7 @@ from radixserve.memory.allocator import IndexArray, TokenAllocator
 
 if TYPE_CHECKING:
     from radixserve.cache.tiers.index import TierIndex
+    from radixserve.cache.tiers.pages import TierName
 
 EMPTY_INDICES: IndexArray = np.empty(0, dtype=np.int64)
 
@@ -50,6 +51,15 @@ class MatchResult(NamedTuple, Generic[NodeT]):
     last_node: NodeT
 
 
+@dataclass(frozen=True)
+class TierLoad:
+    """What ``load_continuation`` copied back into the pool for one request, and when (the tiers' clock)."""
+
+    num_tokens: Mapping[TierName, int]  # by tier: "host" (L2), "disk" (L3)
+    began: float
+    ended: float
+
+
 @dataclass(eq=False)
 class CacheReq(Generic[NodeT]):
     """The part of a request the cache reads and updates.
@@ -62,6 +72,7 @@ class CacheReq(Generic[NodeT]):
     priority: int = 0
     last_node: NodeT | None = None  # locked while the request holds the cache's prefix; None once finished
     cache_protected_len: int = 0
+    tier_load: TierLoad | None = None  # set when admission loaded part of it from the tiers (tracing reads it)
 
     @property
     def token_ids(self) -> TokenArray:
@@ -264,13 +275,15 @@ class BasePrefixCache(ABC, Generic[NodeT]):
         Returns the tokens loaded (0: nothing below, or no room: it is recomputed).
         """
         assert self.tiers is not None
+        began = self.tiers.clock()
         cont = self.tiers.match_continuation(key, len(req.key))
         if not cont.num_tokens:
             return 0
         slots = self.alloc_slots(cont.num_tokens)
         if slots is None:
             return 0
-        self.tiers.load(cont, slots)
+        loaded = self.tiers.load(cont, slots)
+        req.tier_load = TierLoad(loaded, began, self.tiers.clock())
         req.key = key[: cont.start + cont.num_tokens]
         req.kv_indices = np.concatenate([req.kv_indices, slots])
         self.cache_unfinished_req(req)

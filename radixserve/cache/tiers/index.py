@@ -86,12 +86,17 @@ class TierIndex(TierStore):
             self._observe_latency(self.clock() - began)
         return Continuation(start, start - first_page * size, tuple(pages), tuple(tiers), num_tokens)
 
-    def load(self, cont: Continuation, slots: IndexArray) -> None:
-        """Copy the continuation into ``slots`` (one per token) of the pool, in one copy per layer."""
+    def load(self, cont: Continuation, slots: IndexArray) -> dict[TierName, int]:
+        """Copy the continuation into ``slots`` (one per token) of the pool, in one copy per layer;
+        the tokens each tier gave."""
         self.mover.scatter_pages(slots, cont.pages, cont.first)
+        loaded: dict[TierName, int] = {}
         for i, (page, tier) in enumerate(zip(cont.pages, cont.tiers)):
-            self.stats.hit_tokens[tier] += self.page_tokens - (cont.first if i == 0 else 0)
+            num_tokens = self.page_tokens - (cont.first if i == 0 else 0)
+            loaded[tier] = loaded.get(tier, 0) + num_tokens
+            self.stats.hit_tokens[tier] += num_tokens
             self.stats.bytes_loaded[tier] += int(page.numel() * page.element_size())
+        return loaded
 
     def _fetch(self, page_hash: bytes, label: PageLabel | None) -> tuple[Any, TierName | None]:
         with self.lock:
