@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from radixserve.cache.hot_tree import hot_subtrees
+from radixserve.cache.tiers.build import UNBOUNDED_BYTES
 from radixserve.cache.tiers.index import TierIndex
 from radixserve.scheduler.loop import Scheduler
 from radixserve.scheduler.stats import RequestTiming
@@ -53,7 +54,8 @@ def live_view(scheduler: Scheduler, tree_nodes: int = 0, visible: Visible | None
 
 
 def tier_view(tiers: TierIndex) -> dict[str, Any]:
-    """Each tier below the pool: what it holds and its traffic counters (bytes and tokens since start)."""
+    """Each tier below the pool: what it holds (capacity None: unbounded) and its traffic counters (bytes and
+    tokens since start)."""
     out: dict[str, Any] = {}
     stats = tiers.stats
     for name, store in (("host", tiers.host), ("disk", tiers.disk)):
@@ -62,7 +64,7 @@ def tier_view(tiers: TierIndex) -> dict[str, Any]:
         out[name] = {
             "pages": len(store),
             "used_bytes": store.used_bytes,
-            "capacity_bytes": store.capacity_bytes,
+            "capacity_bytes": None if store.capacity_bytes >= UNBOUNDED_BYTES else store.capacity_bytes,
             "hit_tokens": stats.hit_tokens[name],
             "loaded_bytes": stats.bytes_loaded[name],
             "stored_bytes": stats.bytes_stored[name],

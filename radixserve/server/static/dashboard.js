@@ -88,8 +88,11 @@ function setupKeyForm() {
 // ---- samples and rates --------------------------------------------------------------------------
 
 function sample(data) {
-  const tiers = data.tiers || {};
-  const traffic = (field) => Object.values(tiers).reduce((sum, tier) => sum + tier[field], 0);
+  const traffic = {};
+  for (const [name, tier] of Object.entries(data.tiers || {})) {
+    traffic[name + " in"] = tier.loaded_bytes;
+    traffic[name + " out"] = tier.stored_bytes;
+  }
   return {
     t: data.time,
     prompt: data.totals.prompt_tokens,
@@ -97,9 +100,8 @@ function sample(data) {
     generated: data.totals.generated_tokens,
     running: data.load.running,
     waiting: data.load.waiting,
-    evicted: Object.fromEntries(data.evictions.map((e) => [e.tier + " (" + e.policy + ", " + e.unit + ")", e.evicted])),
-    loaded: traffic("loaded_bytes"),
-    stored: traffic("stored_bytes"),
+    evicted: Object.fromEntries(data.evictions.map((e) => [e.tier + " " + e.policy + " (" + e.unit + ")", e.evicted])),
+    traffic,
   };
 }
 
@@ -128,6 +130,7 @@ function rateSeries(value) {
 
 function lineChart(el, series, format) {
   el.replaceChildren();
+  delete el.dataset.max;
   const width = el.clientWidth || 320;
   const height = el.clientHeight || 130;
   const pad = { l: 44, r: 6, t: 16, b: 14 };
@@ -138,7 +141,9 @@ function lineChart(el, series, format) {
   }
   const t0 = Math.min(...points.map((p) => p[0]));
   const t1 = Math.max(...points.map((p) => p[0]), t0 + 1);
-  const yMax = Math.max(...points.map((p) => p[1])) * 1.1 || 1;
+  const top = Math.max(...points.map((p) => p[1]));
+  el.dataset.max = top; // the largest value drawn (tests read it)
+  const yMax = top * 1.1 || 1;
   const x = (t) => pad.l + ((t - t0) / (t1 - t0)) * (width - pad.l - pad.r);
   const y = (v) => height - pad.b - (v / yMax) * (height - pad.t - pad.b);
   for (const v of [0, yMax / 2, yMax]) {
@@ -147,6 +152,7 @@ function lineChart(el, series, format) {
   }
   svg("text", { x: pad.l, y: height - 2 }, el).textContent = "-" + Math.round(t1 - t0) + " s";
   svg("text", { x: width - pad.r, y: height - 2, "text-anchor": "end" }, el).textContent = "now";
+  let legendX = pad.l + 4;
   series.forEach((s, k) => {
     let d = "";
     let pen = "M";
@@ -159,9 +165,10 @@ function lineChart(el, series, format) {
       pen = "L";
     }
     svg("path", { d, fill: "none", stroke: COLOURS[k % COLOURS.length], "stroke-width": 1.8 }, el);
-    const label = svg("text", { x: pad.l + 4 + 150 * k, y: 11 }, el);
+    const label = svg("text", { x: legendX, y: 11 }, el);
     label.textContent = s.name;
     label.setAttribute("style", "fill:" + COLOURS[k % COLOURS.length]);
+    legendX += 6 * s.name.length + 14;
   });
 }
 
@@ -177,13 +184,11 @@ function drawCharts() {
     fmt,
   );
   lineChart($("chart-tps"), [{ name: "tokens/s", points: rateSeries((s) => s.generated) }], fmt);
-  const tiers = Object.keys(h.length ? h[h.length - 1].evicted : {});
-  lineChart($("chart-evictions"), tiers.map((name) => ({ name, points: rateSeries((s) => s.evicted[name] || 0) })), fmt);
-  lineChart(
-    $("chart-traffic"),
-    [{ name: "loaded", points: rateSeries((s) => s.loaded) }, { name: "stored", points: rateSeries((s) => s.stored) }],
-    fmt,
-  );
+  const latest = h.length ? h[h.length - 1] : { evicted: {}, traffic: {} };
+  const rates = (field) =>
+    Object.keys(latest[field]).map((name) => ({ name, points: rateSeries((s) => s[field][name] || 0) }));
+  lineChart($("chart-evictions"), rates("evicted"), fmt);
+  lineChart($("chart-traffic"), rates("traffic"), (v) => fmt(v) + "B");
 }
 
 function drawTiles(data) {
@@ -193,10 +198,12 @@ function drawTiles(data) {
   const totals = data.totals;
   $("hit-rate-total").textContent = totals.prompt_tokens ? pct(totals.cached_tokens / totals.prompt_tokens) : "-";
   $("tokens-saved").textContent = fmt(totals.cached_tokens);
+  $("tokens-saved").dataset.value = totals.cached_tokens;
   const tps = i > 0 ? rateSeries((s) => s.generated)[i][1] : null;
   $("tokens-per-s").textContent = fmt(tps);
   $("running").textContent = String(data.load.running);
   $("waiting").textContent = String(data.load.waiting);
+  $("tokens-per-s").dataset.value = tps ?? "";
 }
 
 // ---- tiers --------------------------------------------------------------------------------------
@@ -232,17 +239,20 @@ function drawTiers(data) {
         [p.evictable_tokens, "#2f6fdb", "cached, evictable"],
       ],
       p.pool_tokens,
-      fmt(p.cached_tokens) + " cached + " + fmt(p.live_request_tokens) + " live of " + fmt(p.pool_tokens) + " tokens",
+      fmt(p.live_request_tokens) + " live, " + fmt(p.protected_tokens) + " locked, " + fmt(p.evictable_tokens) +
+        " evictable of " + fmt(p.pool_tokens) + " tokens",
     ),
   ];
   const h = state.history;
   for (const [name, tier] of Object.entries(data.tiers || {})) {
     const label = name === "host" ? "host (L2)" : "disk (L3)";
-    const rate = (field) => (h.length > 1 ? rateSeries((s) => s[field])[h.length - 1][1] : 0);
+    const rate = (way) => (h.length > 1 ? rateSeries((s) => s.traffic[name + way] || 0)[h.length - 1][1] : 0);
+    const capacity = tier.capacity_bytes === null ? "no limit" : fmt(tier.capacity_bytes) + "B";
     const note =
-      fmt(tier.used_bytes) + "B of " + fmt(tier.capacity_bytes) + "B, " + fmt(tier.hit_tokens) + " hit tokens, " +
-      "in/out " + fmt(rate("loaded")) + "B/s / " + fmt(rate("stored")) + "B/s (all tiers)";
-    rows.push(tierRow(label, [[tier.used_bytes, "#9b59b6", "used"]], tier.capacity_bytes, note));
+      fmt(tier.used_bytes) + "B of " + capacity + ", " + fmt(tier.hit_tokens) + " hit tokens, " +
+      fmt(rate(" in")) + "B/s in, " + fmt(rate(" out")) + "B/s out";
+    const used = [[tier.used_bytes, "#9b59b6", "used"]];
+    rows.push(tierRow(label, used, tier.capacity_bytes ?? Math.max(tier.used_bytes, 1) * 1.25, note));
   }
   if (!data.tiers) {
     const none = document.createElement("small");
