@@ -1,6 +1,7 @@
 """GET /dashboard in a real headless browser: the system's chromium, driven by playwright (never a downloaded
-browser). Under traffic with a shared prefix the figures move, the icicle shows the prefix on hover, the
-timeline fills, and the page logs no error; a screenshot lands in the test's temp folder."""
+browser). The server wants an API key: the page asks for it, then under traffic with a shared prefix the
+figures move, the icicle shows the prefix on hover, the timeline fills, and the page logs no error but the
+one 401 that made it ask; a screenshot lands in the test's temp folder."""
 
 from __future__ import annotations
 
@@ -22,22 +23,24 @@ pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium on PATH: `make install` installs Debian's chromium where it can (root, apt)"
 )
 SHARED = " ".join(f"w{i}" for i in range(100, 124))  # 24 tokens every request starts with
+KEY = "dashboard-key-1"  # the one key: its holder is the operator and may read prefix text
 WAIT_MS = 60_000  # generous: the page polls every 1.5 s on a machine that may be busy
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A small pool over a host and a disk tier, so traffic evicts and every tier shows."""
+    """A small pool over a host and a disk tier, so traffic evicts and every tier shows; an API key."""
     tiers = ("--hicache-size", "0.002", "--cache-dir", str(tmp_path_factory.mktemp("tiers")))
-    with ServerProcess("--max-total-tokens", "512", *tiers, "--log-level", "warning", model_path=tiny_model_dir) as p:
-        yield p
+    flags = ("--max-total-tokens", "512", *tiers, "--api-key", KEY, "--log-level", "warning")
+    with ServerProcess(*flags, model_path=tiny_model_dir) as proc:
+        yield proc
 
 
 def traffic(url: str, count: int, threads: int = 3) -> threading.Thread:
     """``count`` completions sharing SHARED (each its own tail), from ``threads`` clients; started."""
 
     def client(first: int) -> None:
-        with httpx.Client(timeout=120) as http:
+        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
             for i in range(first, count, threads):
                 tail = " ".join(f"w{3 + (i * 7 + j) % 90}" for j in range(12))
                 body = {"model": MODEL, "prompt": f"{SHARED} {tail}", "max_tokens": 12, "ignore_eos": True}
@@ -66,7 +69,14 @@ def test_the_dashboard_follows_traffic(server: ServerProcess, tmp_path: Path) ->
         page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
         page.on("pageerror", lambda exc: errors.append(str(exc)))
         page.goto(server.url + "/dashboard")
+        page.wait_for_selector("#key-form", state="visible", timeout=WAIT_MS)  # /dashboard/data said 401
+        assert "needs an API key" in text_of(page, "#status")
+        assert len(errors) == 1 and "401" in errors[0], errors  # the browser logs the refused poll
+        errors.clear()
+        page.fill("#key", KEY)
+        page.click("#key-form button[type=submit]")
         wait_until(page, "document.getElementById('status').textContent.startsWith('updated')")
+        assert page.evaluate("sessionStorage.getItem('radixserve-api-key')") == KEY
         assert text_of(page, "#tokens-saved") == "0" and text_of(page, "#model") == "tiny-llama"
 
         load = traffic(server.url, 24)
