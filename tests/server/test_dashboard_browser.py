@@ -52,6 +52,15 @@ def traffic(url: str, count: int, threads: int = 3) -> threading.Thread:
     return runner
 
 
+# Where the first-row node with the most hits is drawn, in the viewport: [x, y] of its centre.
+HOTTEST_CENTRE = """() => {
+    const rects = [...document.querySelectorAll("#icicle rect[data-row='0']")];
+    const hot = rects.reduce((a, b) => (Number(b.dataset.hits) > Number(a.dataset.hits) ? b : a));
+    const box = hot.getBoundingClientRect();
+    return [box.x + box.width / 2, box.y + box.height / 2];
+}"""
+
+
 def text_of(page: Page, selector: str) -> str:
     return page.text_content(selector) or ""
 
@@ -97,9 +106,9 @@ def test_the_dashboard_follows_traffic(server: ServerProcess, tmp_path: Path) ->
         # The icicle: the shared prefix is the hottest first-row node; its head text shows on hover.
         hot = "#icicle rect[data-row='0']"
         wait_until(page, f'[...document.querySelectorAll("{hot}")].some(r => Number(r.dataset.hits) >= 10)')
-        rects = page.query_selector_all(hot)
-        hottest = max(rects, key=lambda rect: int(rect.get_attribute("data-hits") or 0))
-        hottest.hover()
+        page.locator("#icicle").scroll_into_view_if_needed()
+        page.mouse.move(*page.evaluate(HOTTEST_CENTRE))  # by position: a poll may redraw the icicle meanwhile
+        wait_until(page, "document.getElementById('tooltip').textContent.includes('w100 w101 w102')")
         assert page.is_visible("#tooltip")
         tooltip = text_of(page, "#tooltip")
         assert "w100 w101 w102" in tooltip and "starting at token 0" in tooltip, tooltip
