@@ -128,7 +128,8 @@ function rateSeries(value) {
 
 // ---- charts -------------------------------------------------------------------------------------
 
-function lineChart(el, series, format) {
+// ``ceiling``: a fixed top of the y axis (a rate's 100%); else 10% above the largest value
+function lineChart(el, series, format, ceiling) {
   el.replaceChildren();
   delete el.dataset.max;
   const width = el.clientWidth || 320;
@@ -143,7 +144,7 @@ function lineChart(el, series, format) {
   const t1 = Math.max(...points.map((p) => p[0]), t0 + 1);
   const top = Math.max(...points.map((p) => p[1]));
   el.dataset.max = top; // the largest value drawn (tests read it)
-  const yMax = top * 1.1 || 1;
+  const yMax = ceiling || top * 1.1 || 1;
   const x = (t) => pad.l + ((t - t0) / (t1 - t0)) * (width - pad.l - pad.r);
   const y = (v) => height - pad.b - (v / yMax) * (height - pad.t - pad.b);
   for (const v of [0, yMax / 2, yMax]) {
@@ -176,7 +177,7 @@ function drawCharts() {
   const h = state.history;
   const hitRate = h.map((s, i) => [s.t, ratio(i, 1, (x) => x.cached, (x) => x.prompt)]);
   const smooth = h.map((s, i) => [s.t, ratio(i, RATE_WINDOW, (x) => x.cached, (x) => x.prompt)]);
-  lineChart($("chart-hit-rate"), [{ name: "per poll", points: hitRate }, { name: "15 s", points: smooth }], pct);
+  lineChart($("chart-hit-rate"), [{ name: "per poll", points: hitRate }, { name: "15 s", points: smooth }], pct, 1);
   lineChart($("chart-saved"), [{ name: "tokens", points: h.map((s) => [s.t, s.cached]) }], fmt);
   lineChart(
     $("chart-load"),
