@@ -49,6 +49,22 @@ def test_host_tier_loads_back_instead_of_recomputing(
     tiered.check_idle_invariants()
 
 
+def test_a_small_host_tier_evicts_and_the_live_view_counts_it(tiny_model_dir: Path) -> None:
+    """Room for ~2 of the 6 documents in L2: its LRU order evicts pages, and the dashboard's view says so."""
+    roomy = make(tiny_model_dir, hicache_size=0.01)
+    kv_bytes = roomy.describe()["kv_bytes_per_token"]
+    small = make(tiny_model_dir, hicache_size=100 * kv_bytes / 2**30)
+    for engine in (roomy, small):
+        run(engine, PROMPTS)
+    views = [engine.live_view() for engine in (roomy, small)]
+    hosts = [[e for e in view["evictions"] if e["tier"] == "host"] for view in views]
+    assert hosts[0] == [{"tier": "host", "policy": "lru", "unit": "pages", "evicted": 0}]
+    assert hosts[1][0]["evicted"] == small.cache.tiers.stats.host_evicted_pages > 0  # type: ignore[union-attr]
+    tier = views[1]["tiers"]["host"]
+    assert 0 < tier["used_bytes"] <= tier["capacity_bytes"] and tier["stored_bytes"] > tier["used_bytes"]
+    assert views[1]["totals"]["evicted_tokens"] == small.cache.evicted_tokens > 0
+
+
 def test_disk_tier_survives_a_restart_and_keeps_tenants_apart(
     tiny_model_dir: Path, reference: list[list[int]], tmp_path: Path
 ) -> None:

@@ -34,6 +34,7 @@ from radixserve.cache.tiers.options import ModelIdentity, TierConfig
 from radixserve.core import GenerateResult, SamplingParams, is_token_ids
 from radixserve.engine.config import EngineConfig, default_pool_tokens
 from radixserve.engine.driver import Driver
+from radixserve.engine.live import live_view
 from radixserve.engine.output import OutputStage
 from radixserve.engine.step import StepExecutor
 from radixserve.memory.kv_pool import KVPool
@@ -268,6 +269,12 @@ class Engine(Driver):
             except AssertionError as exc:
                 out["invariants"] = f"broken: {exc}"
         return out
+
+    def live_view(self, tree_nodes: int = 0, visible: Callable[[str | None], bool] | None = None) -> dict[str, Any]:
+        """What the dashboard polls: counters, load, pool, tiers, evictions, the last requests' timings and
+        ``tree_nodes`` of the hottest subtrees (``engine/live.py`` says what each means)."""
+        self._check_thread()
+        return live_view(self.scheduler, tree_nodes, visible)
 
     def check_idle_invariants(self) -> None:
         """With nothing in flight: the cache is consistent and free + cached == pool."""

@@ -29,7 +29,7 @@ from radixserve.scheduler.admission import PrefillAdder, decode_reserve
 from radixserve.scheduler.batch import Mode, OutputStage, ScheduledBatch, ScheduledRequest, StepOutput
 from radixserve.scheduler.policy import BaseSchedulePolicy, create_schedule_policy
 from radixserve.scheduler.request import Request, Status
-from radixserve.scheduler.stats import SchedulerStats
+from radixserve.scheduler.stats import RequestTiming, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +241,9 @@ class Scheduler:
         self.cache.cancel_prefetch(req.rid)
         if req.num_retractions == 0:
             req.cached_tokens = matched
+            req.admit_time = time.perf_counter()
             self.stats.cached_tokens += matched
+            self.stats.prompt_tokens += len(req.prompt_ids)
         else:  # what it had computed before retraction and eviction took since
             self.stats.recomputed_tokens += max(req.computed_len - matched, 0)
         req.kv = kv
@@ -314,6 +316,7 @@ class Scheduler:
     # ---- finishing --------------------------------------------------------------------------------
 
     def _append_token(self, req: Request, out: StepOutput) -> bool:
+        self.stats.generated_tokens += 1  # taken even if its text then fails (output_ids keeps it)
         stop = self.output.append(req, out)
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
@@ -339,10 +342,26 @@ class Scheduler:
             req.kv = None
         self.output.finish(req, keep_text)
         req.finish(reason, error, kind)
-        self.stats.count_finish(reason)
+        self.stats.count_finish(_timing(req))
 
 
 def _retract_rank(req: Request) -> tuple[int, int]:
     """Retract first: most private (uncached) tokens, then least decode progress."""
     assert req.kv is not None
     return len(req.kv.token_ids) - req.kv.cache_protected_len, -len(req.output_ids)
+
+
+def _timing(req: Request) -> RequestTiming:
+    assert req.finish_reason is not None and req.finish_time is not None
+    return RequestTiming(
+        req.rid,
+        req.extra_key,
+        req.arrival_time,
+        req.admit_time,
+        req.first_token_time,
+        req.finish_time,
+        len(req.prompt_ids),
+        req.cached_tokens,
+        len(req.output_ids),
+        req.finish_reason,
+    )

@@ -65,6 +65,7 @@ class Request:
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    admit_time: float | None = None  # its first admission: the end of its queueing
     first_token_time: float | None = None
     finish_time: float | None = None
     sampling: SamplingState = field(init=False, repr=False)  # seed, penalties, grammar

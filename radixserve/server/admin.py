@@ -39,17 +39,12 @@ def admin_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter:
         sees only its own namespaces (no pool-wide figures); the admin key sees all.
         With several identities and no isolation, only the admin sees prompt text.
         """
-        tenant = request.state.tenant
-        if tenancy.isolation and not tenancy.is_operator(tenant):
-            own = tenancy.namespace(tenant, None) or ""
-            view = await state.worker_call(
-                lambda: engine.cache_view(top, visible=lambda ns: ns is not None and ns.startswith(own))
-            )
-            return decode_previews(engine, view)
-        out = await state.worker_call(lambda: engine.cache_view(top, check))
-        if tenancy.is_operator(tenant):
-            return decode_previews(engine, out)
-        return hide_previews(out)
+        scope = tenancy.cache_scope(request.state.tenant)
+        if scope.visible is not None:
+            view = await state.worker_call(lambda: engine.cache_view(top, visible=scope.visible))
+        else:
+            view = await state.worker_call(lambda: engine.cache_view(top, check))
+        return decode_previews(engine, view) if scope.show_text else hide_previews(view)
 
     @router.post("/flush_cache")
     async def flush_cache(request: Request, tiers: str | None = None) -> dict[str, Any]:

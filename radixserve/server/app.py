@@ -5,6 +5,7 @@ POST /v1/completions         OpenAI completions (stream, n, logprobs, echo, stop
 POST /v1/chat/completions    OpenAI chat completions (chat template applied)
 POST /generate               native API, SGLang's request fields (text or input_ids, sampling_params, ...)
 GET  /cache, POST /flush_cache   the prefix cache, admin-only with several tenants (admin.py)
+GET  /dashboard, /dashboard/data   the live dashboard page and the JSON it polls (dashboard.py)
 
 Every POST body passes ``BodyGuard`` first (size limit, JSON sanity; body.py).
 """
@@ -30,6 +31,7 @@ from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.admin import admin_router
 from radixserve.server.args import ServerArgs
 from radixserve.server.body import BodyGuard
+from radixserve.server.dashboard import dashboard_router
 from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import CALL_HEADERS, ServerState
 from radixserve.server.info import VERSION, info_router, sglang_info_router
@@ -121,6 +123,7 @@ def create_app(
     app.include_router(sglang_info_router(state, auth))
     app.include_router(generation_router(state, auth))
     app.include_router(admin_router(state, auth))
+    app.include_router(dashboard_router(state, auth))
     return app
 
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from starlette.datastructures import Headers
 
@@ -67,6 +69,13 @@ def read_key_file(path: str | Path) -> dict[str, str]:
             raise ValueError(f"{path}:{lineno}: a key is listed twice")
         keys[key] = tenant
     return keys
+
+
+class CacheScope(NamedTuple):
+    """What one caller may see of the cache (``/cache``, ``/dashboard/data``)."""
+
+    visible: Callable[[str | None], bool] | None  # the namespaces shown (None: all, with pool-wide figures)
+    show_text: bool  # prompt text (a prefix's head and tail) may be shown
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,14 @@ class Tenancy:
             return True
         single = len(set(self.api_keys.values())) <= 1 and self.tenant_header is None
         return self.admin_key is None and not self.isolation and single
+
+    def cache_scope(self, tenant: str | None) -> CacheScope:
+        """Under isolation a tenant sees its own namespaces only, with their text; otherwise all of them, with
+        text for an operator only (the cache is shared: one tenant's prompt is never another's to read)."""
+        if self.isolation and not self.is_operator(tenant):
+            own = self.namespace(tenant, None) or ""
+            return CacheScope(lambda ns: ns is not None and ns.startswith(own), True)
+        return CacheScope(None, self.is_operator(tenant))
 
     def namespace(self, tenant: str | None, salt: str | None) -> str | None:
         """The cache namespace of a request from ``tenant`` carrying ``salt`` (cache_salt / extra_key)."""

@@ -12,6 +12,7 @@ from radixserve import Engine
 from radixserve.core import SamplingParams
 from radixserve.scheduler.batch import StepOutput
 from radixserve.scheduler.request import Request, Status
+from radixserve.scheduler.stats import RECENT_REQUESTS, RequestTiming, SchedulerStats
 from tests.model.tiny import build_engine_folder
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -71,6 +72,21 @@ def test_memory_pressure_retracts_resumes_and_recomputes_only_what_was_evicted(m
     assert snapshot["retractions"] == stats.retractions and snapshot["evicted_tokens"] == tight.cache.evicted_tokens > 0
     assert snapshot["num_running"] == snapshot["num_waiting"] == 0 and snapshot["token_usage"] == 0.0
     assert snapshot["finished"] == {"length": len(prompts)}
+    # A resumed request counts its prompt once (the hit rate's denominator) and keeps its first admission.
+    assert stats.prompt_tokens == sum(map(len, prompts)) and stats.generated_tokens == len(prompts) * 80
+    timings = list(stats.recent)
+    assert sorted(t.prompt_tokens for t in timings) == sorted(map(len, prompts))
+    for t in timings:  # queue, prefill, decode: one after the other
+        assert t.admitted is not None and t.first_token is not None
+        assert t.arrival <= t.admitted <= t.first_token <= t.finish and t.output_tokens == 80
+
+
+def test_the_timing_ring_keeps_only_the_last_requests() -> None:
+    stats = SchedulerStats()
+    for rid in range(RECENT_REQUESTS + 5):
+        stats.count_finish(RequestTiming(rid, None, 0.0, 1.0, 2.0, 3.0, 10, 0, 1, "length"))
+    assert [t.rid for t in stats.recent] == list(range(5, RECENT_REQUESTS + 5))
+    assert stats.finished == {"length": RECENT_REQUESTS + 5}
 
 
 def test_chunked_prefill_gives_the_same_tokens(model_dir: Path) -> None:

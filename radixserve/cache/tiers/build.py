@@ -26,6 +26,7 @@ from radixserve.memory.kv_pool import KVPool
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+UNBOUNDED_BYTES = 1 << 62  # the disk tier's capacity without --cache-dir-size
 FINGERPRINT_VERSION = 1
 TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog. 0123456789 <|im_start|> ÄÖü 日本語 \n\t"
 
@@ -74,7 +75,7 @@ def build_tiers(
         host = HostArena(int(config.hicache_size * GIB), config.hicache_compress, pin=pool.device.type == "cuda")
     disk = None
     if config.cache_dir is not None:
-        capacity = int(config.cache_dir_size * GIB) if config.cache_dir_size is not None else 1 << 62
+        capacity = int(config.cache_dir_size * GIB) if config.cache_dir_size is not None else UNBOUNDED_BYTES
         disk = DiskPageStore(config.cache_dir, capacity, fingerprint(config, model, mover))
     policy = config.hicache_write_policy
     tiers = TierIndex(mover, mover.layout.page_tokens, host, disk, policy, events=events)  # type: ignore[arg-type]

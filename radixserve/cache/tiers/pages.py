@@ -89,6 +89,7 @@ class TierStats:
     load_failures: int = 0  # a continuation page that failed its check: the rest is recomputed
     pages_prefetched: int = 0  # disk pages a queued request's prefetch copied into L2
     prefetch_hits: int = 0  # of those, pages admission then loaded from L2
+    host_evicted_pages: int = 0  # L2 pages evicted (least recently used) to make room
 
 
 class TierPages:

@@ -107,6 +107,7 @@ class TierStore(TierPages):
             old_label = label if old_hash == page_hash else self._labels.pop(old_hash, None)
             self._prefetched.discard(old_hash)
             self._dropped(old_hash, "cpu")
+            self.stats.host_evicted_pages += old_hash != page_hash
             if self.disk is not None and old_hash not in self.disk:
                 self._to_disk(old_hash, old_page, old_label)
         if label is not None and page_hash in self.host:
