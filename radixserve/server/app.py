@@ -30,6 +30,7 @@ from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.admin import admin_router
 from radixserve.server.args import ServerArgs
 from radixserve.server.body import BodyGuard
+from radixserve.server.embeddings import embeddings_router
 from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import ServerState
 from radixserve.server.info import VERSION, info_router, sglang_info_router
@@ -39,6 +40,7 @@ from radixserve.server.openai_api import ChatCall, CompletionCall
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from radixserve.server.tenancy import Tenancy, key_tenant, read_key_file
 from radixserve.server.tier_metrics import TierCollector
+from radixserve.server.tokenize_api import tokenize_router
 from radixserve.server.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ def create_app(engine: Engine, args: ServerArgs, events: KVEventPublisher | None
     app.include_router(sglang_info_router(state, auth))
     app.include_router(generation_router(state, auth))
     app.include_router(admin_router(state, auth))
+    app.include_router(tokenize_router(state, auth))
+    app.include_router(embeddings_router(state, auth))
     return app
 
 

@@ -24,6 +24,7 @@ from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import KV_CACHE_DTYPES
 from radixserve.model.quant import QUANTIZATIONS
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
+from radixserve.server.reasoning import REASONING_PARSERS
 
 DEFAULT_PORT = 30000
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -49,6 +50,7 @@ class ServerArgs:
     shared_prefixes: tuple[str, ...] = ()  # raw text prompt heads shared across namespaces
     shared_system_prompts: tuple[str, ...] = ()  # system messages (through the chat template) shared likewise
     enable_metrics: bool = False
+    reasoning_parser: str | None = None  # <think>...</think> into reasoning_content (server/reasoning.py)
     hit_rate_window: int = 1000  # finished requests the cache_hit_rate gauge averages over
     max_queued_requests: int = 4096  # requests in flight (queued + running) before new ones get 503
     max_request_bytes: int = 8 << 20  # a POST body beyond this is a 413, refused before it is parsed
@@ -108,6 +110,10 @@ class ServerArgs:
             (self.router in ROUTER_POLICIES, f"--router must be one of {ROUTER_POLICIES}"),
             (self.router_index in ROUTER_INDEXES, f"--router-index must be one of {ROUTER_INDEXES}"),
             (self.log_level in LOG_LEVELS, f"--log-level must be one of {LOG_LEVELS}"),
+            (
+                self.reasoning_parser in (None, *REASONING_PARSERS),
+                f"--reasoning-parser must be one of {tuple(REASONING_PARSERS)}",
+            ),
         ]
 
     def model_name(self) -> str:
@@ -311,6 +317,12 @@ def _server_flags(server: argparse._ArgumentGroup) -> None:
         "--tenant-isolation (with several, /flush_cache and /cache's text are for --admin-api-key only)",
     )
     server.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    server.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=tuple(REASONING_PARSERS),
+        help="chat answers' <think>...</think> into reasoning_content (structured output applies after it)",
+    )
 
 
 def _kv_event_flags(server: argparse._ArgumentGroup) -> None:
