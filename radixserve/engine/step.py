@@ -100,8 +100,10 @@ class StepExecutor:
         hidden = None
         if any(_wants_hidden(e) for e in entries):
             logits, hidden = self.runner.forward_hidden(inputs, mode, all_logits=all_rows)
+        elif all_rows:
+            logits = self.runner.forward(inputs, mode, all_logits=True)
         else:
-            logits = self.runner.forward(inputs, mode, all_logits=all_rows)
+            return self.runner.forward(inputs, mode)
         if all_rows:
             ends = np.cumsum([len(e.new_token_ids) for e in entries])
             for k, entry in enumerate(entries):
