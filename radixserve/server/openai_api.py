@@ -311,12 +311,15 @@ class ChatCall(OpenAICall):
             raise APIError(400, f"the chat template failed on these messages: {exc}", "invalid_messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.sampling(max_tokens, body.logprobs, (body.top_logprobs or 0) if body.logprobs else 0)
-        if self.reasoning_parser is not None:
-            params = after_reasoning(self.reasoning_parser, params)
+        if self.reasoning_parser is not None:  # builds a grammar from the schema: off the event loop
+            params = await asyncio.to_thread(after_reasoning, self.reasoning_parser, params)
         return await self.start([ids], params, explicit_max=max_tokens is not None)
 
     @property
     def reasoning_parser(self) -> str | None:
+        """The server's --reasoning-parser, unless the request says ``separate_reasoning: false`` (SGLang's)."""
+        if (self.body.model_extra or {}).get("separate_reasoning") is False:
+            return None
         return self.state.args.reasoning_parser
 
     def wants_logprobs(self) -> bool:

@@ -19,12 +19,13 @@ fields: the whole answer is the same machine fed once (``split_reasoning``).
 
 Structured output applies after the reasoning: with a parser, ``response_format``'s schema becomes a
 grammar of an optional (qwen3) or open (deepseek-r1) reasoning block, then the schema (``after_reasoning``).
-SGLang's raw ``regex`` extension constrains the whole output, reasoning included.
+SGLang's raw ``regex`` extension constrains the whole output, reasoning included. A request with SGLang's
+``separate_reasoning: false`` gets the raw text in ``content``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from radixserve.model.grammar import GrammarError, grammar_after_text
@@ -58,7 +59,6 @@ class ReasoningStream:
     seen_reasoning: bool = False  # a reasoning block opened (the answer has reasoning_content)
     reasoning_started: bool = False  # released reasoning text (its leading whitespace is dropped)
     content_started: bool = False
-    pieces: list[ReasoningDelta] = field(default_factory=list)
 
     def feed(self, text: str) -> ReasoningDelta:
         self.held += text

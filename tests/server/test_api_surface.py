@@ -35,10 +35,11 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def chat(client: openai.OpenAI, regex: str, **kwargs: Any) -> Any:
+def chat(client: openai.OpenAI, regex: str, extra: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     messages = [{"role": "user", "content": "2 + 2?"}]
+    body = {"regex": regex, **(extra or {})}
     return client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=64, temperature=0, extra_body={"regex": regex}, **kwargs
+        model=MODEL, messages=messages, max_tokens=64, temperature=0, extra_body=body, **kwargs
     )
 
 
@@ -60,6 +61,12 @@ def test_streamed_reasoning_deltas_assemble_to_the_same_fields(client: openai.Op
             content.append(choice.delta.content or "")
     assert "".join(reasoning) == "add them" and "".join(content) == "four"
     assert sum(bool(r) for r in reasoning) >= 2, "reasoning streams as it is made, not at the end"
+
+
+def test_separate_reasoning_false_returns_the_raw_text(client: openai.OpenAI) -> None:
+    out = chat(client, FORCED, {"separate_reasoning": False})
+    assert out.choices[0].message.content == FORCED
+    assert "reasoning_content" not in (out.choices[0].message.model_extra or {})
 
 
 def test_unterminated_and_absent_blocks(client: openai.OpenAI) -> None:
