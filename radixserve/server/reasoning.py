@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from radixserve.model.grammar import GrammarError, grammar_after_text
+from radixserve.model.grammar import GrammarError, GrammarKind, grammar_after_text
 from radixserve.server.errors import APIError
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -162,19 +162,20 @@ def delta_fields(
 
 
 def after_reasoning(parser: str, params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` with a ``json_schema`` constraint moved after the reasoning block (an ``ebnf`` grammar)."""
-    schema = params.get("json_schema")
-    if schema is None:
+    """``params`` with a ``json_schema`` or ``ebnf`` constraint moved after the reasoning block (an ``ebnf``
+    grammar). A ``regex`` (SGLang's raw extension) stays as it is: it spells the whole output."""
+    kinds: tuple[GrammarKind, ...] = ("json_schema", "ebnf")
+    kind = next((k for k in kinds if params.get(k) is not None), None)
+    if kind is None:
         return params
     # The reasoning: any text but the end tag, then the end tag and blank lines (optional in qwen3 style).
     block = f"{_NOT_END}{THINK_END}\\s*"
     prefix = f"({THINK_START})?{block}" if REASONING_PARSERS[parser] else f"({THINK_START}{block})?"
     try:
-        ebnf = grammar_after_text(prefix, "json_schema", schema)
+        ebnf = grammar_after_text(prefix, kind, params[kind])
     except GrammarError as exc:
-        raise APIError(400, str(exc), "invalid_json_schema", "response_format") from None
-    rest = {k: v for k, v in params.items() if k != "json_schema"}
-    return {**rest, "ebnf": ebnf}
+        raise APIError(400, str(exc), f"invalid_{kind}", "response_format" if kind == "json_schema" else kind) from None
+    return {**{k: v for k, v in params.items() if k != kind}, "ebnf": ebnf}
 
 
 # A regex for "any text without </think>": each alternative fails on a character that would break the tag,

@@ -7,8 +7,10 @@
 
 ``prompt`` may also be a list of strings (SGLang's batch form: ``tokens`` and ``count`` are then lists), and
 ``/detokenize`` takes a list of token lists likewise. ``add_special_tokens`` defaults as in vLLM: true for a
-prompt, false for messages (the template writes its own). The detokenized text is under both vLLM's name
-(``prompt``) and SGLang's (``text``). Nothing here touches the engine's loop: it runs on the tokenizer thread.
+prompt, false for messages (the template writes its own). Messages render exactly as ``/v1/chat/completions``
+renders them (no ``chat_template_kwargs``: that endpoint takes none either). The detokenized text is under
+both vLLM's name (``prompt``) and SGLang's (``text``). Nothing here touches the engine's loop: it runs on the
+tokenizer thread.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (vLLM's defaults)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -52,10 +53,7 @@ def chat_ids(tokenizer: Tokenizer, body: TokenizeRequest, add_special_tokens: bo
     assert body.messages is not None
     messages = ChatCompletionRequest.model_construct(messages=body.messages).template_messages()
     text = tokenizer.render_chat(
-        messages,
-        body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        **(body.chat_template_kwargs or {}),
+        messages, body.add_generation_prompt, continue_final_message=body.continue_final_message
     )
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -75,7 +73,7 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
             raise APIError(400, str(exc), "no_chat_template", "messages") from None
         except APIError:
             raise
-        except Exception as exc:  # the template rejects the conversation or the kwargs
+        except Exception as exc:  # the template rejects the conversation
             raise APIError(400, f"the chat template failed on these messages: {exc}", "invalid_messages") from None
     else:
         texts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt or [])

@@ -97,6 +97,11 @@ def test_response_format_applies_after_the_reasoning(parser: str, text: str, ok:
     assert accepts(params["ebnf"], text) is ok
 
 
+def test_an_ebnf_constraint_moves_after_the_reasoning_too() -> None:
+    params = after_reasoning("qwen3", {"ebnf": 'root ::= "yes" | "no"'})
+    assert accepts(params["ebnf"], "<think>maybe</think>\n\nyes") and not accepts(params["ebnf"], "<think>x</think>y")
+
+
 def test_after_reasoning_leaves_other_constraints_and_names_a_bad_schema() -> None:
     assert after_reasoning("qwen3", {"regex": "a+"}) == {"regex": "a+"}
     with pytest.raises(APIError) as err:
