@@ -69,6 +69,12 @@ def test_separate_reasoning_false_returns_the_raw_text(client: openai.OpenAI) ->
     assert "reasoning_content" not in (out.choices[0].message.model_extra or {})
 
 
+def test_completions_take_the_regex_extension_too(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=20, extra_body={"regex": "<think>[a-c]{3}"})
+    text = out.choices[0].text
+    assert text.startswith("<think>") and len(text) == 10 and set(text[7:]) <= set("abc")
+
+
 def test_unterminated_and_absent_blocks(client: openai.OpenAI) -> None:
     cut = chat(client, "<think>\nstill going")
     assert cut.choices[0].message.content is None
