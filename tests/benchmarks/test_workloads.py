@@ -70,6 +70,14 @@ def test_agent_loop_turns_extend_the_previous_prompt_by_a_call_and_a_result() ->
             assert common_prefix_len(before.prompt, after.prompt) == 48
 
 
+def test_agent_loop_sessions_round_trip_through_a_trace_file(tmp_path: Path) -> None:
+    trace = agent_loop(num_agents=2, turns=3, system_len=8, tools_len=8, result_len=(5, 9), seed=1)
+    save_trace(trace, tmp_path / "agents.jsonl")
+    back = load_trace(tmp_path / "agents.jsonl")
+    assert [(r.session, r.turn) for r in back] == [(r.session, r.turn) for r in trace]
+    assert all(np.array_equal(a.prompt, b.prompt) for a, b in zip(trace, back))
+
+
 def test_generated_shared_prefix_groups_share_exactly_the_system_prompt() -> None:
     trace = generated_shared_prefix(
         num_groups=5, prompts_per_group=4, system_prompt_len=64, question_len=16, output_len=8
