@@ -53,14 +53,16 @@ def test_reasoning_goes_into_reasoning_content(client: openai.OpenAI, server: Se
 
 
 def test_streamed_reasoning_deltas_assemble_to_the_same_fields(client: openai.OpenAI) -> None:
-    reasoning, content = [], []
-    for chunk in chat(client, FORCED, stream=True):
+    reasoning: dict[int, list[str]] = {0: [], 1: []}
+    content: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in chat(client, FORCED, stream=True, n=2, seed=3):  # each choice has its own parser state
         for choice in chunk.choices:
             extra = choice.delta.model_extra or {}
-            reasoning.append(extra.get("reasoning_content") or "")
-            content.append(choice.delta.content or "")
-    assert "".join(reasoning) == "add them" and "".join(content) == "four"
-    assert sum(bool(r) for r in reasoning) >= 2, "reasoning streams as it is made, not at the end"
+            reasoning[choice.index].append(extra.get("reasoning_content") or "")
+            content[choice.index].append(choice.delta.content or "")
+    for index in (0, 1):
+        assert "".join(reasoning[index]) == "add them" and "".join(content[index]) == "four"
+        assert sum(bool(r) for r in reasoning[index]) >= 2, "reasoning streams as it is made, not at the end"
 
 
 def test_separate_reasoning_false_returns_the_raw_text(client: openai.OpenAI) -> None:
