@@ -6,7 +6,10 @@ run can be pointed at radixserve, SGLang or vLLM (``--base-url``). Prompts go as
 token ids (``--prompt-format tokens``: no tokenizer in the loop, the cache sees
 exactly the trace's sharing) or as pseudo-words (``text``). Requests arrive all
 at once (default), as a Poisson process (``--request-rate``), or at the trace's
-own timestamps; ``--max-concurrency`` caps how many are in flight.
+own timestamps; ``--max-concurrency`` caps how many are in flight. A workload of sessions (``agent-loop``)
+is a closed loop: a session's next turn is sent once its previous turn is answered, and the result
+reports, per turn, the share of prompt tokens the server read from its cache (``cached_tokens``) next
+to the share the turn appended to the session's previous prompt (what a cache keeping it must compute).
 
 Per request: TTFT (send to the first chunk carrying text), the gaps between
 chunks (ITL), end-to-end latency, and the usage the server reports
@@ -68,6 +71,31 @@ class RequestRecord:
     prompt_tokens: int = 0  # the server's usage (0 when it sent none)
     completion_tokens: int = 0
     cached_tokens: int = 0
+    turn: int | None = None  # its turn in its session (closed-loop workloads)
+    appended_tokens: int = 0  # prompt tokens its session's previous turn's prompt lacks (all, on a first turn)
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """One turn of every session: how much of its prompts the cache served."""
+
+    turn: int
+    completed: int
+    mean_prompt_tokens: float
+    cached_share: float  # sum cached / sum prompt tokens (the server's usage)
+    appended_share: float  # sum appended / sum prompt tokens: at best, only this is computed
+
+    @staticmethod
+    def of(records: list[RequestRecord]) -> list[TurnStats]:
+        turns = sorted({r.turn for r in records if r.turn is not None and r.success})
+        out = []
+        for turn in turns:
+            done = [r for r in records if r.turn == turn and r.success]
+            prompt = sum(r.prompt_tokens for r in done) or 1
+            share = sum(r.cached_tokens for r in done) / prompt
+            appended = sum(r.appended_tokens for r in done) / prompt
+            out.append(TurnStats(turn, len(done), prompt / len(done), share, appended))
+        return out
 
 
 @dataclass(frozen=True)
@@ -97,6 +125,7 @@ class BenchResult:
     prefill_tokens: int | None = None  # /server_info scheduler.prefill_tokens delta: prompt tokens computed
     errors: list[str] = field(default_factory=list)
     records: list[RequestRecord] = field(default_factory=list, repr=False)
+    per_turn: list[TurnStats] = field(default_factory=list)  # closed-loop (session) workloads only
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _json_safe(v) for k, v in dataclasses.asdict(self).items()}
@@ -127,6 +156,12 @@ class BenchResult:
         for name, stats in (("TTFT", self.ttft), ("ITL", self.itl), ("E2E", self.e2e)):
             figures = (stats.mean_ms, stats.p50_ms, stats.p90_ms, stats.p99_ms)
             lines.append(f"{name:<8}" + "".join(f"{v:>12.1f}" for v in figures))
+        if self.per_turn:
+            lines.append(f"{' Per turn (sessions) ':-^64}")
+            lines.append(f"{'turn':<8}{'done':>8}{'prompt tok':>14}{'cached share':>16}{'appended share':>18}")
+            for t in self.per_turn:
+                shares = f"{t.cached_share:>16.1%}{t.appended_share:>18.1%}"
+                lines.append(f"{t.turn:<8}{t.completed:>8}{t.mean_prompt_tokens:>14.0f}{shares}")
         lines.extend(f"error: {message}" for message in self.errors[:5])
         lines.append("=" * 64)
         return "\n".join(lines)
@@ -249,6 +284,31 @@ def arrival_offsets(
     return [float(r.timestamp or 0.0) - first for r in timed]
 
 
+def session_chains(requests: list[TraceRequest]) -> tuple[list[int], dict[int, int]]:
+    """The requests sent at their arrival times (first turns, and requests of no session), and each session
+    turn's next turn (sent once it is answered)."""
+    sessions: dict[int, list[int]] = {}
+    for i, request in enumerate(requests):
+        if request.session is not None:
+            sessions.setdefault(request.session, []).append(i)
+    after: dict[int, int] = {}
+    for chain in sessions.values():
+        chain.sort(key=lambda i: requests[i].turn)
+        after.update(zip(chain, chain[1:]))
+    later = set(after.values())
+    return [i for i in range(len(requests)) if i not in later], after
+
+
+def make_records(requests: list[TraceRequest], after: dict[int, int]) -> list[RequestRecord]:
+    records = [RequestRecord(len(r.prompt), max(1, len(r.output))) for r in requests]
+    for i, request in enumerate(requests):
+        if request.session is not None:
+            records[i].turn, records[i].appended_tokens = request.turn, len(request.prompt)
+    for i, j in after.items():
+        records[j].appended_tokens = len(requests[j].prompt) - len(requests[i].prompt)
+    return records
+
+
 def request_body(model: str, request: TraceRequest, prompt_format: str) -> dict[str, Any]:
     if prompt_format not in ("tokens", "text"):
         raise ValueError(f"prompt_format must be 'tokens' or 'text', not {prompt_format!r}")
@@ -284,7 +344,8 @@ async def run_benchmark(
     """Send ``requests`` to ``base_url`` and measure; failed requests are counted, never raised."""
     base_url = base_url.rstrip("/")
     offsets = arrival_offsets(requests, request_rate, use_trace_timestamps, seed)
-    records = [RequestRecord(len(r.prompt), max(1, len(r.output))) for r in requests]
+    firsts, next_turn = session_chains(requests)
+    records = make_records(requests, next_turn)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits, headers=headers)
@@ -300,9 +361,11 @@ async def run_benchmark(
             async with gate or contextlib.nullcontext():
                 await send_request(client, url, request_body(model_id, requests[i], prompt_format), records[i], t0)
             bar.update(1)
+            if i in next_turn:  # the session's next turn: once this one is answered
+                await one(next_turn[i])
 
         tasks = []
-        for i in sorted(range(len(requests)), key=lambda i: offsets[i]):
+        for i in sorted(firsts, key=lambda i: offsets[i]):
             delay = offsets[i] - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -355,6 +418,7 @@ def summarize(records: list[RequestRecord], duration: float, delta: dict[str, in
         prefill_tokens=delta.get("prefill_tokens"),
         errors=[r.error for r in records if r.error is not None],
         records=records,
+        per_turn=TurnStats.of(records),
     )
 
 

@@ -78,7 +78,9 @@ def _parse_line(
         raise TypeError(f"timestamp must be a number of ms, got {timestamp!r}")
     if not (extra_key is None or isinstance(extra_key, str)):
         raise TypeError(f"extra_key must be a string, got {extra_key!r}")
-    return TraceRequest(prompt, output, extra_key, None if timestamp is None else timestamp / 1000)
+    session = None if record.get("session") is None else _count(record["session"])
+    turn = _count(record.get("turn", 0))
+    return TraceRequest(prompt, output, extra_key, None if timestamp is None else timestamp / 1000, session, turn)
 
 
 def _count(value: Any) -> int:
@@ -96,7 +98,7 @@ def _int_array(values: Any) -> TokenArray:
 def save_trace(requests: Sequence[TraceRequest], path: str | os.PathLike[str]) -> None:
     """Write ``requests`` as JSONL that ``load_trace`` reads back.
 
-    Prompts, output lengths, namespaces and timestamps (ms) round-trip; the
+    Prompts, output lengths, namespaces, timestamps (ms) and sessions' turns round-trip; the
     output tokens do not (a trace records lengths only), they are regenerated.
     """
     with open(path, "w", encoding="utf-8") as f:
@@ -106,6 +108,8 @@ def save_trace(requests: Sequence[TraceRequest], path: str | os.PathLike[str]) -
             record["output_length"] = len(request.output)
             if request.extra_key is not None:
                 record["extra_key"] = request.extra_key
+            if request.session is not None:  # a closed-loop session's turn (agent-loop)
+                record |= {"session": request.session, "turn": request.turn}
             f.write(json.dumps(record) + "\n")
 
 

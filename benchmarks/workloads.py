@@ -38,6 +38,10 @@ class TraceRequest:
     output: TokenArray
     extra_key: str | None = None
     timestamp: float | None = None
+    # A closed loop (agent-loop): turn ``turn`` of session ``session`` is sent once the session's previous turn
+    # has been answered, as an agent sends its next call once the tool result is in.
+    session: int | None = None
+    turn: int = 0
 
 
 def random_tokens(rng: np.random.Generator, n: int, vocab_size: int = VOCAB_SIZE) -> TokenArray:
@@ -289,6 +293,35 @@ def chat_and_one_offs(num_users: int = 84, seed: int = 0, vocab_size: int = VOCA
     return [r for pair in zip(chats, one_offs, strict=True) for r in pair]
 
 
+def agent_loop(
+    num_agents: int = 32,
+    turns: int = 6,
+    system_len: int = 400,
+    tools_len: int = 800,
+    task_len: tuple[int, int] = (30, 80),
+    call_len: tuple[int, int] = (20, 60),
+    result_len: tuple[int, int] = (50, 300),
+    seed: int = 0,
+    vocab_size: int = VOCAB_SIZE,
+) -> list[TraceRequest]:
+    """Tool-calling agents: a system prompt and tool schemas every agent shares, then each agent's task.
+
+    Turn t's prompt is the preamble, the task, and every earlier turn's tool call (the model's answer) and
+    tool result; it answers with its next call. So turn t+1 adds only a call and a result to turn t's
+    prompt: a cache that keeps the conversation prefills just those. Sessions: one per agent (closed loop).
+    """
+    rng = np.random.default_rng(seed)
+    preamble = np.concatenate([random_tokens(rng, system_len, vocab_size), random_tokens(rng, tools_len, vocab_size)])
+    requests: list[TraceRequest] = []
+    for agent in range(num_agents):
+        prompt = np.concatenate([preamble, random_tokens(rng, _span(rng, task_len), vocab_size)])
+        for turn in range(turns):
+            call = random_tokens(rng, _span(rng, call_len), vocab_size)
+            requests.append(TraceRequest(prompt, call, session=agent, turn=turn))
+            prompt = np.concatenate([prompt, call, random_tokens(rng, _span(rng, result_len), vocab_size)])
+    return requests
+
+
 WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
     "support-agent": support_agent,
     "fewshot-burst": fewshot_burst,
@@ -298,6 +331,7 @@ WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
     "generated-shared-prefix": generated_shared_prefix,
     "no-sharing": no_sharing,
     "chat-and-one-offs": chat_and_one_offs,
+    "agent-loop": agent_loop,
 }
 
 # How make_workload scales each workload: the size parameter it sets, and how
@@ -311,6 +345,7 @@ _SIZES: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
     "generated-shared-prefix": ("num_groups", lambda p: int(p["prompts_per_group"])),
     "no-sharing": ("num_requests", lambda p: 1),
     "chat-and-one-offs": ("num_users", lambda p: 12),  # 6 turns a user, each beside a one-off prompt
+    "agent-loop": ("num_agents", lambda p: int(p["turns"])),
 }
 
 
@@ -323,7 +358,8 @@ def make_workload(
     support-agent ``num_users`` (x turns_per_user), fewshot-burst
     ``num_requests`` per burst (x num_bursts), branching ``num_trees`` (x nodes
     per tree), generated-shared-prefix ``num_groups`` (x prompts_per_group),
-    rag and no-sharing ``num_requests``, chat-and-one-offs ``num_users`` (x 12). ``overrides`` go to the generator
+    rag and no-sharing ``num_requests``, chat-and-one-offs ``num_users`` (x 12), agent-loop ``num_agents``
+    (x turns). ``overrides`` go to the generator
     unchanged; an unknown one is a TypeError there, never ignored.
     """
     if name not in WORKLOADS:

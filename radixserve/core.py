@@ -181,6 +181,8 @@ class GenerateResult:
     # Per output token: where its text starts in ``text`` (after a stop string, the stop's tokens start
     # at or past its end): what OpenAI's logprobs ``text_offset`` counts.
     text_offsets: list[int] = field(default_factory=list)
+    # An embedding request (``Request.return_hidden``): its last prompt token's final (normed) hidden state.
+    hidden_state: list[float] | None = None
 
     @property
     def retryable(self) -> bool:

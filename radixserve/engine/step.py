@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,7 +39,8 @@ class StepExecutor:
             return []
         errors: dict[int, str] = {}  # entry index -> why it failed
         scored: dict[int, PromptLogprobs] = {}  # entry index -> the prompt logprobs its chunk scored
-        rows, logits = self._forward(entries, batch.mode, errors, scored)
+        scored_hidden: dict[int, np.ndarray] = {}  # entry index -> its last token's hidden state (embeddings)
+        rows, logits = self._forward(entries, batch.mode, errors, _Scored(scored, scored_hidden))
         sampled: dict[int, StepOutput] = {}
         if logits is not None:
             finite = torch.isfinite(logits).all(dim=-1).tolist()
@@ -51,7 +53,8 @@ class StepExecutor:
         outputs = []
         for i in range(len(entries)):
             out = sampled[i] if i in sampled else StepOutput(computed=i in computed, error=errors.get(i))
-            outputs.append(dataclasses.replace(out, prompt_logprobs=scored[i]) if i in scored else out)
+            out = dataclasses.replace(out, prompt_logprobs=scored[i]) if i in scored else out
+            outputs.append(dataclasses.replace(out, hidden=scored_hidden[i]) if i in scored_hidden else out)
         return outputs
 
     def _forward(
@@ -59,7 +62,7 @@ class StepExecutor:
         entries: Sequence[ScheduledRequest],
         mode: BatchMode,
         errors: dict[int, str],
-        scored: dict[int, PromptLogprobs],
+        scored: _Scored,
     ) -> tuple[list[int], torch.Tensor | None]:
         """Logits (one row per entry that ran) and which entries they belong to.
 
@@ -85,21 +88,35 @@ class StepExecutor:
         return rows, (torch.cat(logits) if logits else None)
 
     def _model(
-        self, entries: Sequence[ScheduledRequest], mode: BatchMode, scored: dict[int, PromptLogprobs], at: list[int]
+        self, entries: Sequence[ScheduledRequest], mode: BatchMode, scored: _Scored, at: list[int]
     ) -> torch.Tensor:
-        """Each entry's last-token logits; entries scoring their prompt put its logprobs in ``scored[at[k]]``.
+        """Each entry's last-token logits; entries scoring their prompt put its logprobs in ``scored.logprobs[at[k]]``,
+        entries that want their hidden state (embeddings) put it in ``scored.hidden[at[k]]``.
 
-        Only a batch with such an entry asks the model for every position's logits.
+        Only a batch with such an entry asks the model for every position's logits, or for hidden states.
         """
         inputs = [_step_input(e) for e in entries]
-        if not any(_scores_prompt(e) for e in entries):
+        all_rows = any(_scores_prompt(e) for e in entries)
+        hidden = None
+        if any(_wants_hidden(e) for e in entries):
+            logits, hidden = self.runner.forward_hidden(inputs, mode, all_logits=all_rows)
+        elif all_rows:
+            logits = self.runner.forward(inputs, mode, all_logits=True)
+        else:
             return self.runner.forward(inputs, mode)
-        logits = self.runner.forward(inputs, mode, all_logits=True)
-        ends = np.cumsum([len(e.new_token_ids) for e in entries])
+        if all_rows:
+            ends = np.cumsum([len(e.new_token_ids) for e in entries])
+            for k, entry in enumerate(entries):
+                if _scores_prompt(entry):
+                    scored.logprobs[at[k]] = prompt_logprobs(
+                        entry, logits[ends[k] - len(entry.new_token_ids) : ends[k]]
+                    )
+            last = torch.as_tensor(ends - 1, device=logits.device)
+            logits, hidden = logits[last], None if hidden is None else hidden[last]
         for k, entry in enumerate(entries):
-            if _scores_prompt(entry):
-                scored[at[k]] = prompt_logprobs(entry, logits[ends[k] - len(entry.new_token_ids) : ends[k]])
-        return logits[torch.as_tensor(ends - 1, device=logits.device)]
+            if hidden is not None and _wants_hidden(entry):
+                scored.hidden[at[k]] = hidden[k].cpu().numpy()
+        return logits
 
     def _sample(
         self,
@@ -135,6 +152,18 @@ class StepExecutor:
             top = one.top_logprobs[0] if one.top_logprobs else None
             outputs[i] = StepOutput(one.token_ids[0], one.logprobs[0] if one.logprobs else None, top)
         return outputs
+
+
+class _Scored(NamedTuple):
+    """What a forward reads out besides the logits, by entry index."""
+
+    logprobs: dict[int, PromptLogprobs]  # the prompt logprobs a chunk scored
+    hidden: dict[int, np.ndarray]  # the last prompt token's final hidden state (an embedding request)
+
+
+def _wants_hidden(entry: ScheduledRequest) -> bool:
+    """An embedding request's last prompt chunk: its last token's hidden state is the embedding."""
+    return entry.req.return_hidden and entry.sample and not entry.req.output_ids
 
 
 def _scores_prompt(entry: ScheduledRequest) -> bool:

@@ -145,3 +145,24 @@ def _xgrammar_message(exc: BaseException) -> str:
         if sep and (".cc:" in location or ".h:" in location):
             return message.strip()
     return text
+
+
+def grammar_after_text(prefix_regex: str, kind: GrammarKind, source: str) -> str:
+    """An EBNF grammar: text matching ``prefix_regex`` (e.g. a reasoning block), then ``source`` (a
+    ``kind`` spec, held to the same checks, and a schema to the same layout, as when compiled alone);
+    GrammarError when either does not compile."""
+    import xgrammar as xgr
+
+    try:
+        check_source(kind, source)
+    except ConstraintError as exc:
+        raise GrammarError(str(exc)) from None
+    try:
+        prefix = xgr.Grammar.from_regex(prefix_regex)
+        if kind == "json_schema":
+            body = xgr.Grammar.from_json_schema(source, any_whitespace=False)
+        else:
+            body = xgr.Grammar.from_regex(source) if kind == "regex" else xgr.Grammar.from_ebnf(source)
+        return str(xgr.Grammar.concat(prefix, body))
+    except Exception as exc:  # xgrammar raises RuntimeError with its C++ location first
+        raise GrammarError(f"invalid {kind}: {_xgrammar_message(exc)}") from None

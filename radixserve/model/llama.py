@@ -177,8 +177,12 @@ class LlamaForCausalLM(nn.Module):
         self.weights_by_type: dict[str, TypeReport] = {}  # a GGUF's matrices per type: kept, converted, why
         self.requires_grad_(False)  # inference only: no autograd graph even outside inference_mode
 
-    def forward(self, batch: ForwardBatch, kv_pool: KVPool, return_all_logits: bool = False) -> torch.Tensor:
-        """One step. Logits float32 [B, vocab] of each request's last new token, or [T, vocab] of all.
+    def forward(
+        self, batch: ForwardBatch, kv_pool: KVPool, return_all_logits: bool = False, return_hidden: bool = False
+    ) -> torch.Tensor:
+        """One step. Logits float32 [B, vocab] of each request's last new token, or [T, vocab] of all;
+        ``return_hidden``: those rows' final (normed) hidden states instead, [B or T, hidden] (``logits(h)``
+        turns them into the logits).
 
         Writes every new token's K/V to ``kv_pool`` at ``batch.out_slots`` in every layer.
         """
@@ -208,6 +212,10 @@ class LlamaForCausalLM(nn.Module):
             last_rows = torch.tensor(list(accumulate(lens)), device=h.device) - 1
             h = h[last_rows]  # the final norm is per row: select first, skip the rest of lm_head
         h = self.norm(h)
+        return h if return_hidden else self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits float32 [rows, vocab] of final hidden states [rows, hidden]."""
         logits = F.linear(h, self._embedding_weight()) if self.lm_head is None else self.lm_head(h)
         if self.config.final_logit_softcapping:  # gemma2, in the model's dtype as transformers does
             logits = softcap(logits, self.config.final_logit_softcapping)

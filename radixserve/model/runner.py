@@ -20,7 +20,11 @@ from radixserve.model.forward import ForwardBatch, ForwardMode
 
 
 class CausalLM(Protocol):
-    def __call__(self, batch: ForwardBatch, kv_pool: KVPool, return_all_logits: bool = False) -> torch.Tensor: ...
+    def __call__(
+        self, batch: ForwardBatch, kv_pool: KVPool, return_all_logits: bool = False, return_hidden: bool = False
+    ) -> torch.Tensor: ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,17 @@ class ModelRunner:
         new token, [sum of new tokens, vocab] (prompt logprobs)."""
         batch = self.build_batch(inputs, mode)
         return self.model(batch, self.kv_pool, return_all_logits=all_logits).float()
+
+    @torch.inference_mode()
+    def forward_hidden(
+        self, inputs: list[StepInput], mode: ForwardMode, all_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits and the same rows' final hidden states (float32) from one forward:
+        what an embedding request reads."""
+        hidden = self.model(
+            self.build_batch(inputs, mode), self.kv_pool, return_all_logits=all_logits, return_hidden=True
+        )
+        return self.model.logits(hidden), hidden.float()
 
     def build_batch(self, inputs: list[StepInput], mode: ForwardMode) -> ForwardBatch:
         """``mode`` mixed: prefill chunks next to decodes (one new token each) in one forward."""

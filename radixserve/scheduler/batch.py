@@ -70,6 +70,7 @@ class StepOutput:
     # Prompt logprobs this chunk scored: (prompt position, log P(token there | tokens before)).
     prompt_logprobs: tuple[tuple[int, float], ...] = ()
     error: str | None = None  # the step failed for this request alone (no token): it aborts, its K/V is never cached
+    hidden: np.ndarray | None = None  # float32 [hidden]: the last prompt token's final hidden state (return_hidden)
 
 
 class OutputStage(Protocol):

@@ -150,6 +150,8 @@ class Scheduler:
         for entry, out in entries:
             if out.error is not None:
                 self._fail(entry.req, out.error)
+            if out.hidden is not None:
+                entry.req.hidden_state = out.hidden
             for position, logprob in out.prompt_logprobs:
                 assert entry.req.input_logprobs is not None
                 entry.req.input_logprobs[position - entry.req.logprob_start_len] = logprob

@@ -42,6 +42,9 @@ class Request:
     # positions after it are computed and scored; ``input_logprobs`` fills in as the chunks run.
     logprob_start_len: int = -1
     input_logprobs: list[float | None] | None = None
+    # An embedding request: its last prompt token's final hidden state, read out by the step that prefills it.
+    return_hidden: bool = False
+    hidden_state: np.ndarray | None = None
     status: Status = Status.WAITING
     match_len: int = 0  # cached prefix length found by the last scheduling round (policy input)
     match_node: object = None  # the cache node that match ended on (same round only)
@@ -132,4 +135,5 @@ class Request:
             error=self.error,
             error_kind=self.error_kind,
             input_logprobs=None if self.input_logprobs is None else list(self.input_logprobs),
+            hidden_state=None if self.hidden_state is None else self.hidden_state.tolist(),
         )

@@ -32,6 +32,7 @@ from radixserve.server.admin import admin_router
 from radixserve.server.args import ServerArgs
 from radixserve.server.body import BodyGuard
 from radixserve.server.dashboard import dashboard_router
+from radixserve.server.embeddings import embeddings_router
 from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import CALL_HEADERS, ServerState
 from radixserve.server.info import VERSION, info_router, sglang_info_router
@@ -41,6 +42,7 @@ from radixserve.server.openai_api import ChatCall, CompletionCall
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from radixserve.server.tenancy import Tenancy, key_tenant, read_key_file
 from radixserve.server.tier_metrics import TierCollector
+from radixserve.server.tokenize_api import tokenize_router
 from radixserve.server.worker import EngineWorker
 
 if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
@@ -124,6 +126,8 @@ def create_app(
     app.include_router(generation_router(state, auth))
     app.include_router(admin_router(state, auth))
     app.include_router(dashboard_router(state, auth))
+    app.include_router(tokenize_router(state, auth))
+    app.include_router(embeddings_router(state, auth))
     return app
 
 

@@ -24,6 +24,7 @@ from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import KV_CACHE_DTYPES
 from radixserve.model.quant import QUANTIZATIONS
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
+from radixserve.server.reasoning import REASONING_PARSERS
 
 DEFAULT_PORT = 30000
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -50,6 +51,7 @@ class ServerArgs:
     shared_system_prompts: tuple[str, ...] = ()  # system messages (through the chat template) shared likewise
     enable_metrics: bool = False
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for request traces (off when None)
+    reasoning_parser: str | None = None  # <think>...</think> into reasoning_content (server/reasoning.py)
     hit_rate_window: int = 1000  # finished requests the cache_hit_rate gauge averages over
     max_queued_requests: int = 4096  # requests in flight (queued + running) before new ones get 503
     max_request_bytes: int = 8 << 20  # a POST body beyond this is a 413, refused before it is parsed
@@ -111,6 +113,10 @@ class ServerArgs:
             (self.router in ROUTER_POLICIES, f"--router must be one of {ROUTER_POLICIES}"),
             (self.router_index in ROUTER_INDEXES, f"--router-index must be one of {ROUTER_INDEXES}"),
             (self.log_level in LOG_LEVELS, f"--log-level must be one of {LOG_LEVELS}"),
+            (
+                self.reasoning_parser in (None, *REASONING_PARSERS),
+                f"--reasoning-parser must be one of {tuple(REASONING_PARSERS)}",
+            ),
         ]
 
     def model_name(self) -> str:
@@ -320,6 +326,12 @@ def _server_flags(server: argparse._ArgumentGroup) -> None:
         help="send one OpenTelemetry trace per request (queue, prefill chunks, decode, tier loads) to this "
         "OTLP/HTTP collector, e.g. http://127.0.0.1:4318 (/v1/traces is added to a URL without a path); "
         "a traceparent header makes it part of the caller's trace; needs pip install 'radixserve[tracing]'",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=tuple(REASONING_PARSERS),
+        help="chat answers' <think>...</think> into reasoning_content (structured output applies after it)",
     )
 
 

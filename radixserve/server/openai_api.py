@@ -30,6 +30,7 @@ from radixserve.model.chat_template import NoChatTemplate
 from radixserve.server.errors import APIError, error_event, raise_first_error
 from radixserve.server.generation import Generation, ServerState, finish_unless_disconnected
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from radixserve.server.reasoning import ReasoningStream, after_reasoning, delta_fields, message_fields
 from radixserve.server.structured import precompile, response_format_params
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,36 @@ def sse(payload: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def check_model(state: ServerState, model: str) -> None:
+    """404 unless ``model`` names the served model (its served name or its path)."""
+    if model not in {state.args.model_name(), state.engine.config.model_path}:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{state.args.model_name()}`.",
+            "model_not_found",
+            "model",
+        )
+
+
+async def prompt_batch(
+    state: ServerState, prompt: str | list[str] | list[int] | list[list[int]], param: str
+) -> list[list[int]]:
+    """OpenAI's prompt forms (a text, texts, token ids, lists of token ids) as token id lists; 400 when empty."""
+    raw = [prompt] if isinstance(prompt, str) else prompt
+    if is_texts(raw):
+        texts = list(raw)
+        if any(not t for t in texts):
+            raise APIError(400, f"the {param} is empty", "empty_prompt", param)
+        prompts = await state.tokenize(lambda tok: [tok.encode(t) for t in texts], texts, param)
+    elif is_token_ids(raw):
+        prompts = [list(raw)]
+    else:
+        prompts = [list(p) for p in raw]
+    if not prompts:
+        raise APIError(400, f"the {param} is empty", "empty_prompt", param)
+    return prompts
+
+
 class OpenAICall:
     """What both endpoints share: validation, requests, usage, logprobs, stream framing."""
 
@@ -63,14 +94,7 @@ class OpenAICall:
         self.id = f"{'cmpl' if self.kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.arrival = time.perf_counter()
-        names = {state.args.model_name(), state.engine.config.model_path}
-        if body.model not in names:
-            raise APIError(
-                404,
-                f"The model `{body.model}` does not exist; this server serves `{state.args.model_name()}`.",
-                "model_not_found",
-                "model",
-            )
+        check_model(state, body.model)
         problem = body.unsupported()
         if problem:
             raise APIError(400, problem, "unsupported_parameter")
@@ -98,7 +122,7 @@ class OpenAICall:
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
-            **response_format_params(body.response_format),
+            **response_format_params(body.response_format, body.regex),
         )
         if max_tokens is not None:
             params["max_new_tokens"] = max_tokens
@@ -200,18 +224,7 @@ class CompletionCall(OpenAICall):
 
     async def begin(self) -> Generation:
         body = self.body
-        raw = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if is_texts(raw):
-            texts = list(raw)
-            if any(not t for t in texts):
-                raise APIError(400, "the prompt is empty", "empty_prompt", "prompt")
-            prompts = await self.state.tokenize(lambda tok: [tok.encode(t) for t in texts], texts, "prompt")
-        elif is_token_ids(raw):
-            prompts = [list(raw)]
-        else:
-            prompts = [list(p) for p in raw]
-        if not prompts:
-            raise APIError(400, "the prompt is empty", "empty_prompt", "prompt")
+        prompts = await prompt_batch(self.state, body.prompt, "prompt")
         if body.echo and body.logprobs:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "unsupported_parameter")
         logprobs = body.logprobs is not None
@@ -278,6 +291,11 @@ class CompletionCall(OpenAICall):
 class ChatCall(OpenAICall):
     kind = "chat.completion"
     body: ChatCompletionRequest
+    reasoning_streams: dict[int, ReasoningStream]  # per choice, when a reasoning parser is on
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reasoning_streams = {}
 
     async def begin(self) -> Generation:
         body = self.body
@@ -293,7 +311,16 @@ class ChatCall(OpenAICall):
             raise APIError(400, f"the chat template failed on these messages: {exc}", "invalid_messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.sampling(max_tokens, body.logprobs, (body.top_logprobs or 0) if body.logprobs else 0)
+        if self.reasoning_parser is not None:  # builds a grammar from the schema: off the event loop
+            params = await asyncio.to_thread(after_reasoning, self.reasoning_parser, params)
         return await self.start([ids], params, explicit_max=max_tokens is not None)
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """The server's --reasoning-parser, unless the request says ``separate_reasoning: false`` (SGLang's)."""
+        if (self.body.model_extra or {}).get("separate_reasoning") is False:
+            return None
+        return self.state.args.reasoning_parser
 
     def wants_logprobs(self) -> bool:
         return self.body.logprobs
@@ -320,7 +347,7 @@ class ChatCall(OpenAICall):
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": result.text},
+                    "message": {"role": "assistant", **message_fields(self.reasoning_parser, result.text)},
                     "logprobs": logprobs,
                     "finish_reason": result.finish_reason,
                     "matched_stop": result.matched_stop,
@@ -347,5 +374,8 @@ class ChatCall(OpenAICall):
         block = None
         if self.body.logprobs:
             block = {"content": self.logprobs_content(listed)}
-        delta = {"content": delta_text} if delta_text or finish_reason is None else {}
+        delta: dict[str, str] = {"content": delta_text} if delta_text or finish_reason is None else {}
+        if self.reasoning_parser is not None:
+            final = finish_reason is not None
+            delta = delta_fields(self.reasoning_streams, self.reasoning_parser, index, delta_text, final)
         return {"index": index, "delta": delta, "logprobs": block, "finish_reason": finish_reason}

@@ -68,6 +68,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
     response_format: ResponseFormat | None = None  # text, json_object, json_schema (see server/structured.py)
+    regex: str | None = None  # SGLang's extension: the whole output matches this regex (not with response_format)
 
     def unsupported(self) -> str | None:
         """Why this request asks for something we cannot do, or None."""

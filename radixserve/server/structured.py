@@ -27,8 +27,12 @@ from radixserve.server.protocol import ResponseFormat
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 
-def response_format_params(response_format: ResponseFormat | None) -> dict[str, str]:
-    """The sampling parameters an OpenAI ``response_format`` stands for (empty: no constraint)."""
+def response_format_params(response_format: ResponseFormat | None, regex: str | None = None) -> dict[str, str]:
+    """The sampling parameters an OpenAI ``response_format`` (or SGLang's ``regex``) stands for (empty: none)."""
+    if regex is not None:
+        if response_format is not None and response_format.type != "text":
+            raise APIError(400, "give response_format or regex, not both", "unsupported_parameter", "regex")
+        return {"regex": regex}
     if response_format is None or response_format.type == "text":
         return {}
     if response_format.type == "json_object":

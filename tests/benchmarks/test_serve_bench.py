@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.serve import BenchResult, LatencyStats, main, run_benchmark
 from benchmarks.traces import save_trace
-from benchmarks.workloads import TraceRequest, generated_shared_prefix
+from benchmarks.workloads import TraceRequest, agent_loop, generated_shared_prefix
 from tests.support.server_process import ServerProcess
 
 GROUPS, PER_GROUP, SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 4, 5, 96, 16, 8
@@ -123,3 +123,28 @@ def test_cli_replays_a_trace_at_its_timestamps_and_writes_json(
     starts = sorted(r["start_s"] for r in report["records"])
     assert len(report["records"]) == 6 and starts[-1] >= 0.5  # sent at the trace's times, not all at once
     assert report["total_completion_tokens"] == sum(len(r.output) for r in requests)
+
+
+def test_agent_loop_is_a_closed_loop_whose_later_turns_prefill_only_what_they_append(server: ServerProcess) -> None:
+    vocab = int(httpx.get(server.url + "/server_info", timeout=30).json()["engine"]["vocab_size"])
+    agents, turns, preamble = 3, 4, 24 + 40
+    requests = agent_loop(
+        agents, turns, 24, 40, task_len=(5, 8), call_len=(4, 6), result_len=(10, 20), seed=2, vocab_size=vocab
+    )
+    result = run(server.url, requests)
+    assert (result.completed, result.failed) == (agents * turns, 0)
+    assert [t.turn for t in result.per_turn] == list(range(turns)) and all(
+        t.completed == agents for t in result.per_turn
+    )
+    # Turn 0: the agents share the system prompt and the tools; later turns read the whole previous prompt back.
+    first = [r for r in result.records if r.turn == 0]
+    assert sum(r.cached_tokens for r in first) == (agents - 1) * preamble
+    for record in result.records:
+        if record.turn:
+            assert record.cached_tokens == record.prompt_tokens - record.appended_tokens > preamble
+    assert all(t.cached_share == pytest.approx(1 - t.appended_share) for t in result.per_turn[1:])
+    # Closed loop: a session's turn is sent after its previous turn ended.
+    for agent in range(agents):
+        chain = [rec for req, rec in zip(requests, result.records) if req.session == agent]
+        assert all(a.start_s + (a.e2e_s or 0) <= b.start_s for a, b in zip(chain, chain[1:]))
+    assert "Per turn (sessions)" in result.table()

@@ -13,6 +13,7 @@ from benchmarks.traces import load_trace, save_trace, text_of, with_poisson_arri
 from benchmarks.workloads import (
     WORKLOADS,
     TraceRequest,
+    agent_loop,
     branching,
     fewshot_burst,
     generated_shared_prefix,
@@ -55,6 +56,26 @@ def test_support_agent_shares_the_preamble_and_embeds_earlier_turns() -> None:
         any(is_prefix(np.concatenate([e.prompt, e.output]), r.prompt) for e in trace[:i]) for i, r in enumerate(trace)
     ]
     assert extends.count(True) == 8 and all(r.timestamp is None for r in trace)
+
+
+def test_agent_loop_turns_extend_the_previous_prompt_by_a_call_and_a_result() -> None:
+    trace = agent_loop(num_agents=3, turns=4, system_len=16, tools_len=32, result_len=(5, 9), seed=4)
+    assert [(r.session, r.turn) for r in trace] == [(a, t) for a in range(3) for t in range(4)]
+    assert all(is_prefix(trace[0].prompt[:48], r.prompt) for r in trace)
+    for before, after in zip(trace, trace[1:]):
+        if before.session == after.session:
+            grown = len(after.prompt) - len(before.prompt) - len(before.output)
+            assert is_prefix(np.concatenate([before.prompt, before.output]), after.prompt) and 5 <= grown <= 9
+        else:  # another agent: only the preamble in common
+            assert common_prefix_len(before.prompt, after.prompt) == 48
+
+
+def test_agent_loop_sessions_round_trip_through_a_trace_file(tmp_path: Path) -> None:
+    trace = agent_loop(num_agents=2, turns=3, system_len=8, tools_len=8, result_len=(5, 9), seed=1)
+    save_trace(trace, tmp_path / "agents.jsonl")
+    back = load_trace(tmp_path / "agents.jsonl")
+    assert [(r.session, r.turn) for r in back] == [(r.session, r.turn) for r in trace]
+    assert all(np.array_equal(a.prompt, b.prompt) for a, b in zip(trace, back))
 
 
 def test_generated_shared_prefix_groups_share_exactly_the_system_prompt() -> None:

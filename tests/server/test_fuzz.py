@@ -221,8 +221,21 @@ OPERATIONS = [
     "GET /metrics",
     "GET /get_model_info",
     "GET /get_server_info",
+    "POST /tokenize",
+    "POST /v1/tokenize",
+    "POST /detokenize",
+    "POST /v1/detokenize",
+    "POST /v1/embeddings",
 ]
-WITH_INPUT = ["POST /v1/completions", "POST /v1/chat/completions", "POST /generate", "GET /cache"]
+WITH_INPUT = [
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "POST /generate",
+    "GET /cache",
+    "POST /tokenize",
+    "POST /detokenize",
+    "POST /v1/embeddings",
+]
 
 
 @pytest.fixture(scope="module")
@@ -434,6 +447,14 @@ EDGE_CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("native: seed below int64", "/generate", native(seed=-(2**63) - 1)),
     ("native: fractional seed", "/generate", native(seed=1.5)),
     ("native: max_new_tokens NaN", "/generate", native(max_new_tokens=math.nan, ignore_eos=True)),
+    ("embeddings: a token id beyond int64", "/v1/embeddings", {"model": MODEL, "input": [2**63]}),
+    ("embeddings: an empty prompt among others", "/v1/embeddings", {"model": MODEL, "input": [[5, 6], []]}),
+    ("detokenize: an id beyond uint64", "/detokenize", {"tokens": [2**64]}),
+    (
+        "tokenize: a final assistant message continued and a generation prompt",
+        "/tokenize",
+        {"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True},
+    ),
 ]
 
 
