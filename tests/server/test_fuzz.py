@@ -226,6 +226,7 @@ OPERATIONS = [
     "POST /detokenize",
     "POST /v1/detokenize",
     "POST /v1/embeddings",
+    "GET /dashboard/data",
 ]
 WITH_INPUT = [
     "POST /v1/completions",
@@ -235,6 +236,7 @@ WITH_INPUT = [
     "POST /tokenize",
     "POST /detokenize",
     "POST /v1/embeddings",
+    "GET /dashboard/data",
 ]
 
 
