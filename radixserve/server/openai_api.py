@@ -31,6 +31,14 @@ from radixserve.server.errors import APIError, error_event, raise_first_error
 from radixserve.server.generation import Generation, ServerState, finish_unless_disconnected
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from radixserve.server.structured import precompile, response_format_params
+from radixserve.server.tools import (
+    ToolReplies,
+    finish_reason,
+    plan_tools,
+    render_kwargs,
+    template_messages,
+    tool_params,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +164,10 @@ class OpenAICall:
     def wants_logprobs(self) -> bool:
         raise NotImplementedError
 
+    def chunks(self, index: int, delta_text: str, listed: LogprobTokens, finish: str | None) -> list[dict[str, Any]]:
+        """The stream chunks' choices for one delta: one, unless tool calls split it (ChatCall)."""
+        return [self.chunk(index, delta_text, listed, finish)]
+
     def chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj = "text_completion" if self.kind == "text_completion" else "chat.completion.chunk"
         return {
@@ -184,7 +196,8 @@ class OpenAICall:
                     continue
                 if delta.text or delta.token_ids or result is not None:
                     finish = result.finish_reason if result is not None else None
-                    yield sse(self.chunk_envelope([self.chunk(delta.index, delta.text, delta.listed, finish)]))
+                    for choice in self.chunks(delta.index, delta.text, delta.listed, finish):
+                        yield sse(self.chunk_envelope([choice]))
             options = self.body.stream_options
             results = [r for r in generation.results if r is not None]
             if options is not None and options.include_usage and len(results) == len(generation.results):
@@ -278,13 +291,19 @@ class CompletionCall(OpenAICall):
 class ChatCall(OpenAICall):
     kind = "chat.completion"
     body: ChatCompletionRequest
+    replies: ToolReplies | None = None
 
     async def begin(self) -> Generation:
         body = self.body
-        messages = body.template_messages()
+        self.tools = plan_tools(body, self.state.args.tool_call_parser, self.state.tokenizer.chat_template)
+        messages = template_messages(body, self.tools)
+        render = render_kwargs(self.tools)
         try:
-            contents = ["".join(m["content"] for m in messages)]  # the bound is on the whole conversation
-            ids = await self.state.tokenize(lambda tok: tok.apply_chat_template(messages), contents, "messages")
+            # the bound is on the whole conversation, tools included
+            contents = ["".join(m["content"] for m in messages) + json.dumps(render)]
+            ids = await self.state.tokenize(
+                lambda tok: tok.apply_chat_template(messages, **render), contents, "messages"
+            )
         except APIError:
             raise
         except NoChatTemplate as exc:  # the model has none and no --chat-template was given
@@ -293,6 +312,9 @@ class ChatCall(OpenAICall):
             raise APIError(400, f"the chat template failed on these messages: {exc}", "invalid_messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.sampling(max_tokens, body.logprobs, (body.top_logprobs or 0) if body.logprobs else 0)
+        params = await asyncio.to_thread(tool_params, self.tools, params)  # builds a grammar from the schemas
+        if self.tools is not None and self.tools.choice != "none":  # who reads calls out of the answers
+            self.replies = ToolReplies(self.tools)
         return await self.start([ids], params, explicit_max=max_tokens is not None)
 
     def wants_logprobs(self) -> bool:
@@ -317,12 +339,15 @@ class ChatCall(OpenAICall):
             logprobs = None
             if self.body.logprobs:
                 logprobs = {"content": self.logprobs_content(listed_tokens(result))}
+            message, called = {"role": "assistant", "content": result.text}, False
+            if self.replies is not None:
+                message, called = self.replies.message(result.text)
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": result.text},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": result.finish_reason,
+                    "finish_reason": finish_reason(result.finish_reason, called),
                     "matched_stop": result.matched_stop,
                 }
             )
@@ -349,3 +374,21 @@ class ChatCall(OpenAICall):
             block = {"content": self.logprobs_content(listed)}
         delta = {"content": delta_text} if delta_text or finish_reason is None else {}
         return {"index": index, "delta": delta, "logprobs": block, "finish_reason": finish_reason}
+
+    def chunks(self, index: int, delta_text: str, listed: LogprobTokens, finish: str | None) -> list[dict[str, Any]]:
+        """With tools: the delta cut into content and tool calls (logprobs on the first chunk, the finish
+        reason on the last; a delta that completes nothing yet sends nothing)."""
+        replies = self.replies
+        if replies is None:
+            return [self.chunk(index, delta_text, listed, finish)]
+        deltas = replies.deltas(index, delta_text, final=finish is not None)
+        if finish is not None or (not deltas and self.body.logprobs):
+            deltas.append({})
+        choices = [self.chunk(index, "", listed, None) for _ in deltas]
+        for choice, delta in zip(choices, deltas):
+            choice["delta"] = delta
+        if choices:
+            choices[-1]["finish_reason"] = finish_reason(finish, replies.called(index))
+            for choice in choices[1:]:
+                choice["logprobs"] = None
+        return choices
