@@ -45,7 +45,7 @@ def call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> ParsedCall 
             arguments = json.loads(arguments)
         except ValueError:
             return None
-    if not isinstance(arguments, dict) or set(value) - {"name", *arguments_keys}:
+    if not isinstance(arguments, dict) or set(value) - {"name", "id", *arguments_keys}:  # Mistral writes an id
         return None
     return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
