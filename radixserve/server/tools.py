@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.model.grammar import json_schema_rules
+from radixserve.model.grammar import GrammarError, json_schema_rules
 from radixserve.model.grammar_checks import ConstraintError, check_schema
 from radixserve.server.errors import APIError
 from radixserve.server.protocol import ChatCompletionRequest, ChatMessage
@@ -234,7 +234,10 @@ def tool_params(plan: ToolPlan | None, params: dict[str, Any]) -> dict[str, Any]
             "unsupported_parameter",
             "tool_choice",
         )
-    return {**params, "ebnf": forced_grammar(plan)}
+    try:
+        return {**params, "ebnf": forced_grammar(plan)}
+    except GrammarError as exc:
+        raise APIError(400, f"tools: {exc}", "invalid_tool_schema", "tools") from None
 
 
 class ToolReplies:
