@@ -115,7 +115,8 @@ def test_auto_and_none_answer_with_content(client: openai.OpenAI) -> None:
 
 def test_agent_turns_prefill_only_the_new_tool_result(client: openai.OpenAI) -> None:
     """Turn N+1 of an agent loop reads the tools block and the whole history (turn N's call included) from
-    the cache: what it prefills is the tool's result and the next question."""
+    the cache: what it prefills is the tool's result and the next question. Another user's first turn reads the
+    system prompt and tools block."""
     messages = list(QUESTION)
     previous: Any = None
     for turn in range(3):
@@ -131,6 +132,10 @@ def test_agent_turns_prefill_only_the_new_tool_result(client: openai.OpenAI) -> 
         messages.append({"role": "tool", "tool_call_id": call.id, "content": f"sunny, turn {turn}"})
         if turn == 1:
             messages.append({"role": "user", "content": "And tomorrow?"})
+    # another user, the same system prompt and tools: all but the question and the turn's end come from the cache
+    other = chat(client, messages=[QUESTION[0], {"role": "user", "content": "Oslo?"}], tool_choice="none", max_tokens=1)
+    tail = len("Oslo?<|im_end|>\n<|im_start|>assistant\n")  # bytes: the model is byte-level
+    assert other.usage.prompt_tokens_details.cached_tokens >= other.usage.prompt_tokens - tail
 
 
 def test_history_with_parallel_calls(client: openai.OpenAI) -> None:
