@@ -300,7 +300,7 @@ class ChatCall(OpenAICall):
         render = render_kwargs(self.tools)
         try:
             # the bound is on the whole conversation, tools included
-            contents = ["".join(m["content"] for m in messages) + json.dumps(render)]
+            contents = ["".join(m["content"] for m in messages) + (json.dumps(render["tools"]) if render else "")]
             ids = await self.state.tokenize(
                 lambda tok: tok.apply_chat_template(messages, **render), contents, "messages"
             )

@@ -65,7 +65,7 @@ def plan_tools(body: ChatCompletionRequest, flag: str | None, template: str | No
     has_history = any(m.tool_calls or m.role == "tool" for m in body.messages)
     choice = body.tool_choice
     if not body.tools:
-        if choice not in (None, "none"):
+        if choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice needs tools: this request has none", "invalid_tool_choice", "tool_choice")
         if not has_history:
             return None
@@ -90,7 +90,7 @@ def plan_tools(body: ChatCompletionRequest, flag: str | None, template: str | No
             "unsupported_tool_format",
             "tools",
         )
-    mode = "function" if forced else (choice if isinstance(choice, str) else "auto")
+    mode = "function" if forced else (choice if isinstance(choice, str) else "auto") if tools else "none"
     return ToolPlan(tools, mode, forced, body.parallel_tool_calls, PARSERS[parser_name](), native)
 
 
