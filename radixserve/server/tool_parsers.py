@@ -12,7 +12,12 @@ Every parser works on the text so far (``ToolStream``), so a stream and a whole 
 way: text before the first call marker is content; after it, each complete call that parses (valid JSON,
 a string ``name``, an object of arguments) is a tool call, in order; the first part that does not parse
 ends the calls, and it and everything after it are returned as content (never an error). Arguments are
-returned as ``json.dumps`` writes them, the layout the chat templates' ``tojson`` writes back.
+returned as the model wrote them when its call reads ``{"name": "f", "<arguments key>": {...}`` (the
+layout a forced call has), else as ``json.dumps`` writes them.
+
+A stream sends each call when it is complete: its id and name, then its arguments. With ``incremental``
+(forced calls, whose grammar guarantees they complete) it sends the id and name as soon as the call's head
+is written and then the arguments as they grow.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import Any, ClassVar
 from radixserve.model.tokenizer import partial_stop_len
 
 _WHITESPACE = re.compile(r"\s*")
+# A call's head up to its arguments object: {"name": "f", "arguments": (the form of every format's forced call)
+_CALL_HEAD = r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
 
 
 @dataclass(frozen=True)
@@ -34,8 +41,8 @@ class ParsedCall:
     arguments: str  # the arguments object as JSON text
 
 
-def call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
-    """``{"name": str, <arguments key>: object}`` as a call; None when it is not one."""
+def call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> tuple[str, dict[str, Any]] | None:
+    """``{"name": str, <arguments key>: object}`` as (name, arguments); None when it is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     key = next((k for k in arguments_keys if k in value), None)
@@ -47,7 +54,7 @@ def call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> ParsedCall 
             return None
     if not isinstance(arguments, dict) or set(value) - {"name", "id", *arguments_keys}:  # Mistral writes an id
         return None
-    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    return value["name"], arguments
 
 
 def decode_json(text: str, pos: int) -> tuple[Any, int] | None:
@@ -64,6 +71,7 @@ class BaseToolParser:
 
     name: ClassVar[str]
     marker: ClassVar[str]  # what begins the calls
+    head: ClassVar[re.Pattern[str]]  # from the end of the previous call (or the marker) to a call's arguments
     arguments_keys: ClassVar[tuple[str, ...]] = ("arguments",)
     single_call: ClassVar[bool] = False  # the template writes one call per turn
 
@@ -88,10 +96,21 @@ class BaseToolParser:
     def new_call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
 
+    def make_call(self, region: str, start: int, found: tuple[str, dict[str, Any]]) -> ParsedCall:
+        """The call ``found`` whose text begins at ``start``: its arguments as written when its head is ours."""
+        name, arguments = found
+        head = self.head.match(region, start)
+        if head is not None and head["name"] == name:
+            decoded = decode_json(region, head.end())
+            if decoded is not None and decoded[0] == arguments:
+                return ParsedCall(name, region[head.end() : decoded[1]])
+        return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+
 
 class HermesParser(BaseToolParser):
     name = "hermes"
     marker = "<tool_call>"
+    head = re.compile(r"\s*<tool_call>" + _CALL_HEAD)
     _BLOCK = re.compile(r"\s*<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
     def split(self, region: str) -> tuple[list[ParsedCall], int]:
@@ -99,10 +118,10 @@ class HermesParser(BaseToolParser):
         while (match := self._BLOCK.match(region, pos)) is not None:
             body = match.group(1)
             decoded = decode_json(body, 0)
-            call = call_from_object(decoded[0], self.arguments_keys) if decoded and decoded[1] == len(body) else None
-            if call is None:
+            found = call_from_object(decoded[0], self.arguments_keys) if decoded and decoded[1] == len(body) else None
+            if found is None:
                 break
-            calls.append(call)
+            calls.append(self.make_call(region, pos, found))
             pos = match.end()
         return calls, pos
 
@@ -117,6 +136,7 @@ class Llama3JsonParser(BaseToolParser):
     name = "llama3_json"
     marker = "<|python_tag|>"
     arguments_keys = ("parameters", "arguments")
+    head = re.compile(r"\s*(?:<\|python_tag\|>|;)?" + _CALL_HEAD)
     single_call = True  # Llama 3's templates raise on more than one call in a message
 
     def find_start(self, text: str) -> int | None:
@@ -134,10 +154,10 @@ class Llama3JsonParser(BaseToolParser):
         pos += len(self.marker) if region.startswith(self.marker, pos) else 0
         calls, end = [], 0
         while (decoded := decode_json(region, pos)) is not None:
-            call = call_from_object(decoded[0], self.arguments_keys)
-            if call is None:
+            found = call_from_object(decoded[0], self.arguments_keys)
+            if found is None:
                 break
-            calls.append(call)
+            calls.append(self.make_call(region, end, found))
             end = decoded[1]
             after = _WHITESPACE.match(region, end).end()  # type: ignore[union-attr]
             if not region.startswith(";", after):
@@ -155,15 +175,27 @@ class MistralParser(BaseToolParser):
 
     name = "mistral"
     marker = "[TOOL_CALLS]"
+    head = re.compile(r"(?:\s*\[TOOL_CALLS\]\s*\[|\s*,)" + _CALL_HEAD)
+    _OPEN = re.compile(r"\[TOOL_CALLS\]\s*\[")
 
     def split(self, region: str) -> tuple[list[ParsedCall], int]:
-        decoded = decode_json(region, len(self.marker))
-        if decoded is None or not isinstance(decoded[0], list) or not decoded[0]:
-            return [], 0
-        calls = [call_from_object(item, self.arguments_keys) for item in decoded[0]]
-        if any(call is None for call in calls):
-            return [], 0
-        return [call for call in calls if call is not None], decoded[1]
+        """Element by element: a list cut short still gives the calls it completed."""
+        opened = self._OPEN.match(region)
+        calls: list[ParsedCall] = []
+        used, pos = 0, opened.end() if opened else -1
+        while opened and (decoded := decode_json(region, pos)) is not None:
+            found = call_from_object(decoded[0], self.arguments_keys)
+            if found is None:
+                break
+            calls.append(self.make_call(region, used, found))
+            used = decoded[1]
+            after = _WHITESPACE.match(region, used).end()  # type: ignore[union-attr]
+            if region.startswith("]", after):
+                return calls, after + 1
+            if not region.startswith(",", after):
+                break
+            pos = after + 1
+        return calls, used
 
     def grammar_root(self, call_rule: str, parallel: bool) -> str:
         more = f' (", " {call_rule})*' if parallel else ""
@@ -187,23 +219,35 @@ def detect_parser(template: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed call: its id and name first (``arguments`` ""), then fragments of its arguments."""
+
+    id: str | None
+    name: str | None
+    arguments: str
+
+
 @dataclass
 class StreamStep:
-    """What one push adds: content text, and the calls that completed."""
+    """What one push adds: content text, the calls that completed, and the call pieces to send."""
 
     content: str = ""
     calls: list[tuple[str, ParsedCall]] = field(default_factory=list)  # (id, call)
+    deltas: list[CallDelta] = field(default_factory=list)
 
 
 class ToolStream:
     """One choice's output cut into content and tool calls as it grows (``push``; ``final`` at the end)."""
 
-    def __init__(self, parser: BaseToolParser) -> None:
-        self.parser = parser
+    def __init__(self, parser: BaseToolParser, incremental: bool = False) -> None:
+        self.parser, self.incremental = parser, incremental
         self.text = ""
         self.sent = 0  # characters of text already given out as content
         self.start: int | None = None
         self.num_calls = 0
+        self.open_id: str | None = None  # a call whose head (and some arguments) went out before it completed
+        self.open_sent = 0  # characters of its arguments sent
 
     def push(self, delta: str, final: bool = False) -> StreamStep:
         self.text += delta
@@ -216,13 +260,43 @@ class ToolStream:
             return step
         before = text[self.sent : self.start]
         step.content, self.sent = (before if before.strip() else ""), max(self.sent, self.start)
-        calls, used = self.parser.split(text[self.start :])
-        step.calls = [(self.parser.new_call_id(), call) for call in calls[self.num_calls :]]
+        region = text[self.start :]
+        calls, used = self.parser.split(region)
+        for call in calls[self.num_calls :]:
+            self.complete(call, step)
         self.num_calls = len(calls)
-        rest = text[self.start + used :]
+        if self.incremental and not final:
+            self.send_open_call(region[used:], step)
+        rest = region[used:]
         if final and rest.strip():  # a call that does not parse, or text after the calls: content
             step.content += rest
         return step
+
+    def complete(self, call: ParsedCall, step: StreamStep) -> None:
+        """A call completed: the rest of it (all of it, unless its head already went out)."""
+        if self.open_id is None:
+            call_id = self.parser.new_call_id()
+            step.deltas += [CallDelta(call_id, call.name, ""), CallDelta(None, None, call.arguments)]
+        else:
+            call_id, self.open_id = self.open_id, None
+            step.deltas.append(CallDelta(None, None, call.arguments[self.open_sent :]))
+        step.calls.append((call_id, call))
+
+    def send_open_call(self, pending: str, step: StreamStep) -> None:
+        """The call being written: its id and name once its head is out, then its arguments so far (up to where
+        the arguments object closes, once it has: what went out is always a prefix of its arguments)."""
+        head = self.parser.head.match(pending)
+        if head is None:
+            return
+        if self.open_id is None:
+            self.open_id, self.open_sent = self.parser.new_call_id(), 0
+            step.deltas.append(CallDelta(self.open_id, head["name"], ""))
+        arguments = pending[head.end() :]
+        closed = decode_json(arguments, 0)
+        safe = len(arguments) if closed is None else closed[1]
+        if safe > self.open_sent:
+            step.deltas.append(CallDelta(None, None, arguments[self.open_sent : safe]))
+            self.open_sent = safe
 
 
 def parse_tool_calls(parser: BaseToolParser, text: str) -> StreamStep:

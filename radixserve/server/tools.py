@@ -257,16 +257,22 @@ class ToolReplies:
         return {"role": "assistant", "content": step.content or None, "tool_calls": calls}, True
 
     def deltas(self, index: int, text: str, final: bool) -> list[dict[str, Any]]:
-        """Stream deltas for new text of choice ``index``: content, then for each call that completed its id and
-        name (arguments "") and then its arguments, as the openai client assembles them."""
-        stream = self.streams.setdefault(index, ToolStream(self.plan.parser))
+        """Stream deltas for new text of choice ``index``: content, then each call's id and name (arguments "")
+        and its arguments' fragments, as the openai client assembles them. Forced calls stream their arguments
+        as they are written (their grammar guarantees they complete); others are sent once complete."""
+        incremental = self.plan.choice in ("required", "function")
+        stream = self.streams.setdefault(index, ToolStream(self.plan.parser, incremental))
         step = stream.push(text, final)
         out: list[dict[str, Any]] = [{"content": step.content}] if step.content else []
-        for call_id, call in step.calls:
-            n = self.num_calls.get(index, 0)
-            self.num_calls[index] = n + 1
-            out.append({"tool_calls": [{"index": n, **tool_call_json(call_id, call.name, "")}]})
-            out.append({"tool_calls": [{"index": n, "function": {"arguments": call.arguments}}]})
+        for piece in step.deltas:
+            if piece.id is not None:
+                self.num_calls[index] = self.num_calls.get(index, 0) + 1
+                call = tool_call_json(piece.id, piece.name or "", "")
+            elif not piece.arguments:
+                continue
+            else:
+                call = {"function": {"arguments": piece.arguments}}
+            out.append({"tool_calls": [{"index": self.num_calls[index] - 1, **call}]})
         return out
 
     def called(self, index: int) -> bool:

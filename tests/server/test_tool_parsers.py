@@ -77,7 +77,6 @@ MALFORMED = [
     ("llama3_json", '{"answer": 42}'),  # JSON, but not a call
     ("llama3_json", '{"name": "f", "parameters": {"a": '),
     ("mistral", '[TOOL_CALLS]{"name": "f", "arguments": {}}'),  # not a list
-    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": 3}]'),
     ("mistral", "[TOOL_CALLS]["),
 ]
 
@@ -103,6 +102,10 @@ def test_a_bad_call_after_good_ones_ends_the_calls() -> None:
     good = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>'
     step = parse_tool_calls(HermesParser(), good + "\n<tool_call>\n{oops}\n</tool_call> tail")
     assert calls_of(step) == [("a", "{}")] and step.content == "\n<tool_call>\n{oops}\n</tool_call> tail"
+    step = parse_tool_calls(MistralParser(), '[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": 3}]')
+    assert calls_of(step) == [("a", "{}")] and step.content == ', {"name": 3}]'
+    cut = parse_tool_calls(MistralParser(), '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "argu')
+    assert calls_of(cut) == [("a", '{"x": 1}')] and cut.content == ', {"name": "b", "argu'
     plain = "no calls here, only text <tool"
     assert parse_tool_calls(HermesParser(), plain).content == plain
     assert parse_tool_calls(Llama3JsonParser(), "  hello {").content == "  hello {"
@@ -114,16 +117,43 @@ def test_call_ids() -> None:
     assert len(ids) == 100 and all(i.startswith("call_") for i in ids)
 
 
+def assemble(deltas: list[Any]) -> list[tuple[str, str]]:
+    """Calls from stream pieces, as a client joins them: a piece with an id opens a call, the rest append."""
+    calls: list[list[str]] = []
+    for piece in deltas:
+        if piece.id is not None:
+            assert piece.arguments == "" and piece.name
+            calls.append([piece.name, ""])
+        else:
+            calls[-1][1] += piece.arguments
+    return [(name, arguments) for name, arguments in calls]
+
+
 @given(data=st.data())
 def test_streaming_cuts_like_the_whole_answer(data: st.DataObject) -> None:
-    name, text, _, _ = data.draw(st.sampled_from(RECORDED + [(n, t, None, []) for n, t in MALFORMED]))
+    """However the text arrives, the stream's content and calls (and, assembled, its pieces) are the whole
+    answer's. Incremental streaming (forced calls: they always complete) sends argument pieces early."""
+    name, text, _, calls = data.draw(st.sampled_from(RECORDED + [(n, t, None, []) for n, t in MALFORMED]))
+    incremental = bool(calls) and data.draw(st.booleans())
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
-    stream = ToolStream(PARSERS[name]())
+    stream = ToolStream(PARSERS[name](), incremental)
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     steps = [stream.push(piece) for piece in pieces[:-1]] + [stream.push(pieces[-1], final=True)]
     whole = parse_tool_calls(PARSERS[name](), text)
     assert "".join(s.content for s in steps) == whole.content
     assert [c for s in steps for c in calls_of(s)] == calls_of(whole)
+    assert assemble([d for s in steps for d in s.deltas]) == calls_of(whole)
+
+
+def test_forced_calls_stream_their_arguments_as_they_are_written() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+    stream = ToolStream(HermesParser(), incremental=True)
+    steps = [stream.push(ch) for ch in text] + [stream.push("", final=True)]
+    heads = [i for i, s in enumerate(steps) if any(d.id for d in s.deltas)]
+    done = [i for i, s in enumerate(steps) if s.calls]
+    assert heads == [text.index('{"city')] and done == [len(text) - 1]  # the head once the arguments' { is out
+    fragments = [d.arguments for s in steps for d in s.deltas if d.id is None and d.arguments]
+    assert len(fragments) > 10 and "".join(fragments) == '{"city": "Paris", "days": 3}'
 
 
 def test_detect_parser_from_templates() -> None:
