@@ -32,8 +32,9 @@ from radixserve.server.generation import Generation, ServerState, finish_unless_
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from radixserve.server.structured import precompile, response_format_params
 from radixserve.server.tools import (
+    ToolPlan,
     ToolReplies,
-    finish_reason,
+    choice_finish_reason,
     plan_tools,
     render_kwargs,
     template_messages,
@@ -291,6 +292,7 @@ class CompletionCall(OpenAICall):
 class ChatCall(OpenAICall):
     kind = "chat.completion"
     body: ChatCompletionRequest
+    tools: ToolPlan | None = None  # set by begin()
     replies: ToolReplies | None = None
 
     async def begin(self) -> Generation:
@@ -347,7 +349,7 @@ class ChatCall(OpenAICall):
                     "index": index,
                     "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": finish_reason(result.finish_reason, called),
+                    "finish_reason": choice_finish_reason(result.finish_reason, called),
                     "matched_stop": result.matched_stop,
                 }
             )
@@ -388,7 +390,7 @@ class ChatCall(OpenAICall):
         for choice, delta in zip(choices, deltas):
             choice["delta"] = delta
         if choices:
-            choices[-1]["finish_reason"] = finish_reason(finish, replies.called(index))
+            choices[-1]["finish_reason"] = choice_finish_reason(finish, replies.called(index))
             for choice in choices[1:]:
                 choice["logprobs"] = None
         return choices

@@ -283,6 +283,6 @@ def tool_call_json(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def finish_reason(reason: str | None, called: bool) -> str | None:
+def choice_finish_reason(reason: str | None, called: bool) -> str | None:
     """OpenAI's "tool_calls" for an answer that ended with calls (a cut one keeps "length")."""
     return "tool_calls" if called and reason == "stop" else reason
