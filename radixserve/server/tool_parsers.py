@@ -268,8 +268,8 @@ class ToolStream:
         if self.incremental and not final:
             self.send_open_call(region[used:], step)
         rest = region[used:]
-        if final and rest.strip():  # a call that does not parse, or text after the calls: content
-            step.content += rest
+        if final and rest.strip() and self.open_id is None:  # a call that does not parse, text after the calls
+            step.content += rest  # (a call cut short whose head went out stays a call: the client has it)
         return step
 
     def complete(self, call: ParsedCall, step: StreamStep) -> None:

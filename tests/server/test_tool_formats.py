@@ -62,6 +62,12 @@ def test_forced_call_and_its_result(case: str, byte_folder: Path) -> None:
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= reply["usage"]["prompt_tokens"]
         if case == "mistral":  # the tiny model writes several calls in Mistral's list when it may
             check_parallel_calls(server.url)
+        if case == "llama3_json":  # JSON that is not a call (response_format makes the model write one): content
+            answer = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+            form = {"type": "json_schema", "json_schema": {"name": "a", "schema": answer}}
+            plain = post(server.url, messages=messages[:1], tool_choice="auto", response_format=form)["choices"][0]
+            assert plain["finish_reason"] == "stop" and "tool_calls" not in plain["message"], plain
+            assert list(json.loads(plain["message"]["content"])) == ["answer"]
     check_rendered_prompt(path, template, messages, marker)
 
 

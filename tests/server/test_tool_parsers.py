@@ -154,6 +154,10 @@ def test_forced_calls_stream_their_arguments_as_they_are_written() -> None:
     assert heads == [text.index('{"city')] and done == [len(text) - 1]  # the head once the arguments' { is out
     fragments = [d.arguments for s in steps for d in s.deltas if d.id is None and d.arguments]
     assert len(fragments) > 10 and "".join(fragments) == '{"city": "Paris", "days": 3}'
+    cut = ToolStream(HermesParser(), incremental=True)  # max_tokens ends it inside the arguments
+    steps = [cut.push(ch) for ch in text[:60]] + [cut.push("", final=True)]
+    assert assemble([d for s in steps for d in s.deltas]) == [("get_weather", text[text.index('{"city') : 60])]
+    assert not any(s.content for s in steps) and not any(s.calls for s in steps)
 
 
 def test_detect_parser_from_templates() -> None:

@@ -101,6 +101,17 @@ def test_streamed_calls_assemble_as_the_whole_answer(client: openai.OpenAI) -> N
     ]
 
 
+def test_a_forced_call_cut_short_is_content(client: openai.OpenAI) -> None:
+    """max_tokens ends the call before its arguments open: the text is content, finish_reason "length"."""
+    reply = chat(client, tool_choice="required", max_tokens=8)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content == '<tool_call>\n{"na'[: len(choice.message.content or "")] != ""
+    chunks = list(chat(client, tool_choice="required", max_tokens=8, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+
+
 def test_auto_and_none_answer_with_content(client: openai.OpenAI) -> None:
     """The random model writes no call: ``auto`` returns its text as content, as ``none`` does (the same prompt,
     tools included, so the same greedy text)."""
