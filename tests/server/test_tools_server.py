@@ -1,5 +1,6 @@
 """Tool calling over HTTP with real clients: the openai client (whole and streamed, every tool_choice, tool results,
-parallel calls in the history), two agent frameworks driving a tool loop unchanged, the prefix an agent's turns
+parallel calls in the history), three agent frameworks (openai-agents, langchain-openai, pydantic-ai) driving
+a tool loop unchanged, the prefix an agent's turns
 share, and bad tool input (400, nothing left running).
 
 One server: the tiny byte-level model (any text encodes) with Qwen 2.5's chat template (Hermes calls). A random
@@ -270,3 +271,48 @@ def test_langchain_tool_loop(server: ServerProcess) -> None:
     assert merged is not None and [(c["name"], c["args"]) for c in merged.tool_calls] == [
         (c["name"], c["args"]) for c in ai.tool_calls
     ]
+
+
+def test_pydantic_ai_tool_loop(server: ServerProcess) -> None:
+    """pydantic-ai, unchanged: a capability forces get_weather on step 1 and the structured output tool after
+    (its documented per-step tool_choice); the call reaches our function, its result goes back, and the output
+    tool's arguments validate into the output model."""
+    from dataclasses import dataclass
+
+    from pydantic import BaseModel
+    from pydantic_ai import Agent
+    from pydantic_ai.capabilities import AbstractCapability
+    from pydantic_ai.messages import ToolReturnPart
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    class Weather(BaseModel):
+        city: Literal["Paris", "Tokyo"]
+        sunny: bool
+
+    @dataclass
+    class WeatherFirst(AbstractCapability[None]):
+        def get_model_settings(self) -> Any:
+            return lambda ctx: {"tool_choice": ["get_weather"] if ctx.run_step == 1 else ["final_result"]}
+
+    provider = OpenAIProvider(base_url=server.url + "/v1", api_key="none")
+    settings: Any = {"temperature": 0, "max_tokens": 120}
+    agent = Agent(
+        OpenAIChatModel(MODEL, provider=provider),
+        output_type=Weather,
+        model_settings=settings,
+        capabilities=[WeatherFirst()],
+    )
+    seen: list[str] = []
+
+    @agent.tool_plain
+    def get_weather(city: Literal["Paris", "Tokyo"]) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"sunny in {city}"
+
+    result = agent.run_sync("Weather in Paris?")
+    assert isinstance(result.output, Weather) and len(seen) == 1
+    returned = [p for m in result.all_messages() for p in m.parts if isinstance(p, ToolReturnPart)]
+    assert returned[0].tool_name == "get_weather" and returned[0].content == f"sunny in {seen[0]}"
+    assert result.usage.requests == 2 and result.usage.tool_calls == 1
