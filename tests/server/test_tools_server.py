@@ -1,7 +1,6 @@
 """Tool calling over HTTP with real clients: the openai client (whole and streamed, every tool_choice, tool results,
-parallel calls in the history), three agent frameworks (openai-agents, langchain-openai, pydantic-ai) driving
-a tool loop unchanged, the prefix an agent's turns
-share, and bad tool input (400, nothing left running).
+parallel calls in the history), three agent frameworks (openai-agents, langchain-openai, pydantic-ai) driving a
+tool loop unchanged, the prefix an agent's turns share, and bad tool input (400, nothing left running).
 
 One server: the tiny byte-level model (any text encodes) with Qwen 2.5's chat template (Hermes calls). A random
 model calls nothing on its own, so each loop forces its call with tool_choice: the grammar makes that call
