@@ -60,6 +60,14 @@ def renders_tools(template: str | None) -> bool:
     return bool(template) and "tools" in (template or "")
 
 
+def tool_format(flag: str | None, template: str | None) -> dict[str, Any]:
+    """How this server renders tools and reads calls (``/server_info``): parser None = a request with tools is
+    a 400 (the template renders tools in a format no parser knows)."""
+    native = renders_tools(template)
+    parser = flag or (detect_parser(template or "") if native else HermesParser.name)
+    return {"parser": parser, "template_renders_tools": native, "fallback_block": not native}
+
+
 def plan_tools(body: ChatCompletionRequest, flag: str | None, template: str | None) -> ToolPlan | None:
     """The request's tool plan (None: no tools and no tool messages); APIError(400) for bad tools."""
     has_history = any(m.tool_calls or m.role == "tool" for m in body.messages)
@@ -80,8 +88,8 @@ def plan_tools(body: ChatCompletionRequest, flag: str | None, template: str | No
             "invalid_tool_choice",
             "tool_choice",
         )
-    native = renders_tools(template)
-    parser_name = flag or (detect_parser(template or "") if native else HermesParser.name)
+    found = tool_format(flag, template)
+    native, parser_name = found["template_renders_tools"], found["parser"]
     if parser_name is None:
         raise APIError(
             400,

@@ -60,6 +60,12 @@ def test_forced_call_and_its_result(case: str, byte_folder: Path) -> None:
         messages += [choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": "12:00"}]
         second = post(server.url, messages=messages, tool_choice="none", max_tokens=2)
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= reply["usage"]["prompt_tokens"]
+        info = httpx.get(server.url + "/server_info", timeout=60).json()["tool_calls"]
+        assert info == {
+            "parser": "hermes" if case == "fallback" else case,
+            "template_renders_tools": case != "fallback",
+            "fallback_block": case == "fallback",
+        }
         if case == "mistral":  # the tiny model writes several calls in Mistral's list when it may
             check_parallel_calls(server.url)
         if case == "llama3_json":  # JSON that is not a call (response_format makes the model write one): content
