@@ -256,10 +256,13 @@ class ToolStream:
             self.start = self.parser.find_start(text)
         if self.start is None:
             safe = len(text) if final else len(text) - self.parser.held(text)
+            if self.sent == 0 and not text[:safe].strip() and not final:
+                safe = 0  # blank so far: held, as a blank before the calls is dropped
             step.content, self.sent = text[self.sent : safe], max(self.sent, safe)
             return step
         before = text[self.sent : self.start]
-        step.content, self.sent = (before if before.strip() else ""), max(self.sent, self.start)
+        step.content = before if before.strip() or self.sent else ""  # a blank answer before the calls: none
+        self.sent = max(self.sent, self.start)
         region = text[self.start :]
         calls, used = self.parser.split(region)
         for call in calls[self.num_calls :]:

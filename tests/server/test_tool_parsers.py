@@ -52,6 +52,7 @@ RECORDED = [
         "Let me look.\n",
         [("a", "{}"), ("b", '{"x": [1, 2]}')],
     ),
+    ("hermes", ' \n<tool_call>{"name": "a", "arguments": {}}</tool_call>', None, [("a", "{}")]),
     ("llama3_json", f'{{"name": "get_weather", "parameters": {WEATHER}}}', None, [("get_weather", WEATHER)]),
     (
         "llama3_json",
