@@ -386,11 +386,10 @@ class ChatCall(OpenAICall):
         deltas = replies.deltas(index, delta_text, final=finish is not None)
         if finish is not None or (not deltas and self.body.logprobs):
             deltas.append({})
-        choices = [self.chunk(index, "", listed, None) for _ in deltas]
-        for choice, delta in zip(choices, deltas):
-            choice["delta"] = delta
-        if choices:
-            choices[-1]["finish_reason"] = choice_finish_reason(finish, replies.called(index))
-            for choice in choices[1:]:
-                choice["logprobs"] = None
+        if not deltas:
+            return []
+        first = self.chunk(index, "", listed, None)
+        choices = [{**first, "delta": delta, "logprobs": None} for delta in deltas]
+        choices[0]["logprobs"] = first["logprobs"]
+        choices[-1]["finish_reason"] = choice_finish_reason(finish, replies.called(index))
         return choices

@@ -112,6 +112,18 @@ def test_a_forced_call_cut_short_is_content(client: openai.OpenAI) -> None:
     assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
 
 
+def test_streamed_call_keeps_every_logprob(client: openai.OpenAI) -> None:
+    """A stream whose text turns into tool calls still lists each token's logprob once."""
+    whole = chat(client, tool_choice="required", logprobs=True)
+    chunks = list(chat(client, tool_choice="required", logprobs=True, stream=True))
+    listed = [
+        t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []
+    ]
+    assert (
+        listed == [t.token for t in whole.choices[0].logprobs.content] and len(listed) == whole.usage.completion_tokens
+    )
+
+
 def test_auto_and_none_answer_with_content(client: openai.OpenAI) -> None:
     """The random model writes no call: ``auto`` returns its text as content, as ``none`` does (the same prompt,
     tools included, so the same greedy text)."""
