@@ -15,6 +15,7 @@ a disallowed token's logit becomes -inf, an unconstrained row is left untouched.
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -166,3 +167,23 @@ def grammar_after_text(prefix_regex: str, kind: GrammarKind, source: str) -> str
         return str(xgr.Grammar.concat(prefix, body))
     except Exception as exc:  # xgrammar raises RuntimeError with its C++ location first
         raise GrammarError(f"invalid {kind}: {_xgrammar_message(exc)}") from None
+
+
+# A string literal or a character class of xgrammar's EBNF, or the bare rule name ``root``.
+_EBNF_ROOT = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\broot\b')
+
+
+def json_schema_rules(schema: str, rule: str, separators: tuple[str, str] = (", ", ": ")) -> str:
+    """xgrammar's EBNF rules for a JSON schema, its root rule renamed ``rule``: a part of a larger grammar.
+
+    One layout, no free whitespace, ``separators`` between items and after keys (Python's
+    ``json.dumps`` default, what chat templates' ``tojson`` writes). The other rules keep their
+    names (``root_prop_0``, ``basic_string`` ...): one schema per grammar, or prefix them apart.
+    """
+    import xgrammar as xgr
+
+    try:
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=separators)
+    except Exception as exc:
+        raise GrammarError(f"invalid json_schema: {_xgrammar_message(exc)}") from None
+    return _EBNF_ROOT.sub(lambda m: rule if m.group(0) == "root" else m.group(0), str(grammar))

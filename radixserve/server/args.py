@@ -25,6 +25,7 @@ from radixserve.model.precision import KV_CACHE_DTYPES
 from radixserve.model.quant import QUANTIZATIONS
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
 from radixserve.server.reasoning import REASONING_PARSERS
+from radixserve.server.tool_parsers import PARSERS
 
 DEFAULT_PORT = 30000
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -36,6 +37,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     served_model_name: str | None = None  # None: the model file or folder name
+    tool_call_parser: str | None = None  # None: chosen from the chat template (server/tools.py)
     api_keys: tuple[str, ...] = ()
     api_key_file: str | None = None
     admin_api_key: str | None = None
@@ -117,6 +119,10 @@ class ServerArgs:
                 self.reasoning_parser in (None, *REASONING_PARSERS),
                 f"--reasoning-parser must be one of {tuple(REASONING_PARSERS)}",
             ),
+            (
+                self.tool_call_parser in (None, *PARSERS),
+                f"--tool-call-parser must be one of {tuple(PARSERS)}",
+            ),
         ]
 
     def model_name(self) -> str:
@@ -169,6 +175,14 @@ def _model_flags(model: argparse._ArgumentGroup, d: EngineConfig) -> None:
         metavar="PATH",
         help="a Jinja chat template file for /v1/chat/completions instead of the model's own "
         "(GGUF tokenizer.chat_template, chat_template.jinja or tokenizer_config.json)",
+    )
+    model.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(PARSERS),
+        help="the format of the model's tool calls on /v1/chat/completions; default: from the chat template "
+        "(<tool_call>: hermes, [TOOL_CALLS]: mistral, Llama 3 headers: llama3_json; a template without tools: "
+        "hermes, with the tools in the system prompt)",
     )
     model.add_argument(
         "--served-model-name", default=None, help="the name clients pass as `model` (default: the file or folder name)"

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from radixserve.server.errors import APIError
 from radixserve.server.generation import ServerState
+from radixserve.server.tools import tool_format
 
 VERSION = "0.1.0"
 
@@ -44,6 +45,7 @@ def info_router(state: ServerState, auth: Sequence[Depends]) -> APIRouter:
             "scheduler": await state.worker_call(engine.snapshot),
             "cache_tiers": await state.worker_call(engine.tier_stats),
             "process": {"pid": os.getpid(), "rss_bytes": rss_bytes()},
+            "tool_calls": tool_format(args.tool_call_parser, state.tokenizer.chat_template),
         }
 
     @router.get("/v1/models", dependencies=guarded)

@@ -32,6 +32,15 @@ from radixserve.server.generation import Generation, ServerState, finish_unless_
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from radixserve.server.reasoning import ReasoningStream, after_reasoning, delta_fields, message_fields
 from radixserve.server.structured import precompile, response_format_params
+from radixserve.server.tools import (
+    ToolPlan,
+    ToolReplies,
+    choice_finish_reason,
+    plan_tools,
+    render_kwargs,
+    template_messages,
+    tool_params,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +189,10 @@ class OpenAICall:
     def wants_logprobs(self) -> bool:
         raise NotImplementedError
 
+    def chunks(self, index: int, delta_text: str, listed: LogprobTokens, finish: str | None) -> list[dict[str, Any]]:
+        """The stream chunks' choices for one delta: one, unless tool calls split it (ChatCall)."""
+        return [self.chunk(index, delta_text, listed, finish)]
+
     def chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj = "text_completion" if self.kind == "text_completion" else "chat.completion.chunk"
         return {
@@ -208,7 +221,8 @@ class OpenAICall:
                     continue
                 if delta.text or delta.token_ids or result is not None:
                     finish = result.finish_reason if result is not None else None
-                    yield sse(self.chunk_envelope([self.chunk(delta.index, delta.text, delta.listed, finish)]))
+                    for choice in self.chunks(delta.index, delta.text, delta.listed, finish):
+                        yield sse(self.chunk_envelope([choice]))
             options = self.body.stream_options
             results = [r for r in generation.results if r is not None]
             if options is not None and options.include_usage and len(results) == len(generation.results):
@@ -291,6 +305,8 @@ class CompletionCall(OpenAICall):
 class ChatCall(OpenAICall):
     kind = "chat.completion"
     body: ChatCompletionRequest
+    tools: ToolPlan | None = None  # set by begin()
+    replies: ToolReplies | None = None
     reasoning_streams: dict[int, ReasoningStream]  # per choice, when a reasoning parser is on
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -299,10 +315,15 @@ class ChatCall(OpenAICall):
 
     async def begin(self) -> Generation:
         body = self.body
-        messages = body.template_messages()
+        self.tools = plan_tools(body, self.state.args.tool_call_parser, self.state.tokenizer.chat_template)
+        messages = template_messages(body, self.tools)
+        render = render_kwargs(self.tools)
         try:
-            contents = ["".join(m["content"] for m in messages)]  # the bound is on the whole conversation
-            ids = await self.state.tokenize(lambda tok: tok.apply_chat_template(messages), contents, "messages")
+            # the bound is on the whole conversation, tools included
+            contents = ["".join(m["content"] for m in messages) + (json.dumps(render["tools"]) if render else "")]
+            ids = await self.state.tokenize(
+                lambda tok: tok.apply_chat_template(messages, **render), contents, "messages"
+            )
         except APIError:
             raise
         except NoChatTemplate as exc:  # the model has none and no --chat-template was given
@@ -311,7 +332,10 @@ class ChatCall(OpenAICall):
             raise APIError(400, f"the chat template failed on these messages: {exc}", "invalid_messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.sampling(max_tokens, body.logprobs, (body.top_logprobs or 0) if body.logprobs else 0)
-        if self.reasoning_parser is not None:  # builds a grammar from the schema: off the event loop
+        params = await asyncio.to_thread(tool_params, self.tools, params)  # builds a grammar from the schemas
+        if self.tools is not None and self.tools.choice != "none":  # who reads calls out of the answers
+            self.replies = ToolReplies(self.tools)
+        if self.reasoning_parser is not None:  # a forced call's grammar too comes after the reasoning block
             params = await asyncio.to_thread(after_reasoning, self.reasoning_parser, params)
         return await self.start([ids], params, explicit_max=max_tokens is not None)
 
@@ -344,12 +368,18 @@ class ChatCall(OpenAICall):
             logprobs = None
             if self.body.logprobs:
                 logprobs = {"content": self.logprobs_content(listed_tokens(result))}
+            fields = message_fields(self.reasoning_parser, result.text)  # content after any reasoning
+            message, called = {"role": "assistant", **fields}, False
+            if self.replies is not None and fields["content"] is not None:
+                message, called = self.replies.message(fields["content"])
+                if "reasoning_content" in fields:
+                    message["reasoning_content"] = fields["reasoning_content"]
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", **message_fields(self.reasoning_parser, result.text)},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": result.finish_reason,
+                    "finish_reason": choice_finish_reason(result.finish_reason, called),
                     "matched_stop": result.matched_stop,
                 }
             )
@@ -379,3 +409,25 @@ class ChatCall(OpenAICall):
             final = finish_reason is not None
             delta = delta_fields(self.reasoning_streams, self.reasoning_parser, index, delta_text, final)
         return {"index": index, "delta": delta, "logprobs": block, "finish_reason": finish_reason}
+
+    def chunks(self, index: int, delta_text: str, listed: LogprobTokens, finish: str | None) -> list[dict[str, Any]]:
+        """With tools: the delta cut into content and tool calls (logprobs on the first chunk, the finish
+        reason on the last; a delta that completes nothing yet sends nothing)."""
+        replies = self.replies
+        if replies is None:
+            return [self.chunk(index, delta_text, listed, finish)]
+        deltas: list[dict[str, Any]] = []
+        if self.reasoning_parser is not None:  # the reasoning as it is, calls only in the content after it
+            split = delta_fields(self.reasoning_streams, self.reasoning_parser, index, delta_text, finish is not None)
+            deltas = [{"reasoning_content": split["reasoning_content"]}] if "reasoning_content" in split else []
+            delta_text = split.get("content", "")
+        deltas += replies.deltas(index, delta_text, final=finish is not None)
+        if finish is not None or (not deltas and self.body.logprobs):
+            deltas.append({})
+        if not deltas:
+            return []
+        first = self.chunk(index, "", listed, None)
+        choices = [{**first, "delta": delta, "logprobs": None} for delta in deltas]
+        choices[0]["logprobs"] = first["logprobs"]
+        choices[-1]["finish_reason"] = choice_finish_reason(finish, replies.called(index))
+        return choices

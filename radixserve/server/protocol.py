@@ -18,14 +18,13 @@ from radixserve.core import MAX_TOP_LOGPROBS
 MAX_N = 64  # choices per request
 MAX_STOP = 16  # stop strings per request
 MAX_SALT = 512  # characters of a cache_salt / extra_key
+MAX_TOOLS = 128  # tools per chat request (OpenAI's limit)
 
 # Fields a client may send that we do not implement; accepting them silently would
 # return something other than what was asked for.
 UNSUPPORTED = {
     "logit_bias": "logit_bias is not supported",
     "suffix": "suffix (insertion) is not supported",
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "audio": "audio output is not supported",
@@ -95,11 +94,53 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+    arguments: str  # a JSON object, as the API returned it
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of the history (see server/tools.py)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -108,6 +149,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)  # see server/tools.py
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def unsupported(self) -> str | None:
         for message in self.messages:

@@ -64,7 +64,14 @@ CASES: list[tuple[str, str, str, Any, int, tuple[str, ...]]] = [
     ("top_p zero", "POST", "/v1/chat/completions", {**OK_CHAT, "top_p": 0}, 400, ("top_p",)),
     ("n zero", "POST", "/v1/completions", {**OK_COMPLETION, "n": 0}, 400, ("n",)),
     ("logit_bias", "POST", "/v1/completions", {**OK_COMPLETION, "logit_bias": {"5": 10}}, 400, ("logit_bias",)),
-    ("tools", "POST", "/v1/chat/completions", {**OK_CHAT, "tools": [{"type": "function"}]}, 400, ("tool",)),
+    (
+        "tool without a function",
+        "POST",
+        "/v1/chat/completions",
+        {**OK_CHAT, "tools": [{"type": "function"}]},
+        400,
+        ("tools.0.function",),
+    ),
     (
         "image content",
         "POST",
