@@ -16,8 +16,12 @@
 // half (16 weights): w = a * c + b. Their bfloat16 kernels multiply x by 128 + c (bfloat16 bits 0x4300 | c, exact
 // for c < 128: x's products exact in float32), then scale by a, and add (b - 128 a) * sum(x) per half:
 //   codes(unit, j): 32 words 0x4300 | c, weight order;
-//   affine(s, j, a, mins): a[16] = lanes 0..7 the first half's a, 8..15 the second's (vdpbf16ps's lane i sums
-//   weights 2i and 2i + 1), mins[2] = each half's b - 128 a.
+//   span(unit, groups, s, m): for the span of `groups` (<= 8) groups from unit on, the scales s[16] that scale()
+//   reads, and each half's b - 128 a into m[16], the span's halves in order (zeros past them);
+//   scale(s, j): lanes 0..7 group j's first half's a, 8..15 its second's (vdpbf16ps's lane i sums weights 2i and
+//   2i + 1).
+// A K-quant span is one unit; a Q5_0 / Q5_1 span is 8 units, whose scales are gathered in a few vector
+// instructions (written one by one and read back as a vector, they stalled store forwarding: 0.8x the speed).
 #pragma once
 
 #include <c10/util/Half.h>
@@ -83,12 +87,6 @@ RADIXSERVE_ROWS_INLINE __m512i codes_bf16(__m256i q) {
   return _mm512_or_si512(_mm512_cvtepu8_epi16(q), _mm512_set1_epi16(0x4300));
 }
 
-// The affine map of one group whose halves share (a, b) or not: a[16] (8 lanes each) and mins[2] = b - 128 a.
-RADIXSERVE_ROWS_INLINE void halves_affine(float a0, float b0, float a1, float b1, float* a, float* mins) {
-  _mm512_storeu_ps(a, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a0), _mm512_set1_ps(a1)));
-  mins[0] = b0 - 128.f * a0;
-  mins[1] = b1 - 128.f * a1;
-}
 #endif
 
 // Q4_K and Q5_K's 8 sub-block scales and 8 mins, 6 bits each in 12 bytes (gguf's Q4_K.get_scale_min), as 16
@@ -176,8 +174,16 @@ struct KQuant {
     return codes_bf16(q);
   }
 
-  RADIXSERVE_ROWS_INLINE static void affine(const float* s, int j, float* a, float* mins) {
-    halves_affine(s[j], -s[8 + j], s[j], -s[8 + j], a, mins);
+  RADIXSERVE_ROWS_INLINE static __m512 scale(const float* s, int j) { return _mm512_set1_ps(s[j]); }
+
+  // Half h of the unit: -dm - 128 D of its sub-block h / 2 (s = [D_0..7, dm_0..7]).
+  RADIXSERVE_ROWS_INLINE static void span(const uint8_t* u, int, float* s, float* m) {
+    scales(u, s);
+    const __m512i sub = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512 sv = _mm512_load_ps(s);
+    const __m512 d = _mm512_permutexvar_ps(sub, sv);
+    const __m512 dm = _mm512_permutexvar_ps(_mm512_add_epi32(sub, _mm512_set1_epi32(8)), sv);
+    _mm512_storeu_ps(m, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_fmadd_ps(d, _mm512_set1_ps(128.f), dm)));
   }
 #endif
 };
@@ -224,8 +230,14 @@ struct Q6K {
 
   RADIXSERVE_ROWS_INLINE static __m512i codes(const uint8_t* u, int j) { return codes_bf16(unsigned_codes(u, j)); }
 
-  RADIXSERVE_ROWS_INLINE static void affine(const float* s, int j, float* a, float* mins) {
-    halves_affine(s[2 * j], -32.f * s[2 * j], s[2 * j + 1], -32.f * s[2 * j + 1], a, mins);
+  RADIXSERVE_ROWS_INLINE static __m512 scale(const float* s, int j) {
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[2 * j]), _mm512_set1_ps(s[2 * j + 1]));
+  }
+
+  // Half h: (d sc_h) (c - 32) = a c - 32 a, so -160 a.
+  RADIXSERVE_ROWS_INLINE static void span(const uint8_t* u, int, float* s, float* m) {
+    scales(u, s);
+    _mm512_storeu_ps(m, _mm512_mul_ps(_mm512_load_ps(s), _mm512_set1_ps(-160.f)));
   }
 #endif
 };
@@ -284,9 +296,21 @@ struct Q5Block {
     return _mm512_mask_add_epi16(c, static_cast<__mmask32>(u32_at(u + kHigh)), c, _mm512_set1_epi16(16));
   }
 
-  RADIXSERVE_ROWS_INLINE static void affine(const float* s, int, float* a, float* mins) {
-    const float b = Q5_1_ ? s[1] : -16.f * s[0];
-    halves_affine(s[0], b, s[0], b, a, mins);
+  RADIXSERVE_ROWS_INLINE static __m512 scale(const float* s, int i) { return _mm512_set1_ps(s[i]); }
+
+  // Units i < groups: s[i] = d_i; both halves of unit i: b - 128 d, b = m (Q5_1) or -16 d (Q5_0). One gather of
+  // each unit's first 4 bytes (d, then Q5_1's m) for the 8 units.
+  RADIXSERVE_ROWS_INLINE static void span(const uint8_t* u, int groups, float* s, float* m) {
+    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kBytes));
+    const __mmask8 valid = static_cast<__mmask8>((1u << groups) - 1);
+    const __m256i words = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), valid, at, u, 1);
+    const __m512 d = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm256_cvtepi32_epi16(words)));
+    const __m512 b = Q5_1_ ? _mm512_castps256_ps512(_mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, 16))))
+                           : _mm512_mul_ps(d, _mm512_set1_ps(-16.f));
+    _mm512_storeu_ps(s, d);
+    const __m512i unit = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512 mins = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), b);
+    _mm512_storeu_ps(m, _mm512_permutexvar_ps(unit, mins));
   }
 #endif
 };
