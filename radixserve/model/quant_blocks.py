@@ -7,9 +7,12 @@ are what the float path runs, so keeping them loses nothing), and so are its Q4_
 scale d and 32 4-bit codes, w = d * (q - 8): the Q4_1 kernels with m = -8d, made from d as they read
 it, exact; 0.5625 bytes per weight); other weights are
 quantized here with gguf's own quantizer. The kernels take and return the model's dtype:
-float32 rows multiply by the exact float32 weights, bfloat16 rows (AVX512-BF16) by those
-weights rounded to bfloat16, as the GEMM path and the bfloat16 float model round them. Each
-row's result depends on that row only, so batch composition and cache hits change nothing.
+float32 rows multiply by the exact float32 weights; bfloat16 rows (AVX512-BF16) by the exact
+Q4 weights in the decode kernel (x . (128 + q) in one vdpbf16ps, then the scale and min: 1.5x the
+speed of rounding each weight to bfloat16 first), by the weights rounded to bfloat16 in the GEMM path
+and for Q8_0 (as the bfloat16 float model rounds them). With split invariance (the engine's default)
+one kernel runs every row count, so a row's result depends on that row only and batch composition and
+cache hits change nothing.
 Three matmuls, by what the machine offers:
 
 - CPU, up to 16 rows (decode; 48 with int8 activations): our kernel (csrc/block_linear.cpp) reads the blocks;

@@ -146,6 +146,27 @@ def test_a_bfloat16_model_gets_bfloat16_out_of_the_kernel() -> None:
         assert ((got.float() - expected).abs() <= bound).all()
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 5, 12])
+def test_bfloat16_rows_multiply_the_exact_q4_weights(fmt: str, rows: int) -> None:
+    """With bfloat16 x the kernel computes d * (x . (128 + q)) + (m - 128 d) * sum(x) in float32: the exact
+    weights, so each output is the exact product rounded once to bfloat16, give or take float32's sums (weights
+    rounded to bfloat16 first would be off by up to 2^-9 of sum |x| |w|, far past this bound). Without
+    AVX512-BF16 the kernel multiplies float32 x by the exact weights: the same bound holds."""
+    weight = torch.randn(37, 576, generator=torch.Generator().manual_seed(rows)) + 0.3
+    raw = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q4_0 if fmt == "q4_0" else FORMATS[fmt])
+    blocks = QuantBlocks.from_gguf(raw, fmt)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(300 + rows)).bfloat16()
+    got = torch.ops.radixserve.block_linear(x, blocks.qs, blocks.d, blocks.m, None, None, None, False)
+    weight = blocks.dequantize().double()
+    exact = x.double() @ weight.t()
+    float32_sums = 2**-18 * (
+        x.double().abs() @ (weight.abs() + blocks.d.double().abs().repeat_interleave(32, 1) * 128).t()
+    )
+    assert ((got.double() - exact).abs() <= 2**-8 * exact.abs() + float32_sums).all()
+
+
 def test_without_the_kernel_the_torch_path_gives_the_same_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = random_blocks("q4_1", 24, 96, seed=3)
     x = torch.randn(3, 96)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.model.gguf_loader import GGUFFile, load_gguf, load_gguf_blocks
+from radixserve.model.invariance import make_split_invariant
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import load_model
 from radixserve.model.precision import resolve_quantization
@@ -112,7 +113,8 @@ def test_native_q4_0_has_the_bits_of_q4_1_blocks_with_m_stored(
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 9, 16, 40])
 def test_bfloat16_q4_0_equals_the_bfloat16_weights(rows: int) -> None:
-    """bfloat16 rows multiply gguf's values rounded to bfloat16, as the bfloat16 float model holds them."""
+    """bfloat16 rows: the decode kernel multiplies gguf's exact values, the GEMM path (more rows) those values
+    rounded to bfloat16, as the bfloat16 float model holds them."""
     raw = random_q4_0(37, 576, seed=rows)
     weight = torch.from_numpy(gguf.quants.dequantize(raw, Q4_0)).bfloat16()
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
@@ -224,7 +226,12 @@ def greedy(model: LlamaForCausalLM, prompt: list[int], cached_len: int, new_toke
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_cache_hit_gives_the_cold_runs_greedy_tokens(q4_0_gguf: Path, dtype: torch.dtype) -> None:
+    """float32: the decode kernel and the tiled GEMM multiply by the same weights, in another order; bfloat16: the
+    decode kernel multiplies by exact codes and the GEMM by bfloat16 weights, so only split invariance (the
+    engine's default: one kernel at every row count) keeps a cache hit's answer."""
     model = gguf_model(q4_0_gguf, "q4_1-exact", dtype)
+    if dtype == torch.bfloat16:
+        assert make_split_invariant(model)[0]
     prompt = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(11)).tolist()
     cold = greedy(model, prompt, 0, 12)
     assert greedy(model, prompt, 32, 12) == cold

@@ -12,6 +12,16 @@
 //   scales(unit, s): the unit's scales as float32 into s[16] (gguf's exact products), then
 //   weight(unit, s, i): weight i of the unit (portable), and with AVX512
 //   group(unit, s, j, lo, hi): weights 32j .. 32j + 15 into lo, 32j + 16 .. 32j + 31 into hi.
+// The quantized types (kCodes) also give, with AVX512-BF16, group j as small unsigned codes c and an affine map per
+// half (16 weights): w = a * c + b. Their bfloat16 kernels multiply x by 128 + c (bfloat16 bits 0x4300 | c, exact
+// for c < 128: x's products exact in float32), then scale by a, and add (b - 128 a) * sum(x) per half:
+//   codes(unit, j): 32 words 0x4300 | c, weight order;
+//   span(unit, groups, s, m): for the span of `groups` (<= 8) groups from unit on, the scales s[16] that scale()
+//   reads, and each half's b - 128 a into m[16], the span's halves in order (zeros past them);
+//   scale(s, j): lanes 0..7 group j's first half's a, 8..15 its second's (vdpbf16ps's lane i sums weights 2i and
+//   2i + 1).
+// A K-quant span is one unit; a Q5_0 / Q5_1 span is 8 units, whose scales are gathered in a few vector
+// instructions (written one by one and read back as a vector, they stalled store forwarding: 0.8x the speed).
 #pragma once
 
 #include <c10/util/Half.h>
@@ -71,6 +81,12 @@ RADIXSERVE_ROWS_INLINE __m512i bytes16(const uint8_t* p) {
 RADIXSERVE_ROWS_INLINE __m256i load32(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
+
+// 32 byte codes (each < 128) as the bfloat16 values 128 + c (bits 0x4300 | c), one word each.
+RADIXSERVE_ROWS_INLINE __m512i codes_bf16(__m256i q) {
+  return _mm512_or_si512(_mm512_cvtepu8_epi16(q), _mm512_set1_epi16(0x4300));
+}
+
 #endif
 
 // Q4_K and Q5_K's 8 sub-block scales and 8 mins, 6 bits each in 12 bytes (gguf's Q4_K.get_scale_min), as 16
@@ -108,7 +124,7 @@ RADIXSERVE_ROWS_INLINE void scale16(const void* b, float lo, float hi, float* s)
 template <bool Q5>
 struct KQuant {
   static constexpr int64_t kType = Q5 ? Q5_K : Q4_K, kWeights = 256, kBytes = Q5 ? 176 : 144;
-  static constexpr int64_t kCodes = Q5 ? 48 : 16;
+  static constexpr int64_t kCodeBytes = Q5 ? 48 : 16;  // where the nibbles start
 
   RADIXSERVE_ROWS_INLINE static void scales(const uint8_t* u, float* s) {
     uint32_t sc_m[4];
@@ -118,7 +134,7 @@ struct KQuant {
 
   RADIXSERVE_ROWS_INLINE static float weight(const uint8_t* u, const float* s, int i) {
     const int j = i / 32, l = i % 32;
-    int q = (u[kCodes + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
+    int q = (u[kCodeBytes + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
     if constexpr (Q5) q |= ((u[16 + l] >> j) & 1) << 4;
     return s[j] * static_cast<float>(q) - s[8 + j];
   }
@@ -129,7 +145,7 @@ struct KQuant {
   RADIXSERVE_ROWS_INLINE static void group(const uint8_t* u, const float* s, int j, __m512& lo, __m512& hi) {
     const __m512 d = _mm512_set1_ps(s[j]), dm = _mm512_set1_ps(s[8 + j]);
     if constexpr (!Q5) {
-      const uint8_t* q = u + kCodes + 32 * (j / 2);
+      const uint8_t* q = u + kCodeBytes + 32 * (j / 2);
       __m512i c0 = bytes16(q), c1 = bytes16(q + 16);
       if (j % 2) {
         c0 = _mm512_srli_epi32(c0, 4);
@@ -139,13 +155,35 @@ struct KQuant {
       lo = _mm512_permutexvar_ps(c0, table);
       hi = _mm512_permutexvar_ps(c1, table);
     } else {
-      __m256i q = load32(u + kCodes + 32 * (j / 2));
+      __m256i q = load32(u + kCodeBytes + 32 * (j / 2));
       if (j % 2) q = _mm256_srli_epi16(q, 4);
       q = _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi8(0x0F)), bit_to_16(load32(u + 16), j));
       bytes_f32(q, lo, hi);
       lo = _mm512_fmsub_ps(d, lo, dm);  // as above
       hi = _mm512_fmsub_ps(d, hi, dm);
     }
+  }
+
+  static constexpr bool kCodes = true;
+
+  RADIXSERVE_ROWS_INLINE static __m512i codes(const uint8_t* u, int j) {
+    __m256i q = load32(u + kCodeBytes + 32 * (j / 2));
+    if (j % 2) q = _mm256_srli_epi16(q, 4);
+    q = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+    if constexpr (Q5) q = _mm256_or_si256(q, bit_to_16(load32(u + 16), j));
+    return codes_bf16(q);
+  }
+
+  RADIXSERVE_ROWS_INLINE static __m512 scale(const float* s, int j) { return _mm512_set1_ps(s[j]); }
+
+  // Half h of the unit: -dm - 128 D of its sub-block h / 2 (s = [D_0..7, dm_0..7]).
+  RADIXSERVE_ROWS_INLINE static void span(const uint8_t* u, int, float* s, float* m) {
+    scales(u, s);
+    const __m512i sub = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512 sv = _mm512_load_ps(s);
+    const __m512 d = _mm512_permutexvar_ps(sub, sv);
+    const __m512 dm = _mm512_permutexvar_ps(_mm512_add_epi32(sub, _mm512_set1_epi32(8)), sv);
+    _mm512_storeu_ps(m, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_fmadd_ps(d, _mm512_set1_ps(128.f), dm)));
   }
 #endif
 };
@@ -169,18 +207,37 @@ struct Q6K {
   }
 
 #ifdef RADIXSERVE_BLOCK_AVX512
-  RADIXSERVE_ROWS_INLINE static void group(const uint8_t* u, const float* s, int j, __m512& lo, __m512& hi) {
+  // Group j's codes q + 32 (0..63).
+  RADIXSERVE_ROWS_INLINE static __m256i unsigned_codes(const uint8_t* u, int j) {
     const int h = j / 4, t = 32 * (j % 4);
     __m256i low = load32(u + 64 * h + t % 64);
     if (t >= 64) low = _mm256_srli_epi16(low, 4);
     low = _mm256_and_si256(low, _mm256_set1_epi8(0x0F));
     const __m256i shifted = _mm256_srl_epi16(load32(u + 128 + 32 * h), _mm_cvtsi32_si128(2 * (j % 4)));
     const __m256i high = _mm256_slli_epi16(_mm256_and_si256(shifted, _mm256_set1_epi8(3)), 4);
-    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+    return _mm256_or_si256(low, high);
+  }
+
+  RADIXSERVE_ROWS_INLINE static void group(const uint8_t* u, const float* s, int j, __m512& lo, __m512& hi) {
+    const __m256i q = _mm256_sub_epi8(unsigned_codes(u, j), _mm256_set1_epi8(32));
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
     lo = _mm512_mul_ps(_mm512_set1_ps(s[2 * j]), lo);
     hi = _mm512_mul_ps(_mm512_set1_ps(s[2 * j + 1]), hi);
+  }
+
+  static constexpr bool kCodes = true;
+
+  RADIXSERVE_ROWS_INLINE static __m512i codes(const uint8_t* u, int j) { return codes_bf16(unsigned_codes(u, j)); }
+
+  RADIXSERVE_ROWS_INLINE static __m512 scale(const float* s, int j) {
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[2 * j]), _mm512_set1_ps(s[2 * j + 1]));
+  }
+
+  // Half h: (d sc_h) (c - 32) = a c - 32 a, so -160 a.
+  RADIXSERVE_ROWS_INLINE static void span(const uint8_t* u, int, float* s, float* m) {
+    scales(u, s);
+    _mm512_storeu_ps(m, _mm512_mul_ps(_mm512_load_ps(s), _mm512_set1_ps(-160.f)));
   }
 #endif
 };
@@ -226,6 +283,35 @@ struct Q5Block {
     lo = _mm512_permutex2var_ps(t0, i0, t1);
     hi = _mm512_permutex2var_ps(t0, i1, t1);
   }
+
+  static constexpr bool kCodes = true;
+
+  // The 16 bytes of nibbles widened twice into 32 words (the second copy shifted to its high nibbles), then the
+  // fifth bits added where the block's 32 bits say.
+  RADIXSERVE_ROWS_INLINE static __m512i codes(const uint8_t* u, int) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + kHigh + 4));
+    const __m512i both = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes));
+    const __m512i nibbles = _mm512_srlv_epi16(both, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1));
+    const __m512i c = _mm512_ternarylogic_epi32(nibbles, _mm512_set1_epi16(0x0F), _mm512_set1_epi16(0x4300), 0xEA);
+    return _mm512_mask_add_epi16(c, static_cast<__mmask32>(u32_at(u + kHigh)), c, _mm512_set1_epi16(16));
+  }
+
+  RADIXSERVE_ROWS_INLINE static __m512 scale(const float* s, int i) { return _mm512_set1_ps(s[i]); }
+
+  // Units i < groups: s[i] = d_i; both halves of unit i: b - 128 d, b = m (Q5_1) or -16 d (Q5_0). One gather of
+  // each unit's first 4 bytes (d, then Q5_1's m) for the 8 units.
+  RADIXSERVE_ROWS_INLINE static void span(const uint8_t* u, int groups, float* s, float* m) {
+    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kBytes));
+    const __mmask8 valid = static_cast<__mmask8>((1u << groups) - 1);
+    const __m256i words = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), valid, at, u, 1);
+    const __m512 d = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm256_cvtepi32_epi16(words)));
+    const __m512 b = Q5_1_ ? _mm512_castps256_ps512(_mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, 16))))
+                           : _mm512_mul_ps(d, _mm512_set1_ps(-16.f));
+    _mm512_storeu_ps(s, d);
+    const __m512i unit = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512 mins = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), b);
+    _mm512_storeu_ps(m, _mm512_permutexvar_ps(unit, mins));
+  }
 #endif
 };
 
@@ -233,6 +319,7 @@ struct Q5Block {
 template <int64_t kT>
 struct Float {
   static constexpr int64_t kType = kT, kWeights = 32, kBytes = kT == F32 ? 128 : 64;
+  static constexpr bool kCodes = false;  // their values are no small integers: bfloat16 x multiplies them rounded
 
   RADIXSERVE_ROWS_INLINE static void scales(const uint8_t*, float*) {}
 
