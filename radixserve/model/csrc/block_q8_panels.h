@@ -14,10 +14,16 @@
 // of each of the 16 channels against 4 codes of a row broadcast: dword t of a block's 512 bytes holds weights
 // 4t..4t+3 of channels 0..15 (Q4: unsigned 0..15; Q8_0: w + 128, made up by a -128 sum(x) start), so a
 // block is 8 vpdpbusd per 16 channels with no horizontal sum, and the panel (blocks * 512 bytes, in L1/L2) is
-// read again by every tile of rows.
+// read again by every tile of rows. Up to kStreamRows rows (decode) skip the panel: each cache line of weights is
+// rearranged in registers and used at once (stream_tile), the same integers and float steps.
+//
+// SmolLM2 Q4_0's 30 layers of linears, 1 thread, AMX Xeon: 512 rows 250 ms against the previous int8 kernel's
+// 860 (which re-decoded each weight block for every tile of 8 rows and kept 8 float partial sums an output),
+// 16 rows 14 against 27 ms, 1 row (weights from DRAM) 3.4-3.5 against 3.95-4.05 ms.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__)
 #define RADIXSERVE_Q8_PANELS 1
 #include <immintrin.h>
 
