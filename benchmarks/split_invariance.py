@@ -57,6 +57,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--only-default", action="store_true", help="skip the --no-split-invariant comparison")
+    parser.add_argument("--quantization", default="auto", help="e.g. q4_1: int8 activations")
     args = parser.parse_args(argv)
     print(f"{'dtype':9} {'split-invariant':>15} {'pairs':>6} {'token mism.':>11} {'logprob mism.':>13} {'s':>6}")
     for dtype in args.dtypes.split(","):
@@ -67,6 +68,7 @@ def main(argv: list[str]) -> None:
                 num_threads=args.num_threads,
                 max_total_tokens=4 * args.prompt_tokens + 64,
                 split_invariant=invariant,
+                quantization=args.quantization,
             )
             start = time.perf_counter()
             done, tokens, logprobs = mismatches(engine, args.pairs, args.prompt_tokens, args.seed)

@@ -75,8 +75,8 @@ def test_a_cache_hit_changes_no_answer(
 
 @pytest.mark.parametrize(
     "options",
-    [{"page_size": 16}, {"hicache_size": 0.05, "hicache_write_policy": "write_through"}],
-    ids=["page-16", "host-tier"],
+    [{"page_size": 16}, {"hicache_size": 0.05, "hicache_write_policy": "write_through"}, {"quantization": "q4_1"}],
+    ids=["page-16", "host-tier", "int8-activations"],
 )
 def test_other_configurations_keep_it(options: dict[str, object]) -> None:
     engine = Engine(max_total_tokens=2048, **options)

@@ -2,8 +2,9 @@
 
 A cache hit computes a prompt's uncached tail with fewer rows than a cold run; a chunk boundary or batch
 companions change the row count too. The vendor GEMMs (oneDNN, MKL) pick their blocking by the row count, so a
-row's bits moved with it, and in bfloat16 that changed 5-25% of greedy answers. Our block kernel computes each
-(row, channel) with the same operations at any row count; the bfloat16 extend attention kernel reads keys in
+row's bits moved with it, and in bfloat16 that changed 5-25% of greedy answers. Our block kernels compute each
+(row, channel) with the same operations at any row count (float activations: block_linear.cpp; int8 activations:
+block_q8_linear.cpp, with AVX512-VNNI at integer-GEMM speed); the bfloat16 extend attention kernel reads keys in
 blocks aligned to absolute positions (attention.attention_split_invariance).
 """
 
@@ -24,14 +25,15 @@ def make_split_invariant(model: nn.Module, kernel: str = "vector") -> tuple[bool
     """Make every block linear of ``model`` split-invariant (``invariant_kernel``: one kernel at any row
     count) when all its linears can be, and say whether the model now is: (holds, why). A token's logits then do
     not depend on how many rows share its step, so a cache hit (or a chunk boundary, or batch companions) leaves
-    every answer as a cold run gives it. Float linears (torch's GEMM), int8 weights and int8 activations are not
-    invariant: their GEMMs' bits depend on the row count. ``kernel``: "vector" (the block decode kernel at every
-    row count: decode at its speed, prefill slower than the vendor GEMM) or "amx" (block_amx.cpp: bfloat16 rows on
-    AMX tiles: prefill near the GEMM's speed, the block linears' decode ~2x slower; GGUF row types keep "vector")."""
+    every answer as a cold run gives it. Float linears (torch's GEMM) and int8 weights are not invariant: their
+    GEMMs' bits depend on the row count. ``kernel``: "vector" (the block decode kernel at every row count: decode
+    at its speed; prefill slower than the vendor GEMM with float activations, at integer-GEMM speed with int8 ones
+    on AVX512-VNNI) or "amx" (block_amx.cpp: bfloat16 rows on AMX tiles: prefill near the GEMM's speed, the block
+    linears' decode ~2x slower; GGUF row types and int8 activations keep their own kernel)."""
     kernels: list[BlockLinear | GGUFRowsLinear] = []
     others = []
     for name, module in model.named_modules():
-        if isinstance(module, BlockLinear) and not module.int8_activations or isinstance(module, GGUFRowsLinear):
+        if isinstance(module, BlockLinear | GGUFRowsLinear):
             kernels.append(module)
         elif isinstance(module, BlockLinear | nn.Linear | Int8Linear):
             others.append(name)

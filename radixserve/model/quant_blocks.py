@@ -21,9 +21,11 @@ Three matmuls, by what the machine offers:
 - otherwise (no compiler, CUDA): dequantize with torch ops, then the GEMM.
 
 With ``int8_activations`` (``--quantization q4_1`` on CPU; ``q4_1-exact`` without) each activation
-row is first quantized to int8 blocks of 32 and the decode kernel is csrc/block_q8_linear.cpp, whose
-block dot products are integer: lossy against float32 (as llama.cpp), but the same math on every
-CPU path (the GEMM path uses the int8 rows' values), so a row's answer never depends on its batch.
+row is first quantized to int8 blocks of 32 and the kernel is csrc/block_q8_linear.cpp, whose
+block dot products are integer: lossy against float32 (as llama.cpp). With AVX512-VNNI it is one kernel
+for every row count (block_q8_panels.h: decode and prefill at integer-GEMM speed), so split invariance
+(model/invariance.py) keeps it for prefill too; without it (or with --no-split-invariant past
+INT8_KERNEL_MAX_ROWS) prefill runs the GEMM path on the int8 rows' values: the same math within rounding.
 """
 
 from __future__ import annotations
@@ -226,7 +228,8 @@ class BlockLinear(_BlockModule):
         # Every row count through one kernel whose result for a row never depends on the other rows of the call
         # (model/invariance.py): the GEMM path's (oneDNN, MKL) does, so a cache hit, which changes how many rows a
         # prompt's tail is computed with, changed answers. "vector": the decode kernel; "amx": block_amx.cpp
-        # (bfloat16 rows on AMX tiles); None: the decode kernel up to its rows, the tiled GEMM past them.
+        # (bfloat16 rows on AMX tiles; int8 activations keep their kernel); None: the decode kernel up to its rows,
+        # the tiled GEMM past them.
         self.invariant_kernel: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -270,7 +273,7 @@ class BlockLinear(_BlockModule):
 
     def _kernel_takes(self, x: torch.Tensor) -> bool:
         """Whether the decode kernel runs these rows: up to its row count, or any count when split-invariant."""
-        if self.invariant_kernel is not None and not self.int8_activations:
+        if self.invariant_kernel is not None:
             return True
         return x.shape[0] <= (INT8_KERNEL_MAX_ROWS if self.int8_activations else KERNEL_MAX_ROWS)
 
@@ -278,7 +281,7 @@ class BlockLinear(_BlockModule):
         """The decode kernel: x @ W.T + bias (+ residual) in x's dtype, summed in float32 (see forward_add)."""
         op = torch.ops.radixserve.block_linear_q8 if self.int8_activations else torch.ops.radixserve.block_linear
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.invariant_kernel == "amx" and x.dtype == torch.bfloat16:
+        if self.invariant_kernel == "amx" and x.dtype == torch.bfloat16 and not self.int8_activations:
             op = torch.ops.radixserve.block_linear_amx
         out: torch.Tensor = op(x, self.qs, self.d, self.m, bias, residual)
         return out

@@ -11,6 +11,8 @@
 // row (AVX2 vpmaddubsw + vpmaddwd, or one vpdpbusd where the build's CPU has AVX-VNNI).
 // Every row goes through the same sequence of operations whatever its tile or batch, and its
 // codes depend on that row only: a row's result is bitwise the same alone or batched.
+// With AVX512-VNNI every row count runs block_q8_panels.h instead (one float accumulator per output,
+// Q4_0's -8 folded into the integers), fast at prefill too; the kernels below are the other CPUs' path.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "block_common.h"
+#include "block_q8_panels.h"
 
 namespace {
 
@@ -39,13 +42,14 @@ constexpr int kRowTile = 8;
 struct Q8Rows {
   at::Tensor codes;
   std::vector<float> scales, sums;
+  std::vector<int32_t> code_sums;  // the integer sum of each block's codes
   int64_t ld;
 };
 
 inline int64_t padded16(int64_t blocks) { return (blocks + 15) / 16 * 16; }
 
-// One block of 32: its codes, returns its scale; *sum = scale * the sum of the codes.
-inline float quantize_block(const float* x, int8_t* q, float* sum) {
+// One block of 32: its codes, returns its scale; *sum = scale * the sum of the codes, *codes_total that sum.
+inline float quantize_block(const float* x, int8_t* q, float* sum, int32_t* codes_total) {
 #ifdef RADIXSERVE_BLOCK_AVX2
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], amax = _mm256_setzero_ps();
@@ -79,6 +83,7 @@ inline float quantize_block(const float* x, int8_t* q, float* sum) {
 #endif
   const float scale = top / 127.f;
   *sum = scale * static_cast<float>(codes_sum);
+  *codes_total = codes_sum;
   return scale;
 }
 
@@ -92,7 +97,7 @@ Q8Rows quantize_rows(const at::Tensor& x) {
   const at::Tensor xc = x.contiguous();
   const int64_t rows = x.size(0), blocks = x.size(1) / kBlock, ld = padded16(blocks);
   Q8Rows out{at::empty(x.sizes(), x.options().dtype(at::kChar)), std::vector<float>(rows * ld, 0.f),
-             std::vector<float>(rows * ld, 0.f), ld};
+             std::vector<float>(rows * ld, 0.f), std::vector<int32_t>(rows * ld, 0), ld};
   int8_t* qp = out.codes.data_ptr<int8_t>();
   const void* xp = xc.data_ptr();
   float converted[kBlock];
@@ -104,7 +109,8 @@ Q8Rows quantize_rows(const at::Tensor& x) {
       else if (x.scalar_type() == at::kBFloat16)
         convert(static_cast<const at::BFloat16*>(xp) + block * kBlock, converted);
       else convert(static_cast<const at::Half*>(xp) + block * kBlock, converted);
-      out.scales[r * ld + b] = quantize_block(xb, qp + block * kBlock, &out.sums[r * ld + b]);
+      const int64_t at = r * ld + b;
+      out.scales[at] = quantize_block(xb, qp + block * kBlock, &out.sums[at], &out.code_sums[at]);
     }
   return out;
 }
@@ -236,108 +242,33 @@ void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t
   }
 }
 
-#if defined(RADIXSERVE_BLOCK_AVX512) && defined(__AVX512VNNI__)
-#define RADIXSERVE_Q8_AVX512 1
-// AVX512-VNNI, Q4_1 weights: two blocks per instruction (one vpdpbusd over 64 codes gives 8 lanes per block),
-// each lane's int32 converted and scaled by its block's d * s (a permute of 16 blocks' products), several
-// output channels per tile sharing each load of x's codes, scales converted 16 blocks at a time and the codes
-// prefetched ahead (as block_linear.cpp's AVX512 path). The same per-block terms as above, one accumulator per
-// (row, channel) in block order: a row's bits never depend on its tile or batch.
-namespace avx512 {
-
-constexpr int kRowTile = 8;
-constexpr int64_t kChunk = 16;
-constexpr int64_t kPrefetch = 4096;
-
-// Blocks b and b + 1 of a Q4_1 row (b alone when !both) as 64 unsigned bytes, each block's codes in weight order.
-inline __m512i codes_pair(const uint8_t* qs, int64_t b, bool both) {
-  const __m256i v = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * 16))
-                         : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16)));
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mask)),
-                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);
-  return _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));  // [lo b, lo b+1, hi b, hi b+1] -> [b, b+1]
-}
-
-// R rows of codes against C Q4_1 weight rows: sums[r * kChunk + c] = sum_b (d_cb s_rb) (q_cb . xq_rb) + m_c . xsum_r.
-template <int R, int C>
-void dot_tile(const int8_t* xq, int64_t ldx, const float* xs, const float* xsum, int64_t ldxs, const uint8_t* qs,
-              int64_t ldq, const at::Half* d, const at::Half* m, int64_t blocks, float* sums) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  alignas(64) float scale[R][C][16];  // d_cb * s_rb of the group's 16 blocks
-  const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  for (int64_t g = 0; g < blocks; g += 16) {
-    const int64_t count = std::min<int64_t>(16, blocks - g);
-    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
-    for (int c = 0; c < C; ++c) {
-      const char* ahead = reinterpret_cast<const char*>(qs + c * ldq + g * 16) + kPrefetch;
-      for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(d + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
-      if (m != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
-      const __m512 dc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, d + c * blocks + g));
-      // Q4_1's mins, or Q4_0's -8d (m nullptr: see BlockWeights).
-      const __m512 mc = m != nullptr ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, m + c * blocks + g))
-                                     : _mm512_mul_ps(dc, _mm512_set1_ps(-8.f));
-      for (int r = 0; r < R; ++r) {
-        _mm512_store_ps(scale[r][c], _mm512_mul_ps(dc, _mm512_loadu_ps(xs + r * ldxs + g)));
-        acc[r][c] = _mm512_fmadd_ps(mc, _mm512_loadu_ps(xsum + r * ldxs + g), acc[r][c]);
-      }
+#ifdef RADIXSERVE_Q8_PANELS
+// The AVX512-VNNI kernel (block_q8_panels.h) for every row count: each block's integer start from x's code sums.
+at::Tensor panels_linear(const Q8Rows& x, const BlockWeights& w, const radixserve::Epilogue& epilogue,
+                         at::Tensor& out) {
+  using radixserve::q8::Format;
+  const Format f = !w.q4() ? Format::kQ8_0 : w.m == nullptr ? Format::kQ4_0 : Format::kQ4_1;
+  const int32_t offset = f == Format::kQ4_0 ? 8 : f == Format::kQ8_0 ? 128 : 0;
+  std::vector<int32_t> starts(x.code_sums.size());
+  for (size_t i = 0; i < starts.size(); ++i) starts[i] = -offset * x.code_sums[i];
+  const radixserve::q8::Rows rows{x.codes.data_ptr<int8_t>(), x.scales.data(), x.sums.data(), starts.data(),
+                                  x.codes.size(1), x.ld};
+  const auto store = [&](int64_t row, int64_t n0, int64_t count, const float* v) {
+    epilogue.store_row(row, n0, count, v);
+  };
+  const auto* d = reinterpret_cast<const uint16_t*>(w.d);
+  const auto* m = reinterpret_cast<const uint16_t*>(w.m);
+  const int64_t num_rows = x.codes.size(0);
+  at::parallel_for(0, epilogue.out_features, 16, [&](int64_t n0, int64_t n1) {
+    const radixserve::q8::Channels channels{w.qs, d, m, w.qs_row_bytes, w.blocks, n1};
+    switch (f) {
+      case Format::kQ4_0: return radixserve::q8::linear_channels<Format::kQ4_0>(rows, num_rows, channels, n0, store);
+      case Format::kQ4_1: return radixserve::q8::linear_channels<Format::kQ4_1>(rows, num_rows, channels, n0, store);
+      default: return radixserve::q8::linear_channels<Format::kQ8_0>(rows, num_rows, channels, n0, store);
     }
-    for (int64_t k = 0; 2 * k < count; ++k) {
-      const int64_t b = g + 2 * k;
-      const bool both = 2 * k + 1 < count;
-      __m512i w[C];
-      for (int c = 0; c < C; ++c) w[c] = codes_pair(qs + c * ldq, b, both);
-      const __m512i pair = _mm512_add_epi32(first, _mm512_set1_epi32(static_cast<int>(2 * k)));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xb = xq + r * ldx + b * kBlock;
-        const __m512i x = both ? _mm512_loadu_si512(xb)
-                               : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
-        for (int c = 0; c < C; ++c) {
-          const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], x));
-          acc[r][c] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(pair, _mm512_load_ps(scale[r][c])), acc[r][c]);
-        }
-      }
-    }
-  }
-  radixserve::reduce_tile(acc, sums, kChunk);  // row r at sums + r * kChunk: the walk's chunk
-}
-
-constexpr int channels_for(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : 2; }
-
-int tile_rows(int rows, bool single, const int8_t* xq, int64_t ldx, const float* xs, const float* xsum, int64_t ldxs,
-              const uint8_t* qs, int64_t ldq, const at::Half* d, const at::Half* m, int64_t blocks, float* sums) {
-  switch (rows) {
-#define RADIXSERVE_TILE(R)                                                                     \
-  case R:                                                                                      \
-    if (single) return dot_tile<R, 1>(xq, ldx, xs, xsum, ldxs, qs, ldq, d, m, blocks, sums), 1; \
-    dot_tile<R, channels_for(R)>(xq, ldx, xs, xsum, ldxs, qs, ldq, d, m, blocks, sums);          \
-    return channels_for(R);
-    RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4)
-    RADIXSERVE_TILE(5) RADIXSERVE_TILE(6) RADIXSERVE_TILE(7)
-#undef RADIXSERVE_TILE
-    default:
-      if (single) return dot_tile<kRowTile, 1>(xq, ldx, xs, xsum, ldxs, qs, ldq, d, m, blocks, sums), 1;
-      dot_tile<kRowTile, channels_for(kRowTile)>(xq, ldx, xs, xsum, ldxs, qs, ldq, d, m, blocks, sums);
-      return channels_for(kRowTile);
-  }
-}
-
-// Output channels n0..n1 of every row, Q4_1 or Q4_0 weights.
-void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t n1, const radixserve::Epilogue& out) {
-  const int64_t rows = x.codes.size(0), in_features = x.codes.size(1);
-  const int8_t* xq = x.codes.data_ptr<int8_t>();
-  radixserve::walk_decode_tiles<kRowTile, kChunk>(rows, n0, n1, out, [&](int64_t r0, int tile, int64_t n, int64_t c1,
-                                                                         float* sums) {
-    return tile_rows(tile, n + channels_for(tile) > c1, xq + r0 * in_features, in_features,
-                     x.scales.data() + r0 * x.ld, x.sums.data() + r0 * x.ld, x.ld, w.qs + n * w.qs_row_bytes,
-                     w.qs_row_bytes, w.d + n * w.blocks, w.m == nullptr ? w.m : w.m + n * w.blocks, w.blocks, sums);
   });
+  return out;
 }
-
-}  // namespace avx512
 #endif
 
 // x [M, K] @ W.T for the blocks W [N, K] with x's rows as int8 blocks, in x's dtype: + bias, then rounded, + residual
@@ -354,13 +285,14 @@ at::Tensor block_linear_q8_op(const at::Tensor& x, const at::Tensor& qs, const a
   const Q8Rows xq = quantize_rows(x);
   const BlockWeights w{static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
                        m.has_value() ? m->data_ptr<at::Half>() : nullptr, blocks, qs.size(1)};
+#ifdef RADIXSERVE_Q8_PANELS
+  return panels_linear(xq, w, epilogue, out);
+#else
   at::parallel_for(0, out_features, 16, [&](int64_t n0, int64_t n1) {
-#ifdef RADIXSERVE_Q8_AVX512
-    if (q4) return avx512::linear_channels(xq, w, n0, n1, epilogue);
-#endif
     if (q4) linear_channels<true>(xq, w, n0, n1, epilogue);
     else linear_channels<false>(xq, w, n0, n1, epilogue);
   });
+#endif
   return out;
 }
 
@@ -387,8 +319,9 @@ at::Tensor dequantized_rows_q8_op(const at::Tensor& x) {
   at::parallel_for(0, blocks, 256, [&](int64_t b0, int64_t b1) {
     int8_t codes[kBlock];
     float sum;
+    int32_t total;
     for (int64_t b = b0; b < b1; ++b) {
-      const float scale = quantize_block(xp + b * kBlock, codes, &sum);
+      const float scale = quantize_block(xp + b * kBlock, codes, &sum, &total);
       for (int j = 0; j < kBlock; ++j) op[b * kBlock + j] = static_cast<float>(codes[j]) * scale;
     }
   });
@@ -408,4 +341,16 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("block_linear_q8", &block_linear_q8_op);
   m.impl("quantize_rows_q8", &quantize_rows_q8_op);
   m.impl("dequantized_rows_q8", &dequantized_rows_q8_op);
+}
+
+// Whether this build runs block_q8_panels.h (AVX512-VNNI): Q4_0's -8 is then folded into the integer dot
+// products, and prefill runs at integer-GEMM speed; otherwise the kernel above (Q4_0 as Q4_1 with m = -8d).
+TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("block_q8_panels() -> bool", [] {
+#ifdef RADIXSERVE_Q8_PANELS
+    return true;
+#else
+    return false;
+#endif
+  });
 }

@@ -1,0 +1,349 @@
+// The AVX512-VNNI int8-activation linear (block_q8_linear.cpp) at any row count: one kernel for decode and
+// prefill, so a row's bits never depend on how many rows share its call (split invariance) and prefill runs at
+// integer-GEMM speed. Included by block_q8_linear.cpp; plain C++ with intrinsics.
+//
+// The math of output (row r, channel c), for Q4_0, Q4_1 and Q8_0 weights:
+//   I_b   = the exact integer dot product of block b (Q4_0: q . x - 8 sum(x); Q4_1: q . x; Q8_0: w . x)
+//   acc   = 0; for b = 0, 1, ...: acc = fma(float(I_b), d_cb * s_rb, acc)        (d * s rounded first)
+//                                Q4_1 then: acc = fma(m_cb, s_rb * sum(x_b), acc) (s * sum rounded first)
+// one float32 accumulator per (row, channel), blocks in order, no final reduction. The integers are exact
+// however they are summed, so the weights can be laid out for the instruction (below) and the float steps are
+// the only rounding, the same sequence at every row count.
+//
+// Weights go through a panel: 16 channels' codes rearranged once per call so that one vpdpbusd takes 4 codes
+// of each of the 16 channels against 4 codes of a row broadcast: dword t of a block's 512 bytes holds weights
+// 4t..4t+3 of channels 0..15 (Q4: unsigned 0..15; Q8_0: w + 128, made up by a -128 sum(x) start), so a
+// block is 8 vpdpbusd per 16 channels with no horizontal sum, and the panel (blocks * 512 bytes, in L1/L2) is
+// read again by every tile of rows. Up to kStreamRows rows (decode) skip the panel: each cache line of weights is
+// rearranged in registers and used at once (stream_tile), the same integers and float steps.
+//
+// SmolLM2 Q4_0's 30 layers of linears, 1 thread, AMX Xeon: 512 rows 250 ms against the previous int8 kernel's
+// 860 (which re-decoded each weight block for every tile of 8 rows and kept 8 float partial sums an output),
+// 16 rows 14 against 27 ms, 1 row (weights from DRAM) 3.4-3.5 against 3.95-4.05 ms.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__)
+#define RADIXSERVE_Q8_PANELS 1
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace radixserve::q8 {
+
+enum class Format { kQ4_0, kQ4_1, kQ8_0 };
+
+constexpr int kLanes = 16;                   // channels per panel (one zmm of float32 or int32)
+constexpr int64_t kPanelBlock = 8 * 64;      // bytes of one block of a panel: 8 dwords x 16 channels
+constexpr int kRowTile = 6;                  // rows per tile
+constexpr int kMaxPanels = 4;                // panels filled at once (64 channels)
+constexpr int kStreamRows = 4;               // up to these rows, weights are read as the dot products go
+constexpr int panels_for(int rows) { return rows <= 2 ? 4 : 2; }  // panels per tile: accumulators R x C <= 12
+
+// Activation rows as int8 blocks (block_q8_linear.cpp's Q8Rows, as pointers): scales s, s * sum(codes) (Q4_1's
+// min term) and the integer start of each block's dot (Q4_0: -8 sum; Q8_0: -128 sum; Q4_1: 0), [rows, ld].
+struct Rows {
+  const int8_t* codes;  // [rows, in_features]
+  const float* scales;
+  const float* sums;
+  const int32_t* starts;
+  int64_t in_features, ld;
+};
+
+struct Panels {
+  const uint8_t* codes;  // [panels][blocks][kPanelBlock]
+  const float* d;        // [panels][blocks][16]
+  const float* m;        // [panels][blocks][16] (Q4_1)
+  int64_t blocks;
+};
+
+// r[c] -> r[j] lane c = r[c] lane j (a 16 x 16 transpose of dwords): unpacks of dwords and of pairs give each
+// 128-bit lane four rows of a column, then a 4 x 4 transpose of those lanes.
+__attribute__((always_inline)) inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j]'s lane L: column 4L + j of rows 4i .. 4i + 3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i a = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i b = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i d = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    r[j] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + j] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1));
+    r[8 + j] = _mm512_shuffle_i32x4(b, d, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + j] = _mm512_shuffle_i32x4(b, d, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// Float16 scales of 16 channels (h[c] + b0, `count` <= 16 blocks) as float32 into out[b][16] for b < count.
+inline void scales_panel(const uint16_t* const* h, int64_t b0, int count, float* out) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+  __m512i r[16];
+  for (int c = 0; c < kLanes; ++c)
+    r[c] = _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, h[c] + b0)));
+  transpose16x16(r);
+  for (int b = 0; b < count; ++b) _mm512_storeu_si512(out + b * kLanes, r[b]);
+}
+
+// d (and Q4_1's m) of 16 channels as float32 [blocks][16].
+inline void fill_scales(const uint16_t* const* d, const uint16_t* const* m, Format f, int64_t blocks, float* dp,
+                        float* mp) {
+  for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, blocks - b0));
+    scales_panel(d, b0, count, dp + b0 * kLanes);
+    if (f == Format::kQ4_1) scales_panel(m, b0, count, mp + b0 * kLanes);
+  }
+}
+
+// Loads channels' cache lines (4 Q4 blocks, 2 Q8_0 ones, from block b0; count of them there) transposed: dword
+// j of block k's codes is r[4k + j] (Q8_0: r[8k + j]).
+__attribute__((always_inline)) inline void load_lines(const uint8_t* const* rows, int64_t b0, int count, int64_t bytes,
+                                                     int64_t ahead, __m512i r[16]) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << (count * bytes / 4)) - 1);
+  for (int c = 0; c < kLanes; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(rows[c] + b0 * bytes) + ahead, _MM_HINT_T0);
+    r[c] = _mm512_maskz_loadu_epi32(valid, rows[c] + b0 * bytes);
+  }
+  transpose16x16(r);
+}
+
+// One panel: channels rows[0..16) (qs rows; a partial panel repeats its last channel), their d (and m) as float32,
+// a cache line of each channel at a time (load_lines). Q4: weights 0..15 are the low nibbles of a block's 16
+// bytes, 16..31 the high ones, so dword j's low nibbles are weights 4j..4j+3 and its high ones 16+4j..: panel
+// dwords j and 4 + j.
+template <Format F>
+void fill_panel(const uint8_t* const* rows, const uint16_t* const* d, const uint16_t* const* m, int64_t blocks,
+                uint8_t* codes, float* dp, float* mp) {
+  constexpr int64_t bytes = F == Format::kQ8_0 ? 32 : 16, per_line = 64 / bytes;
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i r[16];
+  for (int64_t b0 = 0; b0 < blocks; b0 += per_line) {
+    const int count = static_cast<int>(std::min<int64_t>(per_line, blocks - b0));
+    load_lines(rows, b0, count, bytes, kLanes * blocks * bytes, r);
+#pragma GCC unroll 4
+    for (int k = 0; k < per_line; ++k) {
+      if (k >= count) break;
+      __m512i* out = reinterpret_cast<__m512i*>(codes + (b0 + k) * kPanelBlock);
+#pragma GCC unroll 8
+      for (int j = 0; j < (F == Format::kQ8_0 ? 8 : 4); ++j) {
+        if constexpr (F == Format::kQ8_0) {
+          _mm512_storeu_si512(out + j, _mm512_xor_si512(r[8 * k + j], flip));
+        } else {
+          _mm512_storeu_si512(out + j, _mm512_and_si512(r[4 * k + j], low));
+          _mm512_storeu_si512(out + 4 + j, _mm512_and_si512(_mm512_srli_epi16(r[4 * k + j], 4), low));
+        }
+      }
+    }
+  }
+  fill_scales(d, m, F, blocks, dp, mp);
+}
+
+// The float steps of block b for row r (see the header): acc = fma(float(dot), d * s, acc), then Q4_1's
+// fma(m, s * sum, acc); d (and m) 16 channels' scales of the block.
+template <Format F>
+__attribute__((always_inline)) inline __m512 add_block(__m512 acc, __m512i dot, __m512 d, const float* m,
+                                                       const Rows& x, int r, int64_t b) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x.scales[r * x.ld + b])), acc);
+  if constexpr (F == Format::kQ4_1)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(m), _mm512_set1_ps(x.sums[r * x.ld + b]), acc);
+  return acc;
+}
+
+// The integer start of block b's dot for row r, in every lane.
+template <Format F>
+__attribute__((always_inline)) inline __m512i block_start(const Rows& x, int r, int64_t b) {
+  return F == Format::kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(x.starts[r * x.ld + b]);
+}
+
+// Four codes of row r from byte `at` of its block b, in every lane.
+__attribute__((always_inline)) inline __m512i four_codes(const Rows& x, int r, int64_t b, int at) {
+  int32_t four;
+  std::memcpy(&four, x.codes + r * x.in_features + b * 32 + at, 4);
+  return _mm512_set1_epi32(four);
+}
+
+// R (few: decode) rows against the 16 channels `rows` read straight from the weights: each cache line's transpose
+// feeds the dot products at once, so reading the weights overlaps the arithmetic (through a filled panel, a read
+// phase of its own, one row took 1.7x the time). The same integers and float steps as `tile`.
+template <int R, Format F>
+void stream_tile(const Rows& x, const uint8_t* const* rows, const float* dp, const float* mp, int64_t blocks,
+                 float* out, int64_t ldo) {
+  constexpr int64_t bytes = F == Format::kQ8_0 ? 32 : 16, per_line = 64 / bytes;
+  // Prefetched: the line two panels on (a channel's row is a few lines: too short a stream for the hardware's).
+  const int64_t ahead = 2 * kLanes * blocks * bytes;
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512i lines[16];
+  for (int64_t b0 = 0; b0 < blocks; b0 += per_line) {
+    const int count = static_cast<int>(std::min<int64_t>(per_line, blocks - b0));
+    load_lines(rows, b0, count, bytes, ahead, lines);
+#pragma GCC unroll 4
+    for (int k = 0; k < per_line; ++k) {
+      if (k >= count) break;
+      const int64_t b = b0 + k;
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = block_start<F>(x, r, b);
+#pragma GCC unroll 8
+      for (int j = 0; j < (F == Format::kQ8_0 ? 8 : 4); ++j) {  // Q4: 4 dwords of nibble pairs; Q8_0: 8
+        if constexpr (F == Format::kQ8_0) {
+          const __m512i w = _mm512_xor_si512(lines[8 * k + j], flip);
+          for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], w, four_codes(x, r, b, 4 * j));
+        } else {
+          const __m512i lo = _mm512_and_si512(lines[4 * k + j], low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(lines[4 * k + j], 4), low);
+          for (int r = 0; r < R; ++r) {
+            dot[r] = _mm512_dpbusd_epi32(dot[r], lo, four_codes(x, r, b, 4 * j));
+            dot[r] = _mm512_dpbusd_epi32(dot[r], hi, four_codes(x, r, b, 16 + 4 * j));
+          }
+        }
+      }
+      const __m512 d = _mm512_loadu_ps(dp + b * kLanes);
+      const float* m = F == Format::kQ4_1 ? mp + b * kLanes : nullptr;
+      for (int r = 0; r < R; ++r) acc[r] = add_block<F>(acc[r], dot[r], d, m, x, r, b);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+// R rows against C panels (16 C channels): out[r * ldo + 16 c + lane] = the (row, channel) sum of the header.
+template <int R, int C, Format F>
+void tile(const Rows& x, const Panels& w, float* out, int64_t ldo) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t codes_stride = w.blocks * kPanelBlock, floats_stride = w.blocks * kLanes;
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m512i dot[R][C];
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = block_start<F>(x, r, b);
+      for (int c = 0; c < C; ++c) dot[r][c] = start;
+    }
+    const uint8_t* block = w.codes + b * kPanelBlock;
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      __m512i wt[C];
+      for (int c = 0; c < C; ++c) wt[c] = _mm512_loadu_si512(block + c * codes_stride + 64 * t);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xr = four_codes(x, r, b, 4 * t);
+        for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], wt[c], xr);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 d = _mm512_loadu_ps(w.d + c * floats_stride + b * kLanes);
+      const float* m = F == Format::kQ4_1 ? w.m + c * floats_stride + b * kLanes : nullptr;
+      for (int r = 0; r < R; ++r) acc[r][c] = add_block<F>(acc[r][c], dot[r][c], d, m, x, r, b);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * ldo + kLanes * c, acc[r][c]);
+}
+
+template <Format F>
+void run_tile(int rows, int panels, const Rows& x, const Panels& w, float* out, int64_t ldo) {
+  switch (rows) {
+#define RADIXSERVE_Q8_TILE(R)                                                    \
+  case R:                                                                        \
+    if (panels < panels_for(R)) return tile<R, 1, F>(x, w, out, ldo);            \
+    return tile<R, panels_for(R), F>(x, w, out, ldo);
+    RADIXSERVE_Q8_TILE(1) RADIXSERVE_Q8_TILE(2) RADIXSERVE_Q8_TILE(3) RADIXSERVE_Q8_TILE(4) RADIXSERVE_Q8_TILE(5)
+#undef RADIXSERVE_Q8_TILE
+    default:
+      if (panels < panels_for(kRowTile)) return tile<kRowTile, 1, F>(x, w, out, ldo);
+      return tile<kRowTile, panels_for(kRowTile), F>(x, w, out, ldo);
+  }
+}
+
+// Where a panel's 16 channels lie: qs rows row_bytes apart, d and m (float16 bits) blocks apart; a channel past n1
+// is a copy of the last one (its output is never stored).
+struct Channels {
+  const uint8_t* qs;
+  const uint16_t *d, *m;
+  int64_t row_bytes, blocks, n1;
+
+  void at(int64_t n0, const uint8_t** rows, const uint16_t** ds, const uint16_t** ms) const {
+    for (int c = 0; c < kLanes; ++c) {
+      const int64_t n = std::min(n0 + c, n1 - 1);
+      rows[c] = qs + n * row_bytes;
+      ds[c] = d + n * blocks;
+      ms[c] = m == nullptr ? nullptr : m + n * blocks;
+    }
+  }
+};
+
+template <Format F>
+void run_stream_tile(int rows, const Rows& x, const uint8_t* const* qs, const float* dp, const float* mp,
+                     int64_t blocks, float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: return stream_tile<1, F>(x, qs, dp, mp, blocks, out, ldo);
+    case 2: return stream_tile<2, F>(x, qs, dp, mp, blocks, out, ldo);
+    case 3: return stream_tile<3, F>(x, qs, dp, mp, blocks, out, ldo);
+    default: return stream_tile<kStreamRows, F>(x, qs, dp, mp, blocks, out, ldo);
+  }
+}
+
+// Up to kStreamRows rows (decode): a panel at a time, its weights read as the dot products go (stream_tile).
+template <Format F, typename Store>
+void stream_channels(const Rows& x, int64_t rows, const Channels& w, int64_t n0, const Store& store) {
+  std::vector<float> dp(w.blocks * kLanes), mp(F == Format::kQ4_1 ? dp.size() : 0);
+  float sums[kStreamRows * kLanes];
+  const uint8_t* qs[kLanes];
+  const uint16_t *d[kLanes], *m[kLanes];
+  for (int64_t c0 = n0; c0 < w.n1; c0 += kLanes) {
+    w.at(c0, qs, d, m);
+    fill_scales(d, m, F, w.blocks, dp.data(), mp.data());
+    run_stream_tile<F>(static_cast<int>(rows), x, qs, dp.data(), mp.data(), w.blocks, sums, kLanes);
+    for (int r = 0; r < rows; ++r) store(r, c0, std::min<int64_t>(kLanes, w.n1 - c0), sums + r * kLanes);
+  }
+}
+
+// Every row's outputs for channels n0..w.n1 through `store(row, n, count, sums)`. Few rows: stream_channels; more:
+// up to kMaxPanels panels filled (their codes rearranged once), then every tile of rows against them.
+template <Format F, typename Store>
+void linear_channels(const Rows& x, int64_t rows, const Channels& w, int64_t n0, const Store& store) {
+  if (rows <= kStreamRows) return stream_channels<F>(x, rows, w, n0, store);
+  const int64_t blocks = w.blocks;
+  std::vector<uint8_t> codes(kMaxPanels * blocks * kPanelBlock);
+  std::vector<float> dp(kMaxPanels * blocks * kLanes), mp(F == Format::kQ4_1 ? dp.size() : 0);
+  std::vector<float> sums(kRowTile * kMaxPanels * kLanes);
+  const uint8_t* qs[kLanes];
+  const uint16_t *d[kLanes], *m[kLanes];
+  for (int64_t c0 = n0; c0 < w.n1; c0 += kMaxPanels * kLanes) {
+    const int64_t c1 = std::min(w.n1, c0 + kMaxPanels * kLanes);
+    const int panels = static_cast<int>((c1 - c0 + kLanes - 1) / kLanes);
+    for (int p = 0; p < panels; ++p) {
+      w.at(c0 + p * kLanes, qs, d, m);
+      fill_panel<F>(qs, d, m, blocks, codes.data() + p * blocks * kPanelBlock, dp.data() + p * blocks * kLanes,
+                 F == Format::kQ4_1 ? mp.data() + p * blocks * kLanes : nullptr);
+    }
+    constexpr int64_t ldo = kMaxPanels * kLanes;
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+      const Rows xr{x.codes + r0 * x.in_features, x.scales + r0 * x.ld, x.sums + r0 * x.ld, x.starts + r0 * x.ld,
+                    x.in_features, x.ld};
+      for (int p = 0; p < panels;) {
+        const Panels panel{codes.data() + p * blocks * kPanelBlock, dp.data() + p * blocks * kLanes,
+                           F == Format::kQ4_1 ? mp.data() + p * blocks * kLanes : nullptr, blocks};
+        const int left = panels - p;
+        run_tile<F>(tile_rows, left, xr, panel, sums.data() + p * kLanes, ldo);
+        p += left < panels_for(tile_rows) ? 1 : panels_for(tile_rows);
+      }
+      for (int r = 0; r < tile_rows; ++r) store(r0 + r, c0, c1 - c0, sums.data() + r * ldo);
+    }
+  }
+}
+
+}  // namespace radixserve::q8
+
+#endif
