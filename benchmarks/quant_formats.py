@@ -7,7 +7,9 @@ Q4_0, Q4_K_M, Q6_K, ...) and each ``--num-threads``, in one run, alternately ove
 - radixserve at the engine defaults (``--quantization auto``: the file's own blocks where a kernel runs
   them): prefill tok/s of a ``--context``-token prompt and decode tok/s at ``--context`` for batch 1 and
   16, with model-speed's measuring functions (the model step alone, no scheduler);
-- ``llama-bench -m FILE -t T -p CONTEXT -n 64 -o json`` (pp512 / tg64 at the defaults), from
+- ``llama-bench -m FILE -t T -p CONTEXT -n 64 -d 0,CONTEXT -o json``: pp512 and tg64 at the defaults, and
+  tg64 after CONTEXT tokens (``tg@ctx``: the same context as radixserve's decode, so ``b1 / tg@ctx`` is the
+  like-for-like ratio; ``b1 / tg`` sets our decode at 512 tokens against theirs at none), from
   ``--llama-bench`` or ``$LLAMA_BENCH``; without one the llama.cpp columns say "-" (a note says why).
 
 Also the weights radixserve holds (``weight_bytes`` of the loaded model) against the file's tensor bytes.
@@ -52,10 +54,18 @@ def file_tensors(path: str | os.PathLike[str]) -> FileTensors:
 
 
 def llama_bench(binary: str, path: str, threads: int, context_len: int) -> dict[str, float]:
-    """llama.cpp's own tok/s on ``path``: ``pp`` (a ``context_len`` prompt) and ``tg`` (64 generated tokens)."""
-    command = [binary, "-m", path, "-t", str(threads), "-p", str(context_len), "-n", str(LLAMA_GEN_LEN), "-o", "json"]
+    """llama.cpp's own tok/s on ``path``: ``pp`` (a ``context_len`` prompt), ``tg`` (64 generated tokens) and
+    ``tg_ctx`` (64 generated after ``context_len`` tokens of context)."""
+    command = [binary, "-m", path, "-t", str(threads), "-p", str(context_len), "-n", str(LLAMA_GEN_LEN)]
+    command += ["-d", f"0,{context_len}", "-o", "json"]
     records = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-    return {("pp" if r["n_prompt"] else "tg"): float(r["avg_ts"]) for r in records}
+    found = {}
+    for r in records:
+        if r["n_prompt"] and not r.get("n_depth"):
+            found["pp"] = float(r["avg_ts"])
+        elif r["n_gen"]:
+            found["tg_ctx" if r.get("n_depth") else "tg"] = float(r["avg_ts"])
+    return found
 
 
 def radixserve_speeds(engine: Engine, threads: int, args: argparse.Namespace) -> dict[str, float]:
@@ -95,13 +105,14 @@ def row(path: str, threads: int, cells: dict[str, float | str]) -> dict[str, str
     def ratio(ours: str, theirs: str) -> str:
         return f"{float(cells[ours]) / float(cells[theirs]):.2f}x" if theirs in cells else "-"
 
-    llama = {key: f"{float(cells[key]):.0f}" if key in cells else "-" for key in ("pp", "tg")}
+    llama = {key: f"{float(cells[key]):.0f}" if key in cells else "-" for key in ("pp", "tg", "tg_ctx")}
     return {
         "file": f"{Path(path).name} {threads}t",
-        "llama pp / tg": f"{llama['pp']} / {llama['tg']}",
+        "llama pp / tg / tg@ctx": f"{llama['pp']} / {llama['tg']} / {llama['tg_ctx']}",
         "rs prefill / b1 / b16": f"{cells['prefill']:.0f} / {cells['decode 1']:.1f} / {cells['decode 16']:.1f}",
         "prefill / pp": ratio("prefill", "pp"),
         "b1 / tg": ratio("decode 1", "tg"),
+        "b1 / tg@ctx": ratio("decode 1", "tg_ctx"),
         "weights / file MiB": f"{float(cells['weights']) / 2**20:.1f} / {stored.tensor_bytes / 2**20:.1f}",
         "quantization": str(cells["quantization"]),
         "types": " ".join(f"{kind}:{count}" for kind, count in stored.types.items()),
@@ -123,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.llama_bench:
         print("note: no llama-bench (--llama-bench or $LLAMA_BENCH): the llama.cpp columns are '-'")
     print(
-        f"llama pp{args.context} / tg{LLAMA_GEN_LEN}, radixserve prefill {args.context} / decode batch 1 and 16 "
-        f"@ {args.context} ctx: tok/s; ratios radixserve / llama.cpp"
+        f"llama pp{args.context} / tg{LLAMA_GEN_LEN} / tg{LLAMA_GEN_LEN} @ {args.context} ctx, radixserve prefill "
+        f"{args.context} / decode batch 1 and 16 @ {args.context} ctx: tok/s; ratios radixserve / llama.cpp"
     )
     thread_counts = [int(t) for t in args.num_threads.split(",")]
     rows = [

@@ -15,14 +15,20 @@ import pytest
 from benchmarks.quant_formats import file_tensors, main
 from tests.support.archs import gguf_path
 
-FAKE_PP, FAKE_TG = 1000.0, 50.0  # the stand-in's tok/s
+FAKE_PP, FAKE_TG, FAKE_TG_CTX = 1000.0, 50.0, 40.0  # the stand-in's tok/s
 FAKE_LLAMA_BENCH = f"""#!{sys.executable}
 import json, sys
 args = sys.argv[1:]
 assert args[args.index("-o") + 1] == "json" and args[args.index("-n") + 1] == "64", args
 print(f"llama-bench {{' '.join(args)}}", file=open(sys.argv[0] + ".log", "a"))
 prompt = int(args[args.index("-p") + 1])
-records = [{{"n_prompt": prompt, "n_gen": 0, "avg_ts": {FAKE_PP}}}, {{"n_prompt": 0, "n_gen": 64, "avg_ts": {FAKE_TG}}}]
+depth = int(args[args.index("-d") + 1].split(",")[1])
+records = [
+    {{"n_prompt": prompt, "n_gen": 0, "n_depth": 0, "avg_ts": {FAKE_PP}}},
+    {{"n_prompt": 0, "n_gen": 64, "n_depth": 0, "avg_ts": {FAKE_TG}}},
+    {{"n_prompt": prompt, "n_gen": 0, "n_depth": depth, "avg_ts": 1.0}},
+    {{"n_prompt": 0, "n_gen": 64, "n_depth": depth, "avg_ts": {FAKE_TG_CTX}}},
+]
 print(json.dumps(records))
 """
 FLAGS = ["--context", "32", "--decode-steps", "2", "--rounds", "1"]
@@ -46,7 +52,8 @@ def test_without_llama_bench_one_row_per_file_and_the_file_bytes(
     assert [r[0] for r in rows] == ["llama3.gguf 1t", "qwen2.gguf 1t"]
     for path, cells in zip(paths, rows):
         values = dict(zip(header, cells))
-        assert (values["llama pp / tg"], values["prefill / pp"], values["b1 / tg"]) == ("- / -", "-", "-")
+        assert (values["llama pp / tg / tg@ctx"], values["prefill / pp"], values["b1 / tg"]) == ("- / - / -", "-", "-")
+        assert values["b1 / tg@ctx"] == "-"
         stored = file_tensors(path)
         reader = gguf.GGUFReader(path)
         assert stored.tensor_bytes == sum(t.data.nbytes for t in reader.tensors) < path.stat().st_size
@@ -64,9 +71,10 @@ def test_a_stand_in_llama_bench_gives_the_ratios(capsys: pytest.CaptureFixture[s
     main(["--model-path", str(path), "--llama-bench", str(fake), *FLAGS])
     header, row = table(capsys.readouterr().out)
     values = dict(zip(header, row))
-    assert values["llama pp / tg"] == f"{FAKE_PP:.0f} / {FAKE_TG:.0f}"
+    assert values["llama pp / tg / tg@ctx"] == f"{FAKE_PP:.0f} / {FAKE_TG:.0f} / {FAKE_TG_CTX:.0f}"
     prefill, decode_1, _ = (float(x) for x in values["rs prefill / b1 / b16"].split(" / "))
     assert float(values["prefill / pp"].rstrip("x")) == pytest.approx(prefill / FAKE_PP, abs=0.01)
     assert float(values["b1 / tg"].rstrip("x")) == pytest.approx(decode_1 / FAKE_TG, abs=0.01)
+    assert float(values["b1 / tg@ctx"].rstrip("x")) == pytest.approx(decode_1 / FAKE_TG_CTX, abs=0.01)
     ran = (tmp_path / "llama-bench.log").read_text().splitlines()
-    assert ran == [f"llama-bench -m {path} -t 1 -p 32 -n 64 -o json"]
+    assert ran == [f"llama-bench -m {path} -t 1 -p 32 -n 64 -d 0,32 -o json"]
