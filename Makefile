@@ -24,7 +24,9 @@ $(STAMP): pyproject.toml
 	# The dashboard's browser test drives the system's chromium (playwright never downloads one): Debian's
 	# package where we are root with apt-get; otherwise that one test skips, and the install goes on.
 	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
-		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get install -y -qq chromium >/dev/null; } || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		  { apt-get install -y -qq chromium >/dev/null 2>&1 || \
+		    { apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null; }; }; } || \
 		echo "notice: no chromium installed: tests/server/test_dashboard_browser.py will skip (apt-get install chromium)"
 	touch $@
 
