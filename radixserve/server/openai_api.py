@@ -400,10 +400,11 @@ class ChatCall(OpenAICall):
             for i in range(self.num_choices)
         ]
 
+    def chunk_logprobs(self, listed: LogprobTokens) -> dict[str, Any] | None:
+        return {"content": self.logprobs_content(listed)} if self.body.logprobs else None
+
     def chunk(self, index: int, delta_text: str, listed: LogprobTokens, finish_reason: str | None) -> dict[str, Any]:
-        block = None
-        if self.body.logprobs:
-            block = {"content": self.logprobs_content(listed)}
+        block = self.chunk_logprobs(listed)
         delta: dict[str, str] = {"content": delta_text} if delta_text or finish_reason is None else {}
         if self.reasoning_parser is not None:
             final = finish_reason is not None
@@ -426,8 +427,10 @@ class ChatCall(OpenAICall):
             deltas.append({})
         if not deltas:
             return []
-        first = self.chunk(index, "", listed, None)
-        choices = [{**first, "delta": delta, "logprobs": None} for delta in deltas]
-        choices[0]["logprobs"] = first["logprobs"]
+        # built here, not through chunk(): that would feed the reasoning stream a second time
+        choices: list[dict[str, Any]] = [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas
+        ]
+        choices[0]["logprobs"] = self.chunk_logprobs(listed)
         choices[-1]["finish_reason"] = choice_finish_reason(finish, replies.called(index))
         return choices
