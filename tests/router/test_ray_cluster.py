@@ -9,6 +9,7 @@ from the replicas' KV-event snapshots.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -226,11 +227,24 @@ def test_a_restarted_front_rebuilds_the_index_from_snapshots(front: str) -> None
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 200
 
 
-def test_a_restarted_replica_is_survived(front: str) -> None:
+def test_a_replica_killed_mid_stream_ends_its_stream_and_is_survived(front: str) -> None:
+    """A replica killed (ray.kill: its process ends at once) while it streams: that stream ends with an error
+    event and [DONE], not a cut body; Serve starts a new replica and the router follows it."""
     flush(front)
     home, _ = went_to(front, lambda: complete(front, f"{WORDS} on the doomed replica"))
     survivor = next(r for r in routed(front) if r != home)
-    kill_actor(home)
+    body = {"model": MODEL, "prompt": f"{WORDS} on the doomed replica", "max_tokens": 3500, "stream": True}
+    before = routed(front)[home]
+    with httpx.stream("POST", front + "/v1/completions", json={**body, "ignore_eos": True}, timeout=CALL_TIMEOUT) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+        assert routed(front)[home] == before + 1  # the stream follows its prefix to the replica about to die
+        kill_actor(home)
+        rest = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert json.loads(first.removeprefix("data: "))["choices"][0]["text"] is not None
+    assert rest[-1] == "[DONE]", rest[-3:]
+    assert json.loads(rest[-2])["error"]["code"] == "replica_unavailable", rest[-3:]
 
     def replaced() -> bool:
         views = {r["replica"]: r["index"] for r in router(front)["replicas"]}
