@@ -61,6 +61,17 @@ def test_regex_and_ebnf_outputs_match(engine: Engine) -> None:
         assert out.finish_reason == "stop" and re.fullmatch(r"yes|no|maybe [0-9]", out.text), out
 
 
+def test_an_empty_negated_class_is_any_one_character(engine: Engine) -> None:
+    """EBNF ``[^]`` (issue 37): xgrammar reads it as the complement of nothing, one character of any kind (as in
+    JavaScript's regexes; Python's ``re`` refuses the class, so a checker built on it called the answers wrong).
+    Every answer is one character, also where the model would rather write a multi-byte one."""
+    for seed in range(4):
+        out = engine.generate(PROMPT, {"ebnf": "root ::= [^]", "max_new_tokens": 8, "temperature": 1.0, "seed": seed})
+        assert out.finish_reason == "stop" and len(out.text) == 1, out
+    out = engine.generate(PROMPT, {"ebnf": 'root ::= [^] [^] "!"', "max_new_tokens": 12, "temperature": 1.0})
+    assert out.finish_reason == "stop" and len(out.text) == 3 and out.text.endswith("!"), out
+
+
 def test_the_mask_changes_what_a_random_model_writes(engine: Engine) -> None:
     free = engine.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0})
     assert not re.fullmatch(r"[0-9]+", free.text)  # the premise of every test here
