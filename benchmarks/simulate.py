@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.belady import BeladyCache, FutureIndex
-from benchmarks.policy_table import adaptive_summary
+from benchmarks.policy_table import online_summaries
 from benchmarks.tier_sim import make_tiered_cache
 from benchmarks.traces import load_scaled_trace, load_trace, time_slice, working_set_tokens
 from benchmarks.workloads import TraceRequest, make_workload
@@ -390,7 +390,7 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     results = simulate(requests, caches, capacities, args.concurrency, args.repeat, trace_clock=bool(args.trace))
     print(format_table(results))
-    print(adaptive_summary(results))
+    print(online_summaries(results))
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"simulate-{label}"

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from radixserve.cache.adaptive.candidates import AdaptiveCandidates
 from radixserve.cache.core.candidates import CandidateHeap, CandidateSet, Rank
+from radixserve.cache.learned.candidates import LearnedCandidates
 
 __all__ = ["EVICTION_POLICIES", "CandidateHooks", "EvictionStrategy", "NodeStats", "Rank", "create_eviction_strategy"]
 
@@ -159,6 +160,17 @@ class AdaptiveStrategy(EvictionStrategy):
         )
 
 
+class LearnedStrategy(EvictionStrategy):
+    """ARC over the leaves (cache/learned/): seen-once and reused leaves, each LRU; the seen-once segment's share
+    of the candidates' tokens is learned from which segment's evicted leaves come back (ghost hits)."""
+
+    def rank(self, node: NodeStats) -> Rank:
+        return (node.last_access_time,)  # within a segment; which segment gives a leaf is the candidate set's call
+
+    def candidate_set(self, tie_break: Callable[[Any], int], hooks: CandidateHooks) -> CandidateSet[Any]:
+        return LearnedCandidates(tie_break, hooks.ghost_key, hooks.node_len, hooks.capacity_len)
+
+
 EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
     "lru": LRUStrategy,
     "mru": MRUStrategy,
@@ -168,6 +180,7 @@ EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
     "slru": SLRUStrategy,
     "priority": PriorityStrategy,
     "adaptive": AdaptiveStrategy,
+    "learned": LearnedStrategy,
 }
 
 

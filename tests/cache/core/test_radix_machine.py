@@ -45,6 +45,17 @@ def slow_depth(n: TreeNode) -> int:
     return depth
 
 
+def learned_victim(leaves: list[TreeNode], share: float) -> TreeNode:
+    """The leaf ``learned`` evicts: the least recent never-reused leaf while those hold more than ``share`` of
+    the candidates' tokens, else the least recent reused one (ARC's two segments)."""
+    once = [n for n in leaves if n.hit_count == 0]
+    reused = [n for n in leaves if n.hit_count > 0]
+    once_len = sum(len(n.value) for n in once)
+    over = once_len > share * sum(len(n.value) for n in leaves)
+    segment = once if once and (over or not reused) else reused
+    return min(segment, key=EXPECTED_RANK["lru"])
+
+
 def adaptive_victim(leaves: list[TreeNode], shifts: tuple[float, float, float], num_classes: int) -> TreeNode:
     """The leaf ``adaptive`` evicts: by groups (the top level, below it), each ranked by shifted recency.
 
@@ -169,6 +180,8 @@ class RadixMachine(RuleBasedStateMachine):
         while leaves and freed < num_tokens:
             if shifts:
                 victim = adaptive_victim(leaves, shifts, learned.num_classes)  # type: ignore[attr-defined]
+            elif self.policy == "learned":
+                victim = learned_victim(leaves, learned.share)  # type: ignore[attr-defined]
             else:
                 victim = min(leaves, key=EXPECTED_RANK[self.policy])
             leaves.remove(victim)
@@ -249,6 +262,12 @@ class RadixMachine(RuleBasedStateMachine):
         self.cache.candidates.shift = shift  # type: ignore[attr-defined]
         self.cache.candidates.top_shift = top_shift  # type: ignore[attr-defined]
         self.cache.candidates.depth_shift = depth_shift  # type: ignore[attr-defined]
+
+    @precondition(lambda self: self.policy == "learned")
+    @rule(share=st.sampled_from([0.0, 0.2, 0.5, 0.9, 1.0]))
+    def learn_share(self, share: float) -> None:
+        """Stand in for what the ghosts would have taught: any share must keep the order exact."""
+        self.cache.candidates.share = share  # type: ignore[attr-defined]
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:
