@@ -68,3 +68,27 @@ def test_simulate_reads_a_mooncake_half(tmp_path: Path, capsys: pytest.CaptureFi
     half = len(time_slice(load_scaled_trace(SYNTHETIC), "second-half"))
     assert {r["cache"] for r in rows} == {"radix-lru-p1", "belady"} and all(r["requests"] == half for r in rows)
     assert f"{half:,} requests" in out
+
+
+def test_policy_table_command_on_a_trace_half_and_a_family(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.eviction_heldout import main as policy_table
+
+    policy_table(
+        [
+            "--traces",
+            f"mooncake:{SYNTHETIC}",
+            "--fractions",
+            "0.25",
+            "--families",
+            "chat",
+            "--seeds",
+            "3,4",
+            "--family-fractions",
+            "0.25",
+        ]
+    )
+    out = capsys.readouterr().out
+    trace_row = next(line for line in out.splitlines() if line.startswith("mooncake_synthetic_head120"))
+    assert "learned" in trace_row and "adaptive" in trace_row and "µs" in trace_row
+    family_row = next(line for line in out.splitlines() if line.startswith("chat"))
+    assert "learned worst" in family_row and ("seed 3" in family_row or "seed 4" in family_row)

@@ -161,8 +161,9 @@ class AdaptiveStrategy(EvictionStrategy):
 
 
 class LearnedStrategy(EvictionStrategy):
-    """ARC over the leaves (cache/learned/): seen-once and reused leaves, each LRU; the seen-once segment's share
-    of the candidates' tokens is learned from which segment's evicted leaves come back (ghost hits)."""
+    """Nested ARC over the leaves (cache/learned/): reused leaves (LRU) against never-reused ones, these split
+    into the top level (LRU) and below it (deepest first); each split's share of the candidates' tokens is
+    learned from which segment's evicted leaves come back (ghost hits)."""
 
     def rank(self, node: NodeStats) -> Rank:
         return (node.last_access_time,)  # within a segment; which segment gives a leaf is the candidate set's call

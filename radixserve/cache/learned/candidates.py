@@ -1,23 +1,30 @@
-"""The ``learned`` eviction candidate set: ARC (Megiddo & Modha, FAST '03) over the radix tree's leaves.
+"""The ``learned`` eviction candidate set: ARC (Megiddo & Modha, FAST '03) over the radix tree's leaves, nested.
 
-Leaves fall in two segments by what the traffic has shown of them: ``T1``, never reused by a finished request
-(``hit_count == 0``: a one-off prompt, a conversation's newest turn, a question below a document), and ``T2``,
-reused at least once (a shared document, a tree's root, a system prompt whose children are gone). Each is an
-LRU heap (``CandidateHeap`` by last access). A pop evicts T1's least recent leaf while T1 holds more than the
-learned share ``target`` of the candidates' tokens, else T2's.
+Leaves fall in segments by what the traffic has shown of them. ``T2``: reused at least once by a finished
+request (a shared document, a tree's root, a system prompt whose children are gone). ``T1``: never reused,
+split by where the leaf hangs: at the top level (nothing cached above it: a one-off prompt, a new tree's root)
+or below a cached prefix (a conversation's newest turn, a question below a document, a thought's last step).
+T2 and T1's top level are LRU heaps; T1 below the top level goes deepest first (then least recent): the most
+specific content, as ``adaptive`` found on thought trees and grouped prompts (BENCHMARKS §2).
 
-``target`` is learned online from ghosts: every evicted leaf leaves one where it hung (its segment and
-length), each segment's ghosts holding at most ``GHOST_REACH`` pools' worth of tokens, oldest forgotten
-first. A lookup that stops exactly at a ghost (``note_miss``) is a reuse this cache missed: a T1 ghost means
-the seen-once segment deserved more room (the share grows), a T2 ghost that the reused one did (it shrinks),
-by ``STEP`` x the ghost's length x max(1, the other segment's ghost tokens / this one's) (ARC's rule, in
-tokens). Recency-friendly traffic (multi-turn chat whose next turn reuses the newest leaf) pushes the share up
-toward LRU; frequency-friendly traffic (popular documents, tree roots) pushes it down toward SLRU.
+A pop takes from T1 while T1 holds more than the learned ``share`` of the candidates' tokens, else from T2;
+within T1, from its top level while that holds more than the learned ``top_share`` of T1's tokens, else the
+deepest leaf below.
 
-Deterministic given the trace (no randomness, no clock read: the order is by the tree's access times), bounded
-(per member its segment and length; ghosts at most 2 x ``GHOST_REACH`` pools' tokens), and at LRU's cost
-class: add / discard / an access are O(1) or one heap push, a pop reads two heap heads and pops one
-(O(log n) per evicted leaf).
+Both shares are learned online from ghosts, by ARC's rule in tokens: every evicted leaf leaves one where it
+hung (its segment, its length); each segment's ghosts hold at most ``GHOST_REACH`` pools' worth of tokens,
+oldest forgotten first. A lookup that stops exactly at a ghost (``note_miss``) is a reuse this cache missed:
+the ghost's segment should have had more room, so its share grows by ``STEP`` x the ghost's length x
+max(1, the rival's ghost tokens / its own) / the pool, and the rival's shrinks. Recency-friendly traffic
+(multi-turn chat, whose next turn reuses the newest leaf) pushes ``share`` up toward LRU; frequency-friendly
+traffic (popular documents, tree roots) pushes it down toward SLRU; one-off prompts beside conversations
+push ``top_share`` down, thought trees whose roots come back push it up.
+
+Deterministic given the trace (no randomness, no clock read: the orders are the tree's access times and
+depths, ties by node id), bounded (per member its segment, length and heap; ghosts at most 3 x
+``GHOST_REACH`` pools' tokens), and at LRU's cost class: add / discard are one heap push or O(1), an access
+O(1) (lazy heaps) unless a first hit re-files the leaf, a pop reads three heap heads and pops one (O(log n)
+per evicted leaf).
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ from typing import Generic, Protocol, TypeVar
 
 from radixserve.cache.core.candidates import CandidateHeap
 
-SEEN_ONCE, REUSED = 0, 1
+TOP, REUSED, BELOW = 0, 1, 2  # segments: T1 at the top level, T2, T1 below a cached prefix
 
 
 class Ranked(Protocol):
     last_access_time: float
     hit_count: int
+    depth: int
 
     def __hash__(self) -> int: ...
 
@@ -41,16 +49,20 @@ class Ranked(Protocol):
 T = TypeVar("T", bound=Ranked)
 
 
-def _last_access(node: Ranked) -> tuple[float]:
+def _least_recent(node: Ranked) -> tuple[float]:
     return (node.last_access_time,)
 
 
+def _deepest(node: Ranked) -> tuple[float, float]:
+    return (-node.depth, node.last_access_time)
+
+
 class LearnedCandidates(Generic[T]):
-    """Unlocked leaves for the ``learned`` policy; the interface of ``CandidateHeap`` plus the learned share."""
+    """Unlocked leaves for the ``learned`` policy; the interface of ``CandidateHeap`` plus the learned shares."""
 
     GHOST_REACH = 1.0  # each segment's ghosts hold at most this many pools' worth of tokens
-    STEP = 0.25  # of ARC's adaptation per ghost hit (1.0 moved the share too far on each hit: see the module's tests)
-    INITIAL_SHARE = 0.5  # of the candidates' tokens T1 may hold before it gives way to T2
+    STEP = 0.25  # of ARC's adaptation per ghost hit (ARC's full step moved the shares too far: see BENCHMARKS)
+    INITIAL_SHARE = 0.5
 
     def __init__(
         self,
@@ -59,17 +71,16 @@ class LearnedCandidates(Generic[T]):
         size: Callable[[T], int],
         capacity_len: int,
     ) -> None:
-        self._heaps: tuple[CandidateHeap[T], CandidateHeap[T]] = (
-            CandidateHeap(_last_access, tie_break, True),
-            CandidateHeap(_last_access, tie_break, True),
-        )
-        self._member: dict[T, tuple[int, int]] = {}  # member -> (segment, tokens when it joined)
-        self.segment_len = [0, 0]  # candidate tokens in T1, T2
+        ranks = (_least_recent, _least_recent, _deepest)
+        self._heaps: list[CandidateHeap[T]] = [CandidateHeap(rank, tie_break, True) for rank in ranks]
+        self._member: dict[T, tuple[int, int]] = {}  # member -> (segment, tokens when filed)
+        self.segment_len = [0, 0, 0]  # candidate tokens per segment
         self._ghost_key, self._size = ghost_key, size
-        self._ghosts: tuple[OrderedDict[Hashable, int], OrderedDict[Hashable, int]] = (OrderedDict(), OrderedDict())
-        self.ghost_len = [0, 0]  # ghost tokens of T1, T2
+        self._ghosts: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in ranks]  # key -> tokens
+        self.ghost_len = [0, 0, 0]
         self.ghost_capacity_len = max(int(self.GHOST_REACH * capacity_len), 1)
-        self.share = self.INITIAL_SHARE  # learned: T1's share of the candidates' tokens
+        self.share = self.INITIAL_SHARE  # T1's share of the candidates' tokens
+        self.top_share = self.INITIAL_SHARE  # T1's top level's share of T1's tokens
 
     def __len__(self) -> int:
         return len(self._member)
@@ -81,9 +92,10 @@ class LearnedCandidates(Generic[T]):
         return iter(self._member)
 
     def add(self, member: T) -> None:
-        """Make ``member`` a candidate, or re-file it (a split changed its length, a hit its segment)."""
+        """Make ``member`` a candidate, or re-file it (a split changed its length and depth, a hit its segment)."""
         self.discard(member)
-        segment, length = int(member.hit_count > 0), self._size(member)
+        segment = REUSED if member.hit_count > 0 else (BELOW if member.depth > 0 else TOP)
+        length = self._size(member)
         self._member[member] = (segment, length)
         self.segment_len[segment] += length
         self._heaps[segment].add(member)
@@ -97,40 +109,59 @@ class LearnedCandidates(Generic[T]):
     def refresh(self, member: T) -> None:
         """An access: the heaps re-rank lazily; a first hit moves the leaf from T1 to T2."""
         entry = self._member.get(member)
-        if entry is not None and entry[0] == SEEN_ONCE and member.hit_count > 0:
+        if entry is not None and entry[0] != REUSED and member.hit_count > 0:
             self.add(member)
 
     def pop(self) -> T | None:
-        """Evict T1's least recent leaf while T1 is over its share of the candidates' tokens, else T2's."""
-        once, reused = self._heaps[SEEN_ONCE].peek(), self._heaps[REUSED].peek()
-        if once is None and reused is None:
-            return None
-        over_share = self.segment_len[SEEN_ONCE] > self.share * (self.segment_len[SEEN_ONCE] + self.segment_len[REUSED])
-        segment = SEEN_ONCE if reused is None or (once is not None and over_share) else REUSED
+        """Evict from T1 while it is over its share of the candidates' tokens (within T1, from the top level
+        while that is over its share of T1), else from T2; each segment's first leaf by its order."""
+        lens, heads = self.segment_len, [heap.peek() for heap in self._heaps]
+        once_len = lens[TOP] + lens[BELOW]
+        if heads[TOP] is None and heads[BELOW] is None:
+            segment = REUSED
+        elif heads[REUSED] is not None and once_len <= self.share * (once_len + lens[REUSED]):
+            segment = REUSED
+        elif heads[BELOW] is None or (heads[TOP] is not None and lens[TOP] > self.top_share * once_len):
+            segment = TOP
+        else:
+            segment = BELOW
         member = self._heaps[segment].pop()
-        assert member is not None
+        if member is None:
+            return None
         length = self._member.pop(member)[1]
-        self.segment_len[segment] -= length
+        lens[segment] -= length
         self._remember(self._ghost_key(member), segment, length)
         return member
 
     def note_miss(self, ghost_key: Hashable, now: float) -> None:
         """A lookup stopped where an evicted leaf hung: its segment should have had more room."""
-        for segment in (SEEN_ONCE, REUSED):
-            length = self._ghosts[segment].pop(ghost_key, None)
+        for segment, ghosts in enumerate(self._ghosts):
+            length = ghosts.pop(ghost_key, None)
             if length is None:
                 continue
             self.ghost_len[segment] -= length
-            other = self.ghost_len[1 - segment]
-            step = self.STEP * length * max(1.0, other / max(self.ghost_len[segment], 1)) / self.ghost_capacity_len
-            self.share = min(max(self.share + (step if segment == SEEN_ONCE else -step), 0.0), 1.0)
+            once = self.ghost_len[TOP] + self.ghost_len[BELOW]
+            if segment == REUSED:
+                self.share = self._moved(self.share, -length, self.ghost_len[REUSED], once)
+            else:
+                self.share = self._moved(self.share, length, once, self.ghost_len[REUSED])
+                rival = BELOW if segment == TOP else TOP
+                sign = 1 if segment == TOP else -1
+                self.top_share = self._moved(
+                    self.top_share, sign * length, self.ghost_len[segment], self.ghost_len[rival]
+                )
             return
 
+    def _moved(self, share: float, length: int, own_ghost_len: int, rival_ghost_len: int) -> float:
+        """ARC's step, in tokens over the pool: further when the rival's ghosts outnumber the hit segment's."""
+        step = self.STEP * length * max(1.0, rival_ghost_len / max(own_ghost_len, 1)) / self.ghost_capacity_len
+        return min(max(share + step, 0.0), 1.0)
+
     def _remember(self, key: Hashable, segment: int, length: int) -> None:
-        for ghosts, seg in zip(self._ghosts, (SEEN_ONCE, REUSED)):  # one ghost per place: the newest
+        for other, ghosts in enumerate(self._ghosts):  # one ghost per place: the newest
             old = ghosts.pop(key, None)
             if old is not None:
-                self.ghost_len[seg] -= old
+                self.ghost_len[other] -= old
         ghosts = self._ghosts[segment]
         ghosts[key] = length
         self.ghost_len[segment] += length
@@ -145,4 +176,4 @@ class LearnedCandidates(Generic[T]):
             assert self.segment_len[segment] == sum(self._member[m][1] for m in members), "segment tokens drifted"
             assert self.ghost_len[segment] == sum(self._ghosts[segment].values()), "ghost tokens drifted"
             assert self.ghost_len[segment] <= self.ghost_capacity_len or len(self._ghosts[segment]) == 1, "ghosts"
-        assert 0.0 <= self.share <= 1.0
+        assert 0.0 <= self.share <= 1.0 and 0.0 <= self.top_share <= 1.0
