@@ -92,3 +92,24 @@ def test_policy_table_command_on_a_trace_half_and_a_family(capsys: pytest.Captur
     assert "learned" in trace_row and "adaptive" in trace_row and "µs" in trace_row
     family_row = next(line for line in out.splitlines() if line.startswith("chat"))
     assert "learned worst" in family_row and ("seed 3" in family_row or "seed 4" in family_row)
+
+
+def test_a_trace_replay_runs_on_the_trace_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online caches read the trace's timestamps (time-aware policies see real gaps); Belady the request index."""
+    import benchmarks.simulate as simulate
+
+    made = []
+
+    def spy(*args: object) -> object:
+        made.append(make(*args))  # type: ignore[arg-type]
+        return made[-1]
+
+    make = simulate.make_cache
+    monkeypatch.setattr(simulate, "make_cache", spy)
+    requests = load_scaled_trace(SYNTHETIC)[:40]
+    assert len({r.timestamp for r in requests}) > 1
+    simulate.replay(requests, "radix-learned-p1", 4000, trace_clock=True)
+    simulate.replay(requests, "radix-lru-p1", 4000)
+    simulate.replay(requests, "belady", 4000, index=simulate.future_index(requests), trace_clock=True)
+    assert made[0].clock() == pytest.approx(requests[-1].timestamp)  # type: ignore[attr-defined]
+    assert made[1].clock() == made[2].clock() == len(requests) - 1  # type: ignore[attr-defined]
