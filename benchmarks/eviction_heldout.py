@@ -57,7 +57,8 @@ def trace_table(label: str, table: dict[float, dict[str, SimResult]], policies: 
             if lru is not None and bound is not None and bound.hit_rate > lru.hit_rate:
                 closed = f" closes {(r.hit_rate - lru.hit_rate) / (bound.hit_rate - lru.hit_rate):.0%}"
             cpu = f" {r.us_per_request:.0f}/{lru.us_per_request:.0f} µs" if lru is not None else ""
-            notes.append(f"{p} {(r.hit_rate - fixed.hit_rate) * 100:+.2f} pt vs {fixed.cache[6:-3]}{closed}{cpu}")
+            best = fixed.cache.removeprefix("radix-").removesuffix("-p1")
+            notes.append(f"{p} {(r.hit_rate - fixed.hit_rate) * 100:+.2f} pt vs {best}{closed}{cpu}")
         lines.append(f"{label:<22} {fraction:>5.0%} {cells}   {'; '.join(notes)}")
     return lines
 
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--traces", default="", help="comma-separated mooncake:PATH (or PATH) traces")
     parser.add_argument("--time-slice", default="second-half", choices=("all", "first-half", "second-half"))
+    parser.add_argument("--block-tokens", type=int, default=32, help="mooncake:PATH: tokens a 512-token block becomes")
     parser.add_argument("--fractions", default="0.05,0.1,0.25", help="trace capacities: shares of the working set")
     parser.add_argument("--policies", default=",".join([*FIXED, *ONLINE]))
     parser.add_argument("--repeat", type=int, default=1, help="replays per trace cache; the least CPU time is kept")
@@ -110,7 +112,7 @@ def main(argv: list[str]) -> None:
         print(f"held-out traces ({args.time_slice}): hit rate of prompt tokens")
         print(f"{'trace':<22} {'cap':>5} " + " ".join(f"{p:>8}" for p in [*policies, "belady"]))
         for spec in (s for s in args.traces.split(",") if s):
-            requests = read_trace(spec, 512, 32, None, args.time_slice)
+            requests = read_trace(spec, 512, args.block_tokens, None, args.time_slice)
             table = run(requests, policies, fractions, True, args.repeat)
             print("\n".join(trace_table(Path(spec.removeprefix("mooncake:")).stem, table, policies)), flush=True)
     families = [f for f in args.families.split(",") if f]
