@@ -109,7 +109,7 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     if args.traces:
         fractions = [float(f) for f in args.fractions.split(",")]
-        print(f"held-out traces ({args.time_slice}): hit rate of prompt tokens")
+        print(f"traces, {args.time_slice} (the policies were tuned on first halves only): hit rate of prompt tokens")
         print(f"{'trace':<22} {'cap':>5} " + " ".join(f"{p:>8}" for p in [*policies, "belady"]))
         for spec in (s for s in args.traces.split(",") if s):
             requests = read_trace(spec, 512, args.block_tokens, None, args.time_slice)
