@@ -18,6 +18,7 @@ BENCHMARKS = {
     "schedule": "schedule",
     "responsiveness": "responsiveness",
     "simulate": "simulate",
+    "policy-table": "eviction_heldout",
     "serve": "serve",
     "four-way": "four_way",
     "soak": "soak",

@@ -1,6 +1,6 @@
-"""The adaptive eviction policy against the fixed ones, from one ``bench simulate`` run.
+"""The online eviction policies (adaptive, learned) against the fixed ones, from one ``bench simulate`` run.
 
-Per capacity (page size 1): adaptive's hit rate, the best fixed policy's (and
+Per capacity (page size 1), for each online policy in the run: its hit rate, the best fixed policy's (and
 which), the difference, how much of the LRU-to-Belady gap adaptive closes, and
 its cache CPU per request over LRU's, measured in the same run (same trace,
 same capacity, replays side by side). The default rule of issue 16: adaptive
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 DEFAULT_RULE_POINTS = 0.5
-ADAPTIVE = "radix-adaptive-p1"
+ONLINE = ("adaptive", "learned")  # policies that learn from the traffic: never "fixed" rivals
 
 
 class Row(Protocol):
@@ -39,16 +39,22 @@ def _by_capacity(results: Sequence[Row]) -> dict[int, dict[str, Row]]:
 
 
 def _fixed(rows: dict[str, Row]) -> dict[str, Row]:
+    online = {f"radix-{policy}-p1" for policy in ONLINE}
     return {
-        name: r for name, r in rows.items() if name.startswith("radix-") and name.endswith("-p1") and name != ADAPTIVE
+        name: r for name, r in rows.items() if name.startswith("radix-") and name.endswith("-p1") and name not in online
     }
 
 
-def adaptive_summary(results: Sequence[Row]) -> str:
-    """The comparison table, or "" when the run has no adaptive or no fixed radix policy at page 1."""
+def online_summaries(results: Sequence[Row]) -> str:
+    """``adaptive_summary`` for each online policy in the run, one after the other."""
+    return "\n".join(text for policy in ONLINE if (text := adaptive_summary(results, policy)))
+
+
+def adaptive_summary(results: Sequence[Row], policy: str = "adaptive") -> str:
+    """The comparison table for ``policy``, or "" when the run has it not or no fixed radix policy at page 1."""
     lines = []
     for rows in _by_capacity(results).values():
-        fixed, adaptive, lru = _fixed(rows), rows.get(ADAPTIVE), rows.get("radix-lru-p1")
+        fixed, adaptive, lru = _fixed(rows), rows.get(f"radix-{policy}-p1"), rows.get("radix-lru-p1")
         if adaptive is None or not fixed:
             continue
         best = max(fixed.values(), key=lambda r: r.hit_rate)
@@ -57,27 +63,27 @@ def adaptive_summary(results: Sequence[Row]) -> str:
         if bound is not None and lru is not None and bound.hit_rate > lru.hit_rate:
             closed = f"{(adaptive.hit_rate - lru.hit_rate) / (bound.hit_rate - lru.hit_rate):.0%}"
         cpu = f"{adaptive.us_per_request / lru.us_per_request:.2f}x" if lru is not None else ""
-        policy = best.cache.removeprefix("radix-").removesuffix("-p1")
+        best_name = best.cache.removeprefix("radix-").removesuffix("-p1")
         lines.append(
-            f"{adaptive.capacity_fraction:>8.0%} {adaptive.hit_rate:>9.1%} {policy:>8} {best.hit_rate:>6.1%} "
+            f"{adaptive.capacity_fraction:>8.0%} {adaptive.hit_rate:>9.1%} {best_name:>8} {best.hit_rate:>6.1%} "
             f"{(adaptive.hit_rate - best.hit_rate) * 100:>+8.1f} pt {closed:>16} {cpu:>12}"
         )
     if not lines:
         return ""
-    head = f"{'capacity':>8} {'adaptive':>9} {'best fixed':>15} {'vs best':>11} {'LRU-bound closed':>16} "
+    head = f"{'capacity':>8} {policy:>9} {'best fixed':>15} {'vs best':>11} {'LRU-bound closed':>16} "
     head += f"{'CPU vs lru':>12}"
-    verdict = "holds" if meets_default_rule(results) else "fails"
+    verdict = "holds" if meets_default_rule(results, policy) else "fails"
     return "\n".join(
-        [f"\nadaptive against the fixed policies (page 1; default rule: within {DEFAULT_RULE_POINTS} pt: {verdict})"]
+        [f"\n{policy} against the fixed policies (page 1; default rule: within {DEFAULT_RULE_POINTS} pt: {verdict})"]
         + [head]
         + lines
     )
 
 
-def meets_default_rule(results: Sequence[Row]) -> bool:
-    """Adaptive within ``DEFAULT_RULE_POINTS`` of the best fixed policy at every capacity of this run."""
+def meets_default_rule(results: Sequence[Row], policy: str = "adaptive") -> bool:
+    """``policy`` within ``DEFAULT_RULE_POINTS`` of the best fixed policy at every capacity of this run."""
     for rows in _by_capacity(results).values():
-        fixed, adaptive = _fixed(rows), rows.get(ADAPTIVE)
+        fixed, adaptive = _fixed(rows), rows.get(f"radix-{policy}-p1")
         if adaptive is not None and fixed:
             if max(r.hit_rate for r in fixed.values()) - adaptive.hit_rate > DEFAULT_RULE_POINTS / 100:
                 return False

@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.belady import BeladyCache, FutureIndex
-from benchmarks.policy_table import adaptive_summary
+from benchmarks.policy_table import online_summaries
 from benchmarks.tier_sim import make_tiered_cache
-from benchmarks.traces import load_trace, working_set_tokens
+from benchmarks.traces import load_scaled_trace, load_trace, time_slice, working_set_tokens
 from benchmarks.workloads import TraceRequest, make_workload
 from radixserve.cache import EVICTION_POLICIES, BasePrefixCache, CacheReq, RadixKey, create_prefix_cache
 from radixserve.extras import missing_extra
@@ -91,15 +91,16 @@ class SimResult(TokenCounts):
         }
 
 
-def make_cache(name: str, capacity: int, clock: list[int], index: FutureIndex | None) -> BasePrefixCache:
-    """A cache by its table name, over a pool of ``capacity`` slots; ``clock[0]`` is the request index."""
+def make_cache(name: str, capacity: int, clock: list[float], index: FutureIndex | None) -> BasePrefixCache:
+    """A cache by its table name, over a pool of ``capacity`` slots; ``clock[0]`` is the request index,
+    ``clock[1]`` the time the online caches see (the index again, or the trace's timestamp)."""
 
     def now() -> float:
-        return float(clock[0])
+        return float(clock[1])
 
     if name == "belady":
         assert index is not None, "belady needs the future"
-        return BeladyCache(TokenAllocator(capacity), index, now)
+        return BeladyCache(TokenAllocator(capacity), index, lambda: float(clock[0]))
     if name == "none":
         return create_prefix_cache("none", TokenAllocator(capacity))
     kind, _, rest = name.partition("-")
@@ -123,14 +124,18 @@ def replay(
     concurrency: int = 16,
     index: FutureIndex | None = None,
     working_set: int | None = None,
+    trace_clock: bool = False,
 ) -> SimResult:
-    clock = [0]
+    """One cache over ``requests``; ``trace_clock``: the requests' timestamps are the cache's clock (a
+    production trace: time-aware policies see its real gaps), else the request index."""
+    clock: list[float] = [0, 0]
     cache = make_cache(cache_name, capacity, clock, index)
     window: deque[CacheReq] = deque()
     prompt_tokens = cached_tokens = rejected = 0
     elapsed = 0.0
     for i, request in enumerate(requests):
         clock[0] = i
+        clock[1] = request.timestamp if trace_clock and request.timestamp is not None else i
         prompt_tokens += len(request.prompt)
         start = time.thread_time()
         if len(window) >= concurrency:
@@ -181,6 +186,7 @@ def simulate(
     capacities: Sequence[int],
     concurrency: int = 16,
     repeat: int = 1,
+    trace_clock: bool = False,
 ) -> list[SimResult]:
     """Every cache at every capacity; the future index is built once, only if belady is asked.
 
@@ -191,7 +197,10 @@ def simulate(
     index = future_index(requests) if "belady" in caches else None
     return [
         min(
-            (replay(requests, name, capacity, concurrency, index, working_set) for _ in range(max(repeat, 1))),
+            (
+                replay(requests, name, capacity, concurrency, index, working_set, trace_clock)
+                for _ in range(max(repeat, 1))
+            ),
             key=lambda r: r.cache_seconds,
         )
         for capacity in capacities
@@ -285,6 +294,15 @@ def simulate_cluster(
     print(f"{len(results)} runs in {time.perf_counter() - start:.1f} s; wrote {out / stem}.png and .json")
 
 
+def read_trace(spec: str, block_size: int, block_tokens: int, limit: int | None, part: str) -> list[TraceRequest]:
+    """``--trace``: ``mooncake:PATH`` (scaled, ``load_scaled_trace``) or a PATH read as it is; then a time slice."""
+    if spec.startswith("mooncake:"):
+        requests = load_scaled_trace(spec.removeprefix("mooncake:"), block_tokens, block_size, limit)
+    else:
+        requests = load_trace(spec, block_size=block_size, limit=limit)
+    return time_slice(requests, part)
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
@@ -295,10 +313,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workload", default="support-agent", help="a workload name (see benchmarks/workloads.py)")
     parser.add_argument(
-        "--trace", default=None, help="a JSONL trace file instead (Mooncake-style hash_ids or input_ids)"
+        "--trace",
+        default=None,
+        help="a JSONL trace file instead (Mooncake-style hash_ids or input_ids), replayed on its timestamps; "
+        "mooncake:PATH scales each block to --block-tokens tokens (prompts only)",
     )
     parser.add_argument("--block-size", type=int, default=512, help="tokens per hash id in a trace file")
-    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--block-tokens", type=int, default=32, help="mooncake:PATH: tokens a block is scaled to")
+    parser.add_argument(
+        "--time-slice", default="all", choices=("all", "first-half", "second-half"), help="a trace's half, by time"
+    )
+    parser.add_argument("--num-requests", type=int, default=1000, help="at most this many (0: a whole trace)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--caches", default=",".join(DEFAULT_CACHES), help="comma-separated cache names")
     parser.add_argument(
@@ -329,8 +354,11 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     if args.trace:
-        requests = load_trace(args.trace, block_size=args.block_size, limit=args.num_requests)
-        label = Path(args.trace).name
+        limit = args.num_requests or None  # 0: the whole trace
+        requests = read_trace(args.trace, args.block_size, args.block_tokens, limit, args.time_slice)
+        label = Path(args.trace.removeprefix("mooncake:")).name + (
+            "" if args.time_slice == "all" else f"-{args.time_slice}"
+        )
     else:
         requests = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed)
         label = args.workload
@@ -360,9 +388,9 @@ def main(argv: list[str]) -> None:
         f"working set {working_set:,} tokens, concurrency {args.concurrency}"
     )
     start = time.perf_counter()
-    results = simulate(requests, caches, capacities, args.concurrency, args.repeat)
+    results = simulate(requests, caches, capacities, args.concurrency, args.repeat, trace_clock=bool(args.trace))
     print(format_table(results))
-    print(adaptive_summary(results))
+    print(online_summaries(results))
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"simulate-{label}"

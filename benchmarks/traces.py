@@ -1,6 +1,8 @@
 """The tools around workloads: trace files, arrival times, text prompts, the working-set size.
 
 - ``load_trace`` / ``save_trace``: Mooncake-style JSONL (hash ids of 512-token blocks, or token ids);
+- ``load_scaled_trace`` / ``time_slice``: a production trace (Mooncake's FAST'25 release) scaled down for a
+  replay, and the first or second half of it by time (tune on one, report on the other);
 - ``with_poisson_arrivals``: open-loop arrival times for a serving benchmark;
 - ``text_of``: the same structure as text, for servers with their own tokenizer;
 - ``working_set_tokens``: the cache capacity that holds a whole workload.
@@ -27,7 +29,11 @@ from radixserve.memory import TokenAllocator
 
 
 def load_trace(
-    path: str | os.PathLike[str], block_size: int = 512, vocab_size: int = VOCAB_SIZE, limit: int | None = None
+    path: str | os.PathLike[str],
+    block_size: int = 512,
+    vocab_size: int = VOCAB_SIZE,
+    limit: int | None = None,
+    input_scale: tuple[int, int] = (1, 1),
 ) -> list[TraceRequest]:
     """Requests from a Mooncake-style JSONL trace (at most ``limit``); blank lines are skipped.
 
@@ -37,7 +43,8 @@ def load_trace(
     trace's prefix sharing survives); the blocks are concatenated and cut to
     ``input_length``. A line may give ``"input_ids"`` instead of hash ids, and
     an ``"extra_key"``. The output is ``output_length`` tokens seeded by the
-    line number. A malformed line raises ValueError naming it.
+    line number. A malformed line raises ValueError naming it. ``input_scale`` (a, b): a hash-id
+    line's ``input_length`` counts as ceil(input_length * a / b) (``load_scaled_trace``).
     """
     blocks: dict[int, TokenArray] = {}  # a trace reuses its blocks: build each once
     requests: list[TraceRequest] = []
@@ -48,14 +55,55 @@ def load_trace(
             if not line.strip():
                 continue
             try:
-                requests.append(_parse_line(json.loads(line), lineno, block_size, vocab_size, blocks))
+                record = json.loads(line)
+                requests.append(_parse_line(record, lineno, block_size, vocab_size, blocks, input_scale))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{os.fspath(path)}:{lineno}: malformed trace line: {e!r}") from e
     return requests
 
 
+def load_scaled_trace(
+    path: str | os.PathLike[str], block_tokens: int = 32, block_size: int = 512, limit: int | None = None
+) -> list[TraceRequest]:
+    """A Mooncake trace with each ``block_size``-token block scaled to ``block_tokens`` tokens, prompts only.
+
+    ``bench simulate --trace mooncake:PATH``: a production trace's prefix sharing at 1/16 of its
+    length (the default), so a Python replay of every request takes seconds. A prompt of n tokens
+    becomes ceil(n * block_tokens / block_size) tokens of its scaled blocks. The outputs are dropped:
+    a turn's answer reaches the next turn as that turn's own hash ids (the prompt's partial last
+    block and the answer hash to new blocks), so caching tokens drawn for it could never be matched.
+    Timestamps (s) are kept: the replay's clock.
+    """
+    if not 0 < block_tokens <= block_size:
+        raise ValueError(f"block_tokens must be in [1, {block_size}], got {block_tokens}")
+    requests = []
+    for request in load_trace(path, block_tokens, limit=limit, input_scale=(block_tokens, block_size)):
+        requests.append(dataclasses.replace(request, output=request.output[:0]))
+    return requests
+
+
+def time_slice(requests: Sequence[TraceRequest], part: str) -> list[TraceRequest]:
+    """``all``, or the requests before (``first-half``) or from (``second-half``) the midpoint of the
+    trace's time span: tune on the first half, report on the second, which the tuning never saw."""
+    if part == "all":
+        return list(requests)
+    if part not in ("first-half", "second-half"):
+        raise ValueError(f"time slice must be all, first-half or second-half, got {part!r}")
+    times = [r.timestamp for r in requests]
+    if any(t is None for t in times):
+        raise ValueError("a time slice needs a timestamp on every request")
+    middle = (min(times) + max(times)) / 2  # type: ignore[type-var, operator]
+    first = part == "first-half"
+    return [r for r, t in zip(requests, times) if (t < middle) == first]  # type: ignore[operator]
+
+
 def _parse_line(
-    record: Any, lineno: int, block_size: int, vocab_size: int, blocks: dict[int, TokenArray]
+    record: Any,
+    lineno: int,
+    block_size: int,
+    vocab_size: int,
+    blocks: dict[int, TokenArray],
+    input_scale: tuple[int, int] = (1, 1),
 ) -> TraceRequest:
     if not isinstance(record, dict):
         raise TypeError(f"expected a JSON object, got {type(record).__name__}")
@@ -65,6 +113,7 @@ def _parse_line(
             raise ValueError(f"input_length {record['input_length']} != {len(prompt)} input_ids")
     else:
         input_len, hash_ids = _count(record["input_length"]), _int_array(record["hash_ids"]).tolist()
+        input_len = -(-input_len * input_scale[0] // input_scale[1])
         num_blocks = -(-input_len // block_size)
         if len(hash_ids) < num_blocks or min(hash_ids, default=0) < 0:
             raise ValueError(f"need {num_blocks} non-negative hash_ids for input_length {input_len}")

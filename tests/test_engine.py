@@ -108,7 +108,7 @@ def test_many_requests_on_one_shared_prefix_equal_one_by_one(
     engine.check_idle_invariants()
 
 
-@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+@pytest.mark.parametrize("policy", ["lru", "adaptive", "learned"])
 def test_a_tiny_pool_retracts_and_still_gives_the_same_tokens(tiny_model_dir: Path, policy: str) -> None:
     roomy = make_engine(tiny_model_dir)
     tight = make_engine(tiny_model_dir, max_total_tokens=160, radix_eviction_policy=policy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.policy_table import adaptive_summary, meets_default_rule
+from benchmarks.policy_table import adaptive_summary, meets_default_rule, online_summaries
 
 
 @dataclass
@@ -38,3 +38,12 @@ def test_summary_names_the_best_policy_gap_closed_and_cpu_ratio() -> None:
     assert line == ["25%", "76.0%", "lfu", "75.0%", "+1.0", "pt", "60%", "1.20x"]
     assert "default rule: within 0.5 pt: holds" in text
     assert adaptive_summary([Row("radix-lru-p1", 100, 0.7)]) == ""
+
+
+def test_every_online_policy_gets_its_summary_and_is_no_fixed_rival() -> None:
+    results = rows(0.76) + [Row("radix-learned-p1", 100, 0.80, us_per_request=15.0)]
+    text = online_summaries(results)
+    assert "adaptive against the fixed policies" in text and "learned against the fixed policies" in text
+    learned_line = text.splitlines()[-1].split()
+    assert learned_line == ["25%", "80.0%", "lfu", "75.0%", "+5.0", "pt", "100%", "1.50x"]
+    assert meets_default_rule(results)  # learned at 80% is not a fixed rival adaptive must match

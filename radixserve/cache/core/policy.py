@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from radixserve.cache.adaptive.candidates import AdaptiveCandidates
 from radixserve.cache.core.candidates import CandidateHeap, CandidateSet, Rank
+from radixserve.cache.learned.candidates import LearnedCandidates
 
 __all__ = ["EVICTION_POLICIES", "CandidateHooks", "EvictionStrategy", "NodeStats", "Rank", "create_eviction_strategy"]
 
@@ -159,6 +160,18 @@ class AdaptiveStrategy(EvictionStrategy):
         )
 
 
+class LearnedStrategy(EvictionStrategy):
+    """Nested ARC over the leaves (cache/learned/): reused leaves (LRU) against never-reused ones, these split
+    into the top level (LRU) and below it (deepest first); each split's share of the candidates' tokens is
+    learned from which segment's evicted leaves come back (ghost hits)."""
+
+    def rank(self, node: NodeStats) -> Rank:
+        return (node.last_access_time,)  # within a segment; which segment gives a leaf is the candidate set's call
+
+    def candidate_set(self, tie_break: Callable[[Any], int], hooks: CandidateHooks) -> CandidateSet[Any]:
+        return LearnedCandidates(tie_break, hooks.ghost_key, hooks.node_len, hooks.capacity_len)
+
+
 EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
     "lru": LRUStrategy,
     "mru": MRUStrategy,
@@ -168,6 +181,7 @@ EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
     "slru": SLRUStrategy,
     "priority": PriorityStrategy,
     "adaptive": AdaptiveStrategy,
+    "learned": LearnedStrategy,
 }
 
 

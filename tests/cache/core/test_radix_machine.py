@@ -45,6 +45,22 @@ def slow_depth(n: TreeNode) -> int:
     return depth
 
 
+def learned_victim(leaves: list[TreeNode], share: float, top_share: float) -> TreeNode:
+    """The leaf ``learned`` evicts (nested ARC): from the never-reused leaves while they hold more than ``share``
+    of the candidates' tokens, else the least recent reused one; among the never-reused, the least recent at the
+    top level while those hold more than ``top_share`` of them, else the deepest below (least recent on a tie)."""
+    reused = [n for n in leaves if n.hit_count > 0]
+    top = [n for n in leaves if n.hit_count == 0 and slow_depth(n) == 0]
+    below = [n for n in leaves if n.hit_count == 0 and slow_depth(n) > 0]
+    top_len, below_len = sum(len(n.value) for n in top), sum(len(n.value) for n in below)
+    once_len = top_len + below_len
+    if not (top or below) or (reused and once_len <= share * (once_len + sum(len(n.value) for n in reused))):
+        return min(reused, key=EXPECTED_RANK["lru"])
+    if not below or (top and top_len > top_share * once_len):
+        return min(top, key=EXPECTED_RANK["lru"])
+    return min(below, key=lambda n: (-slow_depth(n), n.last_access_time, n.id))
+
+
 def adaptive_victim(leaves: list[TreeNode], shifts: tuple[float, float, float], num_classes: int) -> TreeNode:
     """The leaf ``adaptive`` evicts: by groups (the top level, below it), each ranked by shifted recency.
 
@@ -169,6 +185,8 @@ class RadixMachine(RuleBasedStateMachine):
         while leaves and freed < num_tokens:
             if shifts:
                 victim = adaptive_victim(leaves, shifts, learned.num_classes)  # type: ignore[attr-defined]
+            elif self.policy == "learned":
+                victim = learned_victim(leaves, learned.share, learned.top_share)  # type: ignore[attr-defined]
             else:
                 victim = min(leaves, key=EXPECTED_RANK[self.policy])
             leaves.remove(victim)
@@ -249,6 +267,13 @@ class RadixMachine(RuleBasedStateMachine):
         self.cache.candidates.shift = shift  # type: ignore[attr-defined]
         self.cache.candidates.top_shift = top_shift  # type: ignore[attr-defined]
         self.cache.candidates.depth_shift = depth_shift  # type: ignore[attr-defined]
+
+    @precondition(lambda self: self.policy == "learned")
+    @rule(share=st.sampled_from([0.0, 0.2, 0.5, 0.9, 1.0]), top_share=st.sampled_from([0.0, 0.3, 0.5, 1.0]))
+    def learn_share(self, share: float, top_share: float) -> None:
+        """Stand in for what the ghosts would have taught: any shares must keep the order exact."""
+        self.cache.candidates.share = share  # type: ignore[attr-defined]
+        self.cache.candidates.top_share = top_share  # type: ignore[attr-defined]
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:
