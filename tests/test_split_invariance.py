@@ -73,6 +73,23 @@ def test_a_cache_hit_changes_no_answer(
     check_split(engine, ids, 1 + int(split * (len(ids) - 2)), others)
 
 
+def test_companions_sharing_the_prefix_change_no_answer(engine: Engine) -> None:
+    """Decode rows beside requests that share their cached prefix (a system prompt's case). The shared-prefix
+    (cascade) pass reads that prefix once for them all and merges its partial softmax with each row's own: other
+    bits than a row alone (up to 0.31 on a bfloat16 logit), so split invariance turns it off."""
+    ids = prompt(engine, 500, 150)
+    shared = ids[:100]  # over shared_prefix.MIN_SHARED_PREFIX_LEN
+    companions = [shared + prompt(engine, at, 25) for at in (40, 900, 1300)]
+    engine.flush_cache()
+    alone = answers(engine, ids, [])
+    engine.flush_cache()
+    engine.generate(input_ids=shared, sampling_params=CACHE_PREFIX)
+    outs = engine.generate(input_ids=[ids, *companions], sampling_params={**GREEDY, "max_new_tokens": 8})
+    assert all(out.cached_tokens >= 100 for out in outs)
+    assert (outs[0].output_ids[:3], outs[0].output_top_logprobs[:3]) == alone
+    engine.check_idle_invariants()
+
+
 @pytest.mark.parametrize(
     "options",
     [{"page_size": 16}, {"hicache_size": 0.05, "hicache_write_policy": "write_through"}, {"quantization": "q4_1"}],

@@ -359,7 +359,11 @@ class Engine(Driver):
         attention = attention_split_invariance(dtype, kv_dtype, self.config.attention_backend, model.head_dim)
         if attention is not None:  # then the linears keep their faster GEMM path: invariance would not hold anyway
             return False, attention
-        return make_split_invariant(self.loaded.model, self.config.split_invariant_kernel)
+        holds, why = make_split_invariant(self.loaded.model, self.config.split_invariant_kernel)
+        if holds:  # the shared-prefix pass merges a prefix's partial softmax with each row's own: other bits
+            self.loaded.model.cascade_attention = False
+            why += "; decode rows read a shared prefix each on its own (no cascade pass)"
+        return holds, why
 
     def describe(self) -> dict[str, Any]:
         """The resolved configuration: what was asked for, and what it became on this machine."""
