@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pydoc_data.topics import topics
 
 import numpy as np
 import torch
-from pydoc_data.topics import topics
 
 from radixserve.engine import Engine
 from radixserve.model.runner import StepInput
@@ -67,7 +67,11 @@ class Fidelity:
 def teacher_forced(engines: list[Engine], ids: list[int], chunk: int) -> tuple[float, float]:
     """(top-1 agreement, mean KL(first || second)) over every position of ``ids``, in chunks."""
     runners = [e.executor.runner for e in engines]
-    slots = [e.allocator.alloc(len(ids)) for e in engines]
+    slots = []
+    for engine in engines:
+        taken = engine.allocator.alloc(len(ids))
+        assert taken is not None, "pool too small"
+        slots.append(taken)
     agree, kl_sum = 0, 0.0
     try:
         for start in range(0, len(ids), chunk):
