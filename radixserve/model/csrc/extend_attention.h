@@ -206,28 +206,37 @@ inline void pack_tile_int8(const Layout& L, const Shape& s, const int8_t* k, con
   const int64_t* ctx = slots + L.ctx_starts[b];
   const int8_t *k_head = k + h * s.num_slots * dim, *v_head = v + h * s.num_slots * dim;
   const uint16_t *ks = s.k_scale + h * s.num_slots, *vs = s.v_scale + h * s.num_slots;
-  alignas(64) uint16_t row[512];
-  const auto dequant_row = [&](const int8_t* codes, float scale) {
+  alignas(64) uint16_t rows[kKeyBlock * 512];  // 16 keys dequantized (zeros where not live), then packed as bf16's
+  const auto dequant_row = [&](const int8_t* codes, float scale, uint16_t* dst) {
     for (int64_t d = 0; d < dim; d += 16)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(row + d), _mm512_cvtepi32_epi16(dequant16_bf16(codes + d, scale)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(dst + d), _mm512_cvtepi32_epi16(dequant16_bf16(codes + d, scale)));
   };
-  for (int64_t j = key0; j < key0 + kKeyTile; ++j) {  // K: key j's pair p at [block][p][j % 16]
-    const bool live = j >= first && j < ctx_len;
-    if (live) dequant_row(k_head + ctx[j] * dim, bf16_to_float(ks[ctx[j]]));
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(row);
-    uint32_t* block = kp + offset + (j - key0) / kKeyBlock * kKeyBlock * dim / 2;
-    for (int64_t p = 0; p < dim / 2; ++p) block[p * kKeyBlock + (j - key0) % kKeyBlock] = live ? pairs[p] : 0u;
+  alignas(64) static const int64_t kBlockSlots[kKeyBlock] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t j = key0; j < key0 + kKeyTile; j += kKeyBlock) {
+    const int64_t count = std::clamp<int64_t>(ctx_len - j, 0, kKeyBlock);
+    const int64_t skip = std::clamp<int64_t>(first - j, 0, count);
+    for (int64_t i = 0; i < kKeyBlock; ++i) {
+      if (i >= skip && i < count)
+        dequant_row(k_head + ctx[j + i] * dim, bf16_to_float(ks[ctx[j + i]]), rows + i * dim);
+      else
+        std::memset(rows + i * dim, 0, dim * sizeof(uint16_t));
+    }
+    uint32_t* block = kp + offset + (j - key0) * dim / 2;
+    if (dim % 32 == 0)
+      pack_k_block_consecutive(rows, dim, block);
+    else
+      pack_k_block(rows, kBlockSlots, 0, kKeyBlock, dim, block);
   }
+  uint16_t* row = rows;
   alignas(64) uint16_t other[512];
   for (int64_t j = key0; j < key0 + kKeyTile; j += 2) {  // V: pairs of keys, as pack_v_pair
     const uint16_t *a = nullptr, *c = nullptr;
     if (j + 1 >= first && j + 1 < ctx_len) {
-      dequant_row(v_head + ctx[j + 1] * dim, bf16_to_float(vs[ctx[j + 1]]));
-      std::memcpy(other, row, dim * sizeof(uint16_t));
+      dequant_row(v_head + ctx[j + 1] * dim, bf16_to_float(vs[ctx[j + 1]]), other);
       c = other;
     }
     if (j >= first && j < ctx_len) {
-      dequant_row(v_head + ctx[j] * dim, bf16_to_float(vs[ctx[j]]));
+      dequant_row(v_head + ctx[j] * dim, bf16_to_float(vs[ctx[j]]), row);
       a = row;
     }
     pack_v_pair(a, c, dim, vp + offset + (j - key0) * dim / 2);
