@@ -3,8 +3,8 @@
 The kernels read int8 codes and fold each row's scale into its score (K) and its softmax weight (V); the
 references here run float32 SDPA on the same pool dequantized (codes * scale), so the kernels must match
 them to float32 rounding and q's int16 quantization against the codes (the paged kernel: 2^-15 of a row's
-max) or to bf16 rounding (the extend kernel, which packs code * scale in bf16). Then what the engine promises within one KV dtype: a cache hit and a mixed step give
-the same bits as a cold prefill and the steps apart.
+max) or to bf16 rounding (the extend kernel, which packs code * scale in bf16). Then what the engine promises
+within one KV dtype: a cache hit and a mixed step give the same bits as a cold prefill and the steps apart.
 """
 
 from __future__ import annotations
