@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pydoc_data.topics import topics
 
 import numpy as np
-import torch
 
 from radixserve.engine import Engine
 from radixserve.model.runner import StepInput
@@ -110,16 +109,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixserve bench kv-fidelity", description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", default=None, help="HF folder or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--baseline", default="bfloat16", help="the 16-bit (or float32) pool compared against")
+    parser.add_argument("--candidate", default="int8", help="the pool measured (bfloat16 against a float32 baseline")
+    parser.add_argument("--document-chars", type=int, default=DOCUMENT_CHARS, help="of the long document")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk, tokens")
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
-    torch.set_num_threads(torch.get_num_threads())
-    engines = build(args.model_path, [args.baseline, "int8"], 8192)
+    engines = build(args.model_path, [args.baseline, args.candidate], 8192)
     info = engines[1].describe()
-    print(f"{info['resolved_dtype']} weights ({info['resolved_quantization']}); KV {args.baseline} vs int8")
+    print(f"{info['resolved_dtype']} weights ({info['resolved_quantization']}); KV {args.baseline} vs {args.candidate}")
     print(f"{'prompt':<10}{'tokens':>8}{'top-1':>8}{'mean KL':>11}{'first greedy divergence':>26}")
     rows = []
-    for name, ids in prompts(engines[0]).items():
+    for name, ids in prompts(engines[0], args.document_chars).items():
         row = measure(engines, ids, args.chunk, args.new_tokens)
         rows.append(row)
         div = f"{row.divergence}" if row.divergence < args.new_tokens else f"none in {args.new_tokens}"
