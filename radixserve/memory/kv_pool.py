@@ -170,9 +170,11 @@ class KVPool:
         """The fused CPU path of attention's rotary + ``write``: qkv [n, (num_heads + 2 Hkv) * head_dim] (q | k | v
         of n tokens), cos/sin [n, 1, head_dim] in qkv's dtype. Rotates q and k, stores k and v at ``slots``
         [n] (int64) in one pass over the rows (csrc/fused_ops.cpp: the bits of apply_rotary + ``write``);
-        returns q rotated, [n, num_heads, head_dim]. float32 or bfloat16 qkv and pool, on CPU."""
+        returns q rotated, [n, num_heads, head_dim]. float32 or bfloat16 qkv, a float32, bfloat16 or 8-bit pool (its
+        rows quantized as ``write`` quantizes them), on CPU."""
+        scales = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
         q: torch.Tensor = torch.ops.radixserve.rotary_kv_write(
-            qkv, cos, sin, slots, self.k[layer], self.v[layer], num_heads, self.k[layer].shape[0]
+            qkv, cos, sin, slots, self.k[layer], self.v[layer], num_heads, self.k[layer].shape[0], *scales
         )
         return q
 

@@ -312,7 +312,7 @@ class Attention(nn.Module):
         num_rows = x.shape[0]
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_qk(qkv)
-        if cos.dtype == qkv.dtype and kv_pool.dtype in FUSED_DTYPES and fused_ops_apply(qkv):
+        if cos.dtype == qkv.dtype and (kv_pool.dtype in FUSED_DTYPES or kv_pool.quantized) and fused_ops_apply(qkv):
             q = kv_pool.write_rotated(self.layer_id, out_slots, qkv, cos, sin, self.num_heads)
         else:
             qk_size = self.split_sizes[0] + self.split_sizes[1]

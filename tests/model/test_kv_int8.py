@@ -20,9 +20,11 @@ from radixserve.engine.config import EngineConfig
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model import paged_kernel
 from radixserve.model.attention import extend_kernel_usable
+from radixserve.model.layers import apply_rotary
 from radixserve.model.paged_kernel import PagedIndex, extend_attention, paged_attention
 from radixserve.model.precision import resolve_kv_cache_dtype
 from tests.model.test_extend_attention import random_layout
+from tests.model.test_fused_ops import _rotary_inputs
 from tests.model.test_paged_attention import HEAD_DIM, HEADS, KV_HEADS, layout, reference
 from tests.model.test_shared_prefix import cascade_layout
 from tests.model.tiny import alloc, build_hf_model, load_ours, make_batch, make_pool
@@ -226,3 +228,23 @@ def test_the_reference_backend_reads_the_8bit_pool_close_to_the_kernels(
         model(make_batch("extend", [(prompt, context)]), pool)
         logits.append(model(make_batch("decode", [([7], torch.cat([context, alloc(allocator, 1)]))]), pool))
     assert np.allclose(logits[0].numpy(), logits[1].numpy(), atol=1e-4)
+
+
+@needs_paged
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,heads,kv_heads,dim", [(37, 9, 3, 64), (3, 8, 2, 128), (1, 2, 1, 16)])
+@pytest.mark.parametrize("scale", [1.0, 3e-38, 1e38])
+def test_the_fused_rotary_write_quantizes_as_the_pool_does(
+    dtype: torch.dtype, rows: int, heads: int, kv_heads: int, dim: int, scale: float
+) -> None:
+    """csrc/fused_ops.cpp's rotary + write into an 8-bit pool stores KVPool.write's codes and scales, bit for bit."""
+    qkv, cos, sin, slots = _rotary_inputs(rows, heads, kv_heads, dim, dtype, seed=rows, scale=scale)
+    fused_pool, torch_pool = (KVPool(2, 301, kv_heads, dim, torch.int8) for _ in range(2))
+    q = fused_pool.write_rotated(1, slots, qkv, cos, sin, heads)
+    qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), cos, sin)
+    torch_pool.write(1, slots, qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim))
+    assert torch.equal(q, qk[:, :heads])
+    every = fused_pool.k + fused_pool.v + fused_pool.k_scale + fused_pool.v_scale
+    assert all(
+        torch.equal(a, b) for a, b in zip(every, torch_pool.k + torch_pool.v + torch_pool.k_scale + torch_pool.v_scale)
+    )
