@@ -154,8 +154,10 @@ class KVPool:
                     scales[:, slots] = part[..., head_dim:].contiguous().view(SCALE_DTYPE)[..., 0]
 
     def _all(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
-        scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = list(zip(self.k_scale, self.v_scale))
-        return [(k, v, *(scales[i] if scales else (None, None))) for i, (k, v) in enumerate(zip(self.k, self.v))]
+        """Per layer (K, V, K's scales, V's scales); the scales None for a float pool."""
+        if self.quantized:
+            return list(zip(self.k, self.v, self.k_scale, self.v_scale))
+        return [(k, v, None, None) for k, v in zip(self.k, self.v)]
 
     @staticmethod
     def _raw(values: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:

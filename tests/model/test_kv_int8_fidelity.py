@@ -13,13 +13,16 @@ from benchmarks.kv_fidelity import build, measure, prompts
 from radixserve.engine import Engine
 from radixserve.model.attention import extend_kernel_usable
 
-pytestmark = pytest.mark.skipif(not extend_kernel_usable(), reason="measured with the bfloat16 extend kernel")
+pytestmark = [
+    pytest.mark.skipif(not extend_kernel_usable(), reason="measured with the bfloat16 extend kernel"),
+    pytest.mark.slow,  # ~30 s: two SmolLM2 engines, ~1,400 teacher-forced positions and 6 x 32 greedy tokens
+]
 NEW_TOKENS = 32
-# prompt: (min top-1, max mean KL, min first greedy divergence); measured: see each line
+# prompt: (min top-1, max mean KL, min first greedy divergence). Measured on the AMX Xeon (top-1, KL, divergence):
 THRESHOLDS = {
-    "chat": (0.95, 0.02, 8),
-    "code": (0.95, 0.02, 8),
-    "document": (0.95, 0.02, 8),
+    "chat": (0.93, 0.012, 16),  # 44 tokens: 0.955, 7.1e-3, none in 32
+    "code": (0.97, 0.005, 12),  # 168 tokens: 0.988, 2.4e-3, 27
+    "document": (0.95, 0.005, 16),  # 1,222 tokens: 0.967, 2.7e-3, none in 32
 }
 
 
