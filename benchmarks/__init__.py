@@ -29,6 +29,7 @@ BENCHMARKS = {
     "split-invariance": "split_invariance",
     "quant-formats": "quant_formats",
     "kv-fidelity": "kv_fidelity",
+    "kv-attention": "kv_attention",
 }
 
 
