@@ -29,6 +29,8 @@ BENCHMARKS = {
     "programs": "programs",
     "split-invariance": "split_invariance",
     "quant-formats": "quant_formats",
+    "kv-fidelity": "kv_fidelity",
+    "kv-attention": "kv_attention",
 }
 
 

@@ -235,3 +235,38 @@ def test_prefetched_pages_evicted_or_corrupt_or_aborted_change_nothing(
     assert tiers.disk is not None and tiers.disk.stats.corrupt >= 1 and tiers.stats.pages_prefetched == 6
     engine.check_idle_invariants()
     engine.close(30)
+
+
+def test_8bit_pages_move_through_host_and_disk_as_they_are(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An int8 pool's pages (codes and scales) in L2 and L3: half a bfloat16 page's bytes, loaded back bit for bit,
+    so the tiered engine gives the tokens of the int8 engine without tiers."""
+    expected = run(make(tiny_model_dir, kv_cache_dtype="int8"), PROMPTS)
+    tiered = make(tiny_model_dir, kv_cache_dtype="int8", hicache_size=0.01, cache_dir=str(tmp_path / "kv"))
+    assert run(tiered, PROMPTS) == expected
+    tiers = tiered.cache.tiers
+    assert tiers is not None and tiers.stats.hit_tokens["host"] > 0
+    layout = tiers.mover.layout  # type: ignore[attr-defined]
+    bf16_page = layout.num_layers * 2 * layout.num_kv_heads * layout.page_tokens * layout.head_dim * 2
+    assert layout.page_bytes == bf16_page * (layout.head_dim + 2) // (2 * layout.head_dim)
+    assert tiers.host is not None and tiers.host.used_bytes % layout.page_bytes == 0
+    tiered.check_idle_invariants()
+    assert tiered.close(30)
+    again = make(tiny_model_dir, kv_cache_dtype="int8", cache_dir=str(tmp_path / "kv"))
+    result = again.generate(input_ids=PROMPTS[6], sampling_params=GREEDY)
+    assert result.output_ids == expected[6] and result.cached_tokens == 48
+    again.close(30)
+
+
+def test_a_restart_with_another_kv_dtype_does_not_use_the_directory(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"))  # float32 pages
+    run(first, PROMPTS[:6])
+    assert first.close(30)
+    with caplog.at_level("WARNING"):
+        other = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"), kv_cache_dtype="int8")
+    assert other.cache.tiers is not None and other.cache.tiers.disk is None
+    assert any("kv_layout dtype: float32 in the files, int8 now" in record.getMessage() for record in caplog.records)
+    result = other.generate(input_ids=PROMPTS[6], sampling_params=GREEDY)
+    assert result.cached_tokens == 0
+    other.close(30)

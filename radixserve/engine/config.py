@@ -13,7 +13,7 @@ from radixserve.cache import EVICTION_POLICIES, PREFIX_CACHES, WRITE_POLICIES
 from radixserve.model.invariance import INVARIANT_KERNELS, amx_available
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import DTYPES as DTYPES  # re-exported: server/args.py builds --dtype from it
-from radixserve.model.precision import KV_CACHE_DTYPES, resolve_dtype
+from radixserve.model.precision import kv_cache_dtype_error, resolve_dtype
 from radixserve.model.quant import QUANTIZATIONS
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
 
@@ -35,7 +35,7 @@ class EngineConfig:
     chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts go in chunks
     enable_mixed_chunk: bool = False  # one forward per step: the prefill chunk and every running decode
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32
-    kv_cache_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16: the KV pool's own dtype
+    kv_cache_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16 | int8: the KV pool's own dtype
     # auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks with float activations (q4_1-exact, lossless) where it stores only
     # those and the CPU block kernel runs, else none | none | int8 (weight-only, per-channel scales) |
     # q4_1 (GGUF-style blocks, int8 activations as llama.cpp) | q4_1-exact (the same, float activations)
@@ -70,7 +70,7 @@ class EngineConfig:
             (self.max_total_tokens is None or self.max_total_tokens >= 16, "max_total_tokens must be >= 16"),
             (self.max_running_requests >= 1 and self.chunked_prefill_size >= 1, "limits must be >= 1"),
             (self.dtype == "auto" or self.dtype in DTYPES, f"dtype must be auto or one of {sorted(DTYPES)}"),
-            (self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}"),
+            (kv_cache_dtype_error(self.kv_cache_dtype) is None, kv_cache_dtype_error(self.kv_cache_dtype) or ""),
             (
                 self.quantization == "auto" or self.quantization in QUANTIZATIONS,
                 f"quantization must be one of {('auto', *QUANTIZATIONS)}",

@@ -365,10 +365,18 @@ class Engine(Driver):
             why += "; decode rows read a shared prefix each on its own (no cascade pass)"
         return holds, why
 
+    def kv_bytes_per_token(self) -> int:
+        """One token's K/V in the pool, all layers (an 8-bit pool's scales included)."""
+        model = self.loaded.config
+        return KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_pool.dtype)
+
+    def kv_tokens_per_gib(self) -> int:
+        return (1 << 30) // self.kv_bytes_per_token()
+
     def describe(self) -> dict[str, Any]:
         """The resolved configuration: what was asked for, and what it became on this machine."""
         model = self.loaded.config
-        kv_bytes = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_pool.dtype)
+        kv_bytes = self.kv_bytes_per_token()
         return {
             **dataclasses.asdict(self.config),
             **describe_model(model, self.tokenizer, self.loaded.model, self.loaded.file_tensor_bytes),
@@ -387,5 +395,5 @@ class Engine(Driver):
             "context_length": self.context_length,
             "vocab_size": model.vocab_size,
             "kv_bytes_per_token": kv_bytes,
-            "kv_tokens_per_gib": (1 << 30) // kv_bytes,
+            "kv_tokens_per_gib": self.kv_tokens_per_gib(),
         }

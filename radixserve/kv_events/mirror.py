@@ -33,6 +33,8 @@ class MediumBlocks(msgspec.Struct, gc=False):
 class Snapshot(msgspec.Struct, gc=False):
     version: int
     media: list[MediumBlocks]
+    kv_cache_dtype: str | None = None  # the publisher's KV pool, as its BlockStored events say (None: not told)
+    kv_tokens_per_gib: int = 0
 
 
 class BlockMirror:

@@ -32,6 +32,7 @@ from radixserve.kv_events.mirror import SNAPSHOT_V2, BlockMirror, encode_snapsho
 from radixserve.kv_events.wire import (
     END_SEQ,
     SNAPSHOT,
+    BlockStored,
     KVEventBatch,
     decode_seq,
     encode_batch,
@@ -58,6 +59,7 @@ class KVEventPublisher:
         hwm: int = 100_000,
     ) -> None:
         self.block_size, self.topic = block_size, topic
+        self.kv_format: tuple[str, int] | None = None  # (KV dtype, tokens per GiB): describe_kv
         self._topic = topic.encode()
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = context.socket(zmq.PUB)
@@ -93,11 +95,20 @@ class KVEventPublisher:
         """The last batch published (-1: none yet)."""
         return self._seq
 
+    def describe_kv(self, kv_cache_dtype: str, tokens_per_gib: int) -> None:
+        """The engine's KV pool, once it is built (the publisher opens before the model loads): every BlockStored
+        then names the dtype, and a v2 snapshot both."""
+        self.kv_format = (kv_cache_dtype, tokens_per_gib)
+
     def publish(self, events: list[KVEvent]) -> None:
         """One batch for ``events`` (scheduler thread only: the PUB socket is not thread-safe)."""
         records = [r for r in (event_record(e, self.block_size) for e in events) if r is not None]
         if not records:
             return
+        if self.kv_format is not None:
+            for record in records:
+                if isinstance(record, BlockStored):
+                    record.kv_cache_dtype = self.kv_format[0]
         data = encode_batch(records)
         with self._lock:
             self._seq += 1
@@ -136,6 +147,9 @@ class KVEventPublisher:
                 blocks = msgspec.msgpack.encode(sorted(self._mirror.blocks))
                 return [[SNAPSHOT, encode_seq(self._mirror.seq), blocks], end]
             if body == SNAPSHOT_V2:
-                return [[SNAPSHOT_V2, encode_seq(self._mirror.seq), encode_snapshot(self._mirror.snapshot())], end]
+                snapshot = self._mirror.snapshot()
+                if self.kv_format is not None:
+                    snapshot.kv_cache_dtype, snapshot.kv_tokens_per_gib = self.kv_format
+                return [[SNAPSHOT_V2, encode_seq(self._mirror.seq), encode_snapshot(snapshot)], end]
             start = decode_seq(body)
             return [[self._topic, encode_seq(seq), data] for seq, data in self._ring if seq >= start] + [end]

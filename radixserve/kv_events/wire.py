@@ -87,6 +87,7 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
     lora_name: str | None = None
     namespace: str | None = None
     shared_len: int = 0
+    kv_cache_dtype: str | None = None  # the pool's KV dtype (int8, bfloat16, ...): pages of two dtypes differ
 
 
 class BlockRemoved(msgspec.Struct, tag=True, gc=False):

@@ -1,5 +1,12 @@
 """The KV pool: per layer, K and V tensors of [num_kv_heads, num_slots, head_dim].
 
+The 8-bit pool (dtype torch.int8, ``--kv-cache-dtype int8``) stores per layer K and V as int8
+[num_kv_heads, num_slots, head_dim] plus their scales as bfloat16 [num_kv_heads, num_slots]: one
+symmetric absmax scale per token and head (scale = max|x| / 127 of that row, kv_quant.py), so
+x ~ code * scale. 66 bytes a head row against bfloat16's 128 at head_dim 64: 1.94x the tokens per GiB.
+Writing a token quantizes it; attention reads codes and scales in place (the kernels fold the scale into
+the score and the softmax weight), the reference path dequantizes what it gathers.
+
 Slot i holds the K/V of whichever token the allocator handed it to; slot 0
 (page 0) is padding. The pool knows nothing of requests: the model writes the
 new tokens' K/V by slot index and reads a context by gathering its slots.
@@ -18,6 +25,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from radixserve.memory.kv_quant import dequantize, quantize_absmax
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # linux/mman.h
@@ -61,6 +70,16 @@ def zeros_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return raw[offset : offset + nbytes].view(dtype).zero_()
 
 
+# The 8-bit pool's scales: bfloat16 (2 bytes a row; float32 would leave 1.88x, not 1.9x, of bfloat16's tokens).
+SCALE_DTYPE = torch.bfloat16
+
+
+def kv_row_bytes(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one token's K (or V) row of one head: the values, and an 8-bit pool's scale."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return head_dim * itemsize + (SCALE_DTYPE.itemsize if dtype == torch.int8 else 0)
+
+
 class KVPool:
     def __init__(
         self,
@@ -74,25 +93,78 @@ class KVPool:
         self.num_slots = num_slots
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_kv_heads, num_slots, head_dim)
+        self.quantized = dtype == torch.int8
+        self.k, self.v = self._layers(num_layers, (num_kv_heads, num_slots, head_dim), dtype)
+        self.k_scale: list[torch.Tensor] = []  # the 8-bit pool's scales, per layer [num_kv_heads, num_slots]
+        self.v_scale: list[torch.Tensor] = []
+        if self.quantized:
+            self.k_scale, self.v_scale = self._layers(num_layers, (num_kv_heads, num_slots), SCALE_DTYPE)
+
+    def _layers(
+        self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zeroed K and V tensors of ``shape`` per layer; on CPU one buffer for all, on huge pages where the kernel
+        allows (see above)."""
         if self.device.type == "cpu":
-            # One buffer for every layer's K and V, on huge pages where the kernel allows (see above).
-            per = num_kv_heads * num_slots * head_dim
+            per = int(torch.Size(shape).numel())
             parts = zeros_on_huge_pages(2 * num_layers * per, dtype).view(2 * num_layers, *shape).unbind(0)
-            self.k, self.v = list(parts[:num_layers]), list(parts[num_layers:])
-        else:
-            self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-            self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+            return list(parts[:num_layers]), list(parts[num_layers:])
+        make = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2 * num_layers)]
+        return make[:num_layers], make[num_layers:]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """K and V of one token across all layers (SmolLM2 fp32: 30 x 3 x 64 x 2 x 4 B = 46 KiB)."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        """K and V of one token across all layers, an 8-bit pool's scales included (SmolLM2 fp32: 30 x 3 x 64 x 2
+        x 4 B = 46 KiB; int8: 30 x 3 x (64 + 2) x 2 B = 11.6 KiB)."""
+        return 2 * num_layers * num_kv_heads * kv_row_bytes(head_dim, dtype)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V [n, num_kv_heads, head_dim] of n tokens at ``slots`` [n]."""
-        self.k[layer][:, slots] = k.transpose(0, 1).to(self.dtype)
-        self.v[layer][:, slots] = v.transpose(0, 1).to(self.dtype)
+        """Store K/V [n, num_kv_heads, head_dim] of n tokens at ``slots`` [n] (an 8-bit pool quantizes each
+        token-head row with its own scale)."""
+        if not self.quantized:
+            self.k[layer][:, slots] = k.transpose(0, 1).to(self.dtype)
+            self.v[layer][:, slots] = v.transpose(0, 1).to(self.dtype)
+            return
+        for x, codes, scales in ((k, self.k[layer], self.k_scale[layer]), (v, self.v[layer], self.v_scale[layer])):
+            q, scale = quantize_absmax(x.transpose(0, 1), -1, SCALE_DTYPE)
+            codes[:, slots] = q
+            scales[:, slots] = scale[..., 0]
+
+    def dequantized(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of an 8-bit pool at ``slots`` [..., S] as [Hkv, ..., S, D] in ``dtype`` (a copy: the reference
+        path's gather)."""
+        k = dequantize(self.k[layer][:, slots], self.k_scale[layer][:, slots][..., None], dtype)
+        v = dequantize(self.v[layer][:, slots], self.v_scale[layer][:, slots][..., None], dtype)
+        return k, v
+
+    def gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's K and V rows at ``slots`` [n] as stored: [layers, 2, Hkv, n, row] (row: head_dim values;
+        an 8-bit pool's are int8 with the bfloat16 scale's 2 bytes appended). What the tiers move."""
+        rows = [torch.stack((self._raw(k, ks, slots), self._raw(v, vs, slots))) for k, v, ks, vs in self._all()]
+        return torch.stack(rows)
+
+    def scatter_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """The inverse of ``gather_rows``: rows [layers, 2, Hkv, n, row] into ``slots`` [n]."""
+        head_dim = self.k[0].shape[2]
+        for layer, (k, v, ks, vs) in enumerate(self._all()):
+            for kind, (values, scales) in enumerate(((k, ks), (v, vs))):
+                part = rows[layer, kind].to(values.device)
+                values[:, slots] = part[..., :head_dim].to(values.dtype)
+                if scales is not None:
+                    scales[:, slots] = part[..., head_dim:].contiguous().view(SCALE_DTYPE)[..., 0]
+
+    def _all(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """Per layer (K, V, K's scales, V's scales); the scales None for a float pool."""
+        if self.quantized:
+            return list(zip(self.k, self.v, self.k_scale, self.v_scale))
+        return [(k, v, None, None) for k, v in zip(self.k, self.v)]
+
+    @staticmethod
+    def _raw(values: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+        if scales is None:
+            return values[:, slots]
+        scale_bytes = scales[:, slots].contiguous().view(torch.int8)  # [Hkv, 2n]: each bfloat16's two bytes
+        return torch.cat((values[:, slots], scale_bytes.view(*scale_bytes.shape[:-1], -1, 2)), -1)
 
     def write_rotated(
         self, layer: int, slots: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int
@@ -100,9 +172,11 @@ class KVPool:
         """The fused CPU path of attention's rotary + ``write``: qkv [n, (num_heads + 2 Hkv) * head_dim] (q | k | v
         of n tokens), cos/sin [n, 1, head_dim] in qkv's dtype. Rotates q and k, stores k and v at ``slots``
         [n] (int64) in one pass over the rows (csrc/fused_ops.cpp: the bits of apply_rotary + ``write``);
-        returns q rotated, [n, num_heads, head_dim]. float32 or bfloat16 qkv and pool, on CPU."""
+        returns q rotated, [n, num_heads, head_dim]. float32 or bfloat16 qkv, a float32, bfloat16 or 8-bit pool (its
+        rows quantized as ``write`` quantizes them), on CPU."""
+        scales = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
         q: torch.Tensor = torch.ops.radixserve.rotary_kv_write(
-            qkv, cos, sin, slots, self.k[layer], self.v[layer], num_heads, self.k[layer].shape[0]
+            qkv, cos, sin, slots, self.k[layer], self.v[layer], num_heads, self.k[layer].shape[0], *scales
         )
         return q
 

@@ -241,10 +241,10 @@ def extend_kernel_usable() -> bool:
 
 
 def extend_kernel_applies(q: torch.Tensor, kv_pool: KVPool) -> bool:
-    """bf16 queries on a bf16 pool on such a CPU. Everything else (float32 anywhere, a bf16 pool under
+    """bf16 queries on a bf16 or 8-bit pool on such a CPU. Everything else (float32 anywhere, a bf16 pool under
     float32 weights, AVX2-only CPUs, CUDA) keeps the paged kernel and gather + SDPA."""
     bf16 = torch.bfloat16
-    if q.device.type != "cpu" or q.dtype != bf16 or kv_pool.dtype != bf16 or q.shape[-1] % 16 != 0:
+    if q.device.type != "cpu" or q.dtype != bf16 or kv_pool.dtype not in (bf16, torch.int8) or q.shape[-1] % 16 != 0:
         return False  # the kernel packs K/V 16 head dims at a time
     return extend_kernel_usable()
 
@@ -255,7 +255,7 @@ def attention_split_invariance(dtype: torch.dtype, kv_dtype: torch.dtype, backen
     else why not. Float32 extends go through gather + SDPA over the uncached tail's shape: not invariant."""
     if backend == "reference":
         return "the reference attention backend (gather + SDPA) is not split-invariant"
-    if dtype != torch.bfloat16 or kv_dtype != torch.bfloat16:
+    if dtype != torch.bfloat16 or kv_dtype not in (torch.bfloat16, torch.int8):
         return "attention is split-invariant only in bfloat16 (the extend kernel; float32 extends run SDPA)"
     if head_dim % 16 or not extend_kernel_usable():
         return "the bfloat16 extend kernel does not run here (AVX512-BF16 and head_dim % 16 == 0 needed)"
@@ -312,7 +312,7 @@ class Attention(nn.Module):
         num_rows = x.shape[0]
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_qk(qkv)
-        if cos.dtype == qkv.dtype and kv_pool.dtype in FUSED_DTYPES and fused_ops_apply(qkv):
+        if cos.dtype == qkv.dtype and (kv_pool.dtype in FUSED_DTYPES or kv_pool.quantized) and fused_ops_apply(qkv):
             q = kv_pool.write_rotated(self.layer_id, out_slots, qkv, cos, sin, self.num_heads)
         else:
             qk_size = self.split_sizes[0] + self.split_sizes[1]
@@ -351,14 +351,17 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, plan: AttentionPlan, kv_pool: KVPool) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]: each group of requests on its path, written back to its rows."""
         routes = plan.routes(extend_kernel_applies(q, kv_pool), self.params.window)
-        k_pool, v_pool = kv_pool.k[self.layer_id], kv_pool.v[self.layer_id]
+        layer = self.layer_id
+        k_pool, v_pool = kv_pool.k[layer], kv_pool.v[layer]
+        scales = (kv_pool.k_scale[layer], kv_pool.v_scale[layer]) if kv_pool.quantized else None  # read in place
         parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         for index, rows, kernel in (
             (routes.extend, routes.extend_rows, extend_attention),
             (routes.paged, routes.paged_rows, paged_attention),
         ):
             if index is not None:
-                parts.append((rows, kernel(q if rows is None else q[rows], k_pool, v_pool, index, self.params)))
+                q_part = q if rows is None else q[rows]
+                parts.append((rows, kernel(q_part, k_pool, v_pool, index, self.params, scales)))
         if routes.decode is not None:
             rows = routes.decode_rows
             parts.append((rows, self._decode(q if rows is None else q[rows], routes.decode, plan.workspace, kv_pool)))

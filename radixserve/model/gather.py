@@ -32,7 +32,11 @@ class GatherWorkspace:
         self._v: torch.Tensor | None = None
 
     def gather(self, kv_pool: KVPool, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [*slots.shape[:-1], Hkv, S, D] of the tokens at ``slots`` [..., S] (views into the buffers)."""
+        """K/V [*slots.shape[:-1], Hkv, S, D] of the tokens at ``slots`` [..., S] (views into the buffers; an
+        8-bit pool's dequantized to float32, a fresh copy: this is the reference path)."""
+        if kv_pool.quantized:
+            k, v = kv_pool.dequantized(layer_id, slots, torch.float32)
+            return k.movedim(0, -3), v.movedim(0, -3)
         k_pool, v_pool = kv_pool.k[layer_id], kv_pool.v[layer_id]
         self._k = _ensure_rows(self._k, k_pool, slots.numel())
         self._v = _ensure_rows(self._v, v_pool, slots.numel())

@@ -236,9 +236,11 @@ def paged_attention(
     v_pool: torch.Tensor,
     index: PagedIndex,
     params: AttentionParams = DEFAULT_PARAMS,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] against K/V [Hkv, N, D] read in place at ``index`` -> [T, H, D] in q's dtype (causal per request;
-    ``params``: the layer's window, soft cap and scale; with a window only the keys in it are read)."""
+    ``params``: the layer's window, soft cap and scale; with a window only the keys in it are read). ``scales``: an
+    8-bit pool's (k_scale, v_scale), bfloat16 [Hkv, N], with int8 K/V."""
     out: torch.Tensor = torch.ops.radixserve.paged_attention(
         q.contiguous(),
         k_pool,
@@ -251,6 +253,7 @@ def paged_attention(
         params.kernel_scale(q.shape[-1]),
         params.window,
         params.softcap,
+        *(scales or (None, None)),
     )
     return out
 
@@ -267,8 +270,10 @@ def extend_attention(
     v_pool: torch.Tensor,
     index: PagedIndex,
     params: AttentionParams = DEFAULT_PARAMS,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """bf16 q [T, H, D] against bf16 K/V [Hkv, N, D] read at ``index`` -> [T, H, D] bf16 (causal per request).
+    """bf16 q [T, H, D] against bf16 K/V [Hkv, N, D] read at ``index`` -> [T, H, D] bf16 (causal per request); or
+    int8 K/V with their ``scales`` (an 8-bit pool: each key packed as code * scale in bf16).
 
     Multi-token rows (prefill chunks, a cache hit's tail) with AVX512-BF16 dot products; a row's result
     does not depend on how its prompt was split into chunks or cached (csrc/extend_attention.h), with or
@@ -283,6 +288,7 @@ def extend_attention(
         params.kernel_scale(q.shape[-1]),
         params.window,
         params.softcap,
+        *(scales or (None, None)),
     )
     return out
 

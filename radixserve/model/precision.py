@@ -20,14 +20,32 @@ from radixserve.model.gguf_rows import ROW_TYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The KV pool's own dtype (SGLang's --kv-cache-dtype): auto = the model's. bfloat16 under float32
-# weights holds twice the tokens per GiB, and the paged kernel reads half the bytes per key.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# weights holds twice the tokens per GiB, and the paged kernel reads half the bytes per key; int8
+# (symmetric, one bfloat16 scale per token and head: memory/kv_pool.py) 1.94x bfloat16's, lossy.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+# Names users know from other servers that this one refuses, and why (the flag accepts them to say so).
+REFUSED_KV_CACHE_DTYPES = {
+    "fp8_e4m3": "not implemented: no CPU here multiplies fp8, so its kernels would widen it exactly as int8's do, "
+    "with fewer mantissa bits; use int8",
+}
+
+
+def kv_cache_dtype_error(requested: str) -> str | None:
+    """Why ``requested`` is no pool dtype; None when it is one of KV_CACHE_DTYPES."""
+    if requested in KV_CACHE_DTYPES:
+        return None
+    if requested in REFUSED_KV_CACHE_DTYPES:
+        return f"kv_cache_dtype {requested!r} is {REFUSED_KV_CACHE_DTYPES[requested]}"
+    return f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}"
 
 
 def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
     """The pool's dtype for ``requested`` (one of KV_CACHE_DTYPES) under weights in ``model_dtype``."""
-    if requested not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
+    error = kv_cache_dtype_error(requested)
+    if error is not None:
+        raise ValueError(error)
+    if requested == "int8":
+        return torch.int8
     return model_dtype if requested == "auto" else DTYPES[requested]
 
 

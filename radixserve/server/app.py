@@ -96,11 +96,18 @@ def create_app(
     ``replica``: its name under ``--replicas`` (its request spans carry it)."""
     if args.kv_events_endpoint and not engine.config.enable_kv_events:  # it would publish nothing, silently
         raise ValueError("--kv-events-endpoint needs an engine with enable_kv_events: build it from args.engine")
-    metrics = ServerMetrics(args.hit_rate_window, cache_config_labels(engine)) if args.enable_metrics else None
+    kv_tokens_per_gib = engine.kv_tokens_per_gib()
+    metrics = (
+        ServerMetrics(args.hit_rate_window, cache_config_labels(engine), kv_tokens_per_gib)
+        if args.enable_metrics
+        else None
+    )
     if metrics is not None and engine.tiers is not None:
         metrics.registry.register(TierCollector(engine.tiers))
     if events is None:
         events = open_kv_events(args)
+    if events is not None:
+        events.describe_kv(cache_config_labels(engine)["kv_cache_dtype"], kv_tokens_per_gib)
     tracer = open_tracer(engine, args, replica)
     worker = EngineWorker(engine, metrics, args.max_queued_requests, events, args.graceful_shutdown_timeout, tracer)
     state = ServerState(engine, args, worker, metrics, build_tenancy(args), shared_heads(engine.tokenizer, args))
@@ -139,6 +146,7 @@ def cache_config_labels(engine: Engine) -> dict[str, str]:
         "eviction_policy": config.radix_eviction_policy,
         "schedule_policy": config.schedule_policy,
         "page_size": str(config.page_size),
+        "kv_cache_dtype": str(engine.kv_pool.dtype).removeprefix("torch."),
     }
 
 

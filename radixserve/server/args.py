@@ -21,7 +21,7 @@ from radixserve.engine.config import ENGINE_OPTIONS
 from radixserve.kv_events.config import KVEventsConfig, parse_kv_events_config
 from radixserve.model.invariance import INVARIANT_KERNELS
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
-from radixserve.model.precision import KV_CACHE_DTYPES
+from radixserve.model.precision import KV_CACHE_DTYPES, REFUSED_KV_CACHE_DTYPES
 from radixserve.model.quant import QUANTIZATIONS
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
 from radixserve.server.reasoning import REASONING_PARSERS
@@ -196,8 +196,9 @@ def _model_flags(model: argparse._ArgumentGroup, d: EngineConfig) -> None:
     model.add_argument(
         "--kv-cache-dtype",
         default=d.kv_cache_dtype,
-        choices=KV_CACHE_DTYPES,
-        help="the KV pool's dtype; auto = --dtype. bfloat16 under float32 weights: 2x tokens per GiB",
+        choices=(*KV_CACHE_DTYPES, *REFUSED_KV_CACHE_DTYPES),
+        help="the KV pool's dtype; auto = --dtype. bfloat16 under float32 weights: 2x tokens per GiB; int8 (one "
+        "scale per token and head): 1.94x bfloat16's, lossy (docs: server/precision.md); fp8_e4m3 is refused",
     )
     model.add_argument(
         "--quantization",

@@ -20,8 +20,9 @@ Gauges ``num_running_reqs``, ``num_waiting_reqs`` and ``token_usage`` (share of 
 slots held by live requests, not reclaimable by eviction) are set after every
 scheduler step. Histograms: ``time_to_first_token_seconds`` (arrival at the
 server to first token), ``inter_token_latency_seconds``, ``e2e_request_latency_seconds``.
-``cache_config_info{prefix_cache, eviction_policy, schedule_policy, page_size}`` is 1: its
-labels say how the cache is set up (join on it to group other series by policy).
+``cache_config_info{prefix_cache, eviction_policy, schedule_policy, page_size, kv_cache_dtype}`` is 1: its
+labels say how the cache is set up (join on it to group other series by policy). ``kv_cache_tokens_per_gib``:
+what one GiB of the KV pool holds in its dtype (an int8 pool's scales included).
 
 Thread-safety: the scheduler thread updates, the HTTP thread renders;
 prometheus_client's metrics are thread-safe, and the window sums are changed
@@ -42,7 +43,9 @@ TOKEN_GAP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
 
 
 class ServerMetrics:
-    def __init__(self, hit_rate_window: int = 1000, cache_config: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, hit_rate_window: int = 1000, cache_config: dict[str, str] | None = None, kv_tokens_per_gib: int = 0
+    ) -> None:
         self.registry = registry = CollectorRegistry()
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
@@ -68,6 +71,8 @@ class ServerMetrics:
         self.num_running = gauge("num_running_reqs", "Requests admitted (prefilling or decoding).")
         self.num_waiting = gauge("num_waiting_reqs", "Requests in the waiting queue.")
         self.token_usage = gauge("token_usage", "Share of KV slots held by live requests.")
+        tokens_per_gib = gauge("kv_cache_tokens_per_gib", "Tokens one GiB of the KV pool holds in its dtype.")
+        tokens_per_gib.set(kv_tokens_per_gib)
         config = cache_config or {}
         info = Gauge(
             PREFIX + "cache_config_info", "How the prefix cache is set up (1).", tuple(config), registry=registry

@@ -73,10 +73,21 @@ def check_fingerprint(
     if theirs != fingerprint:
         differs = sorted(k for k in {**fingerprint, **(theirs or {})} if (theirs or {}).get(k) != fingerprint.get(k))
         logger.warning(
-            "cache dir %s was written for another model or layout (differs in %s): not using it", directory, differs
+            "cache dir %s was written for another model or layout (differs in %s%s): not using it",
+            directory,
+            differs,
+            _layout_change((theirs or {}).get("kv_layout"), fingerprint.get("kv_layout")),
         )
         return False
     return True
+
+
+def _layout_change(theirs: Any, ours: Any) -> str:
+    """What differs in the KV layout (the KV dtype: a restart with another --kv-cache-dtype), for the log line."""
+    if not isinstance(theirs, dict) or not isinstance(ours, dict) or theirs == ours:
+        return ""
+    fields = sorted(k for k in {**theirs, **ours} if theirs.get(k) != ours.get(k))
+    return "; kv_layout " + ", ".join(f"{k}: {theirs.get(k)} in the files, {ours.get(k)} now" for k in fields)
 
 
 def page_hash_of(name: str) -> bytes | None:

@@ -7,7 +7,8 @@ evicted page is handed back to the caller, which spills it to the disk tier.
 ``compress=True`` stores K/V as int8 with one fp32 scale per (layer, K/V, head)
 of each page: about 4x the tokens per GiB of fp32 pages, but lossy (loaded K/V
 differ by up to scale/2). Off by default: a hit must reproduce the cold output
-exactly. On CUDA the lossless pages sit in pinned memory (fast copies back).
+exactly. Pages of the 8-bit pool (int8 codes with their scales) are stored as they
+are, compressed or not: they are 8 bits already. On CUDA the lossless pages sit in pinned memory (fast copies back).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
+
+from radixserve.memory.kv_quant import dequantize, quantize_absmax
 
 
 class _Stored(NamedTuple):
@@ -53,7 +56,7 @@ class HostArena:
         self._pages.move_to_end(page_hash)
         if stored.scale is None:
             return stored.data
-        return (stored.data.to(torch.float32) * stored.scale).to(stored.dtype)
+        return dequantize(stored.data, stored.scale, stored.dtype)
 
     def put(self, page_hash: bytes, page: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
         """Store ``page`` (copied); return the pages evicted to make room, oldest first.
@@ -93,12 +96,10 @@ class HostArena:
         assert self.used_bytes <= self.capacity_bytes, "host arena over capacity"
 
     def _encode(self, page: torch.Tensor) -> _Stored:
-        if not self.compress:
+        if not self.compress or not page.dtype.is_floating_point:
             data = page.detach().to("cpu", copy=True).contiguous()
             if self.pin:
                 data = data.pin_memory()
             return _Stored(data, None, page.dtype, data.numel() * data.element_size())
-        values = page.detach().to("cpu", torch.float32)
-        scale = values.abs().amax(dim=(3, 4), keepdim=True).clamp_min(1e-12) / 127.0
-        codes = torch.round(values / scale).clamp(-127, 127).to(torch.int8)
+        codes, scale = quantize_absmax(page.detach().to("cpu"), dim=(3, 4))
         return _Stored(codes, scale, page.dtype, codes.numel() + scale.numel() * 4)

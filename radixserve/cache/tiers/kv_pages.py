@@ -1,9 +1,12 @@
 """Whole pages of K/V copied between the KV pool and the lower tiers (host, disk).
 
 A tier page holds ``page_tokens`` consecutive tokens of one cached sequence, for
-every layer: a tensor ``[num_layers, 2 (K, V), num_kv_heads, page_tokens, head_dim]``
-in the pool's dtype. On disk it is those bytes, raw: the directory's fingerprint
-(``PageLayout.describe``) says how to read them back.
+every layer: a tensor ``[num_layers, 2 (K, V), num_kv_heads, page_tokens, row]``
+in the pool's dtype, as the pool stores it (``KVPool.gather_rows``): row = head_dim values, and
+for the 8-bit pool int8 codes followed by their bfloat16 scale's two bytes (head_dim + 2), so
+the host and disk tiers hold 8-bit pages as they are. On disk it is those bytes, raw: the
+directory's fingerprint (``PageLayout.describe``: the dtype and the row among it) says how to read
+them back, and a directory written with another KV dtype is not used.
 """
 
 from __future__ import annotations
@@ -25,15 +28,17 @@ class PageLayout:
     head_dim: int
     page_tokens: int
     dtype: torch.dtype
+    scale_bytes: int = 0  # appended to each row: the 8-bit pool's bfloat16 scale
 
     @classmethod
     def of_pool(cls, pool: KVPool, page_tokens: int) -> PageLayout:
         heads, _, head_dim = pool.k[0].shape
-        return cls(len(pool.k), heads, head_dim, page_tokens, pool.dtype)
+        scale_bytes = pool.k_scale[0].element_size() if pool.quantized else 0
+        return cls(len(pool.k), heads, head_dim, page_tokens, pool.dtype, scale_bytes)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_kv_heads, self.page_tokens, self.head_dim)
+        return (self.num_layers, 2, self.num_kv_heads, self.page_tokens, self.head_dim + self.scale_bytes)
 
     @property
     def page_bytes(self) -> int:
@@ -47,6 +52,7 @@ class PageLayout:
             "head_dim": self.head_dim,
             "page_tokens": self.page_tokens,
             "dtype": str(self.dtype).removeprefix("torch."),
+            **({"scale": "bfloat16 per token and head"} if self.scale_bytes else {}),
         }
 
     def to_bytes(self, page: torch.Tensor) -> bytes:
@@ -62,18 +68,13 @@ class PageLayout:
 
 def gather_page(pool: KVPool, slots: IndexArray) -> torch.Tensor:
     """A host copy of the K/V at ``slots`` (one tier page): [layers, 2, heads, tokens, head_dim]."""
-    index = torch.as_tensor(slots, dtype=torch.long, device=pool.device)
-    rows = [torch.stack((k[:, index], v[:, index])) for k, v in zip(pool.k, pool.v)]
-    return torch.stack(rows).cpu()
+    return pool.gather_rows(torch.as_tensor(slots, dtype=torch.long, device=pool.device)).cpu()
 
 
 def scatter_tokens(pool: KVPool, slots: IndexArray, page: torch.Tensor, first: int) -> None:
     """Write tokens ``first..first+len(slots)`` of ``page`` into the pool at ``slots``."""
     index = torch.as_tensor(slots, dtype=torch.long, device=pool.device)
-    part = page[:, :, :, first : first + len(slots)].to(pool.device, pool.dtype)
-    for layer, (k, v) in enumerate(zip(pool.k, pool.v)):
-        k[:, index] = part[layer, 0]
-        v[:, index] = part[layer, 1]
+    pool.scatter_rows(index, page[:, :, :, first : first + len(slots)])
 
 
 class PoolPageMover:

@@ -18,11 +18,15 @@ namespace radixserve {
 // window > 0: the query at context position p sees keys max(0, p - window + 1) .. p (transformers'
 // sliding window: kv_idx > q_idx - window); 0: keys 0 .. p. softcap > 0: scores = softcap *
 // tanh(scores / softcap) after the scale, before the softmax (Gemma 2); 0: none.
+// k_scale / v_scale: an 8-bit pool's scales (bfloat16 bits [num_kv_heads, num_slots], one per token and head:
+// a row's values are code * scale), nullptr for a float pool.
 struct Shape {
   int64_t num_heads, num_kv_heads, dim, num_slots, group;
   float scale;
   int64_t window;
   float softcap;
+  const uint16_t* k_scale = nullptr;
+  const uint16_t* v_scale = nullptr;
 };
 
 // The first key a query sees whose keys end before ``limit`` (its position + 1).
@@ -85,6 +89,11 @@ struct bf16 {
   uint16_t bits;
 };
 
+// An 8-bit pool's code (its row's scale applies apart: scale_scores, scale_weights).
+struct i8 {
+  int8_t v;
+};
+
 template <typename kv_t>
 inline float load(const kv_t* p, int64_t i) {
   return static_cast<float>(p[i]);
@@ -95,6 +104,26 @@ inline float load(const bf16* p, int64_t i) {
   return bf16_to_float(p[i].bits);
 }
 
+template <>
+inline float load(const i8* p, int64_t i) {
+  return static_cast<float>(p[i].v);
+}
+
+// An 8-bit pool's scales of an item's keys: dst[j] = scale[slots[j]] for j < n (scale: one head's row).
+inline void gather_scales(const uint16_t* scale, const int64_t* slots, int64_t n, float* dst) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = bf16_to_float(scale[slots[j]]);
+}
+
+// x[r * stride + j] *= f[j] for rows r < rows, j < n: the key scales into the scores q . code (a score is then
+// q . k exactly as with the dequantized row), or the value scales into the softmax weights (after their sum).
+inline void scale_rows(float* x, int64_t rows, int64_t stride, const float* f, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * stride;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) row[j] *= f[j];
+  }
+}
+
 #if defined(__AVX512F__)
 namespace avx512 {
 
@@ -103,6 +132,10 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return bf16x16_to_float(h);
+}
+// 16 int8 codes widened to float32 (exact).
+inline __m512 load16(const i8* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // exp(x) for x <= 0, 16 at a time: fast_exp's polynomial, 2^n applied by scalef.

@@ -22,12 +22,20 @@ bool extend_attention_supported() {
 
 at::Tensor extend_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                                const at::Tensor& q_starts, const at::Tensor& ctx_starts, double scale, int64_t window,
-                               double softcap) {
+                               double softcap, const c10::optional<at::Tensor>& k_scale,
+                               const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(extend_attention_supported(), "extend_attention: built without AVX512-BF16");
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "extend_attention: window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "q [T,H,D], k/v [Hkv,N,D]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
-              "extend_attention: q, k, v must be bfloat16");
+  const bool int8 = k.scalar_type() == at::kChar;
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == v.scalar_type() &&
+                  (k.scalar_type() == at::kBFloat16 || int8),
+              "extend_attention: q bfloat16, k and v bfloat16 or int8");
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "extend_attention: scales with an int8 pool only");
+  for (const auto* t : {&k_scale, &v_scale})
+    TORCH_CHECK(!int8 || ((*t)->scalar_type() == at::kBFloat16 && (*t)->is_contiguous() && (*t)->dim() == 2 &&
+                          (*t)->size(0) == k.size(0) && (*t)->size(1) == k.size(1)),
+                "extend_attention: scales bfloat16 [Hkv, N], contiguous");
   const int64_t dim = q.size(2), num_heads = q.size(1), num_kv_heads = k.size(0), num_slots = k.size(1);
   TORCH_CHECK(k.size(2) == dim && num_heads % num_kv_heads == 0, "head dims / groups disagree");
   TORCH_CHECK(dim % 16 == 0 && dim <= 512, "extend_attention: head dim must be a multiple of 16, at most 512");
@@ -51,10 +59,13 @@ at::Tensor extend_attention_op(const at::Tensor& q, const at::Tensor& k, const a
   const at::Tensor qd = (q.stride(2) == 1 && q.stride(1) == dim) ? q : q.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
 #ifdef RADIXSERVE_EXTEND_BF16
-  const radixserve::extend::Shape s{num_heads,    num_kv_heads, dim,   num_slots,     num_heads / num_kv_heads,
-                                    qd.stride(0), float(scale), window, float(softcap)};
   auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
-  radixserve::extend::extend_attention(bits(qd), bits(k), bits(v), slots.data_ptr<int64_t>(), qs, cs, batch, s,
+  // An int8 pool's codes travel as 16-bit pointers; pack_tile reads them as int8 where the scales are set.
+  auto pool = [&](const at::Tensor& t) { return int8 ? reinterpret_cast<const uint16_t*>(t.data_ptr<int8_t>()) : bits(t); };
+  const radixserve::extend::Shape s{num_heads,    num_kv_heads, dim,   num_slots,     num_heads / num_kv_heads,
+                                    qd.stride(0), float(scale), window, float(softcap),
+                                    int8 ? bits(*k_scale) : nullptr, int8 ? bits(*v_scale) : nullptr};
+  radixserve::extend::extend_attention(bits(qd), pool(k), pool(v), slots.data_ptr<int64_t>(), qs, cs, batch, s,
                                        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
                                        [](int64_t n, auto fn) { at::parallel_for(0, n, 1, fn); });
 #endif
@@ -67,7 +78,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("extend_attention_supported() -> bool", &extend_attention_supported);
   m.def(
       "extend_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor q_starts, Tensor ctx_starts, "
-      "float scale, int window=0, float softcap=0.0) -> Tensor");
+      "float scale, int window=0, float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("extend_attention", &extend_attention_op); }

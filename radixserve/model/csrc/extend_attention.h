@@ -6,7 +6,8 @@
 // slots[ctx_starts[b] .. ctx_starts[b+1]] (cached prefix first, new tokens last); new token t
 // (0-based) sees context 0 .. prefix_len + t. A cold prefill is an extend with prefix_len 0.
 //
-//   q, out [T, H, D] bfloat16    k, v [Hkv, N, D] bfloat16 (one layer of the pool)
+//   q, out [T, H, D] bfloat16    k, v [Hkv, N, D] bfloat16 (one layer of the pool), or int8 codes with
+//                                their bfloat16 scales (Shape::k_scale, v_scale): packed as code * scale in bf16
 //
 // Flash attention in two phases. (1) Pack: each (request, K/V head)'s context is copied once out
 // of the pool into the pair layout vdpbf16ps multiplies: K as blocks of 16 keys [D/2][16][2]
@@ -60,6 +61,9 @@ struct Shape {
   float scale;
   int64_t window;  // 0: none
   float softcap;   // 0: none
+  // An 8-bit pool (k, v int8 [Hkv, N, D]): its scales, bfloat16 bits [Hkv, N]; nullptr for a bfloat16 pool.
+  const uint16_t* k_scale = nullptr;
+  const uint16_t* v_scale = nullptr;
 };
 
 
@@ -187,9 +191,64 @@ inline void pack_v_pair(const uint16_t* a, const uint16_t* b, int64_t dim, uint3
   }
 }
 
+// 16 int8 codes times their row's scale, rounded to bfloat16 (its bits in each 32-bit lane's low half).
+inline __m512i dequant16_bf16(const int8_t* codes, float scale) {
+  const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+  return bf16_bits16(_mm512_mul_ps(x, _mm512_set1_ps(scale)));
+}
+
+// pack_tile for an 8-bit pool: each key's codes times its scale, rounded to bfloat16 (as torch rounds), into the
+// same pair layouts; a key is packed the same wherever its tile starts, so the bits stay the chunking's.
+inline void pack_tile_int8(const Layout& L, const Shape& s, const int8_t* k, const int8_t* v, const int64_t* slots,
+                           int64_t b, int64_t h, int64_t key0, uint32_t* kp, uint32_t* vp) {
+  const int64_t dim = s.dim, ctx_len = L.ctx_len(b), first = L.first_seen[b];
+  const int64_t offset = (h * L.packed_len() + L.packed_starts[b] + key0 - L.packed_from[b]) * dim / 2;
+  const int64_t* ctx = slots + L.ctx_starts[b];
+  const int8_t *k_head = k + h * s.num_slots * dim, *v_head = v + h * s.num_slots * dim;
+  const uint16_t *ks = s.k_scale + h * s.num_slots, *vs = s.v_scale + h * s.num_slots;
+  alignas(64) uint16_t rows[kKeyBlock * 512];  // 16 keys dequantized (zeros where not live), then packed as bf16's
+  const auto dequant_row = [&](const int8_t* codes, float scale, uint16_t* dst) {
+    for (int64_t d = 0; d < dim; d += 16)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(dst + d), _mm512_cvtepi32_epi16(dequant16_bf16(codes + d, scale)));
+  };
+  alignas(64) static const int64_t kBlockSlots[kKeyBlock] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t j = key0; j < key0 + kKeyTile; j += kKeyBlock) {
+    const int64_t count = std::clamp<int64_t>(ctx_len - j, 0, kKeyBlock);
+    const int64_t skip = std::clamp<int64_t>(first - j, 0, count);
+    for (int64_t i = 0; i < kKeyBlock; ++i) {
+      if (i >= skip && i < count)
+        dequant_row(k_head + ctx[j + i] * dim, bf16_to_float(ks[ctx[j + i]]), rows + i * dim);
+      else
+        std::memset(rows + i * dim, 0, dim * sizeof(uint16_t));
+    }
+    uint32_t* block = kp + offset + (j - key0) * dim / 2;
+    if (dim % 32 == 0)
+      pack_k_block_consecutive(rows, dim, block);
+    else
+      pack_k_block(rows, kBlockSlots, 0, kKeyBlock, dim, block);
+  }
+  uint16_t* row = rows;
+  alignas(64) uint16_t other[512];
+  for (int64_t j = key0; j < key0 + kKeyTile; j += 2) {  // V: pairs of keys, as pack_v_pair
+    const uint16_t *a = nullptr, *c = nullptr;
+    if (j + 1 >= first && j + 1 < ctx_len) {
+      dequant_row(v_head + ctx[j + 1] * dim, bf16_to_float(vs[ctx[j + 1]]), other);
+      c = other;
+    }
+    if (j >= first && j < ctx_len) {
+      dequant_row(v_head + ctx[j] * dim, bf16_to_float(vs[ctx[j]]), row);
+      a = row;
+    }
+    pack_v_pair(a, c, dim, vp + offset + (j - key0) * dim / 2);
+  }
+}
+
 // One key tile (kKeyTile keys from ``key0`` of request b, head h) into the packed K and V buffers.
 inline void pack_tile(const Layout& L, const Shape& s, const uint16_t* k, const uint16_t* v, const int64_t* slots,
                       int64_t b, int64_t h, int64_t key0, uint32_t* kp, uint32_t* vp) {
+  if (s.k_scale != nullptr)
+    return pack_tile_int8(L, s, reinterpret_cast<const int8_t*>(k), reinterpret_cast<const int8_t*>(v), slots, b, h,
+                          key0, kp, vp);
   const int64_t dim = s.dim, ctx_len = L.ctx_len(b), first = L.first_seen[b];
   const int64_t offset = (h * L.packed_len() + L.packed_starts[b] + key0 - L.packed_from[b]) * dim / 2;
   const int64_t* ctx = slots + L.ctx_starts[b];

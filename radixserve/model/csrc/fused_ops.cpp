@@ -3,7 +3,8 @@
 //   swiglu(gate_up, lanes)                   silu(gate) * up from the fused gate|up GEMM output
 //   rotary_kv_write(qkv, cos, sin, slots, k_pool, v_pool, num_heads, num_kv_heads)
 //                                            q and k rotated ("rotate half"), k and v written into the pool
-//                                            at slots; returns q [T, H, D]
+//                                            at slots (an int8 pool: quantized, with k_scale / v_scale);
+//                                            returns q [T, H, D]
 // Before, these were ~7, 2 and ~7 torch ops, each a pass over [T, ...] with its own rounding.
 //
 // Each reproduces the torch ops it replaces bit for bit, roundings included (a bfloat16 torch op
@@ -327,10 +328,21 @@ inline void rotate_bf16(const bf16* x, const bf16* cos, const bf16* sin, bf16* o
 }
 #endif
 
+// An 8-bit pool's row by kv_quant.quantize_absmax's rule (scale = max|x| / 127, at least 1e-30, rounded to
+// bfloat16; code = x / scale rounded half to even, within +-127): the fused write stores what KVPool.write does.
+inline void quantize_row(const float* x, int64_t dim, int8_t* codes, bf16* scale) {
+  float mx = 0.f;
+  for (int64_t i = 0; i < dim; ++i) mx = std::max(mx, std::fabs(x[i]));
+  const bf16 bits = radixserve::float_to_bf16(std::max(mx / 127.f, 1e-30f));
+  const float sf = radixserve::bf16_to_float(bits);
+  for (int64_t i = 0; i < dim; ++i) codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / sf), -127.f, 127.f));
+  *scale = bits;
+}
+
 template <typename T, typename P>
 void rotary_kv_rows(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin, int64_t cs_stride,
                     const int64_t* slots, P* k_pool, P* v_pool, int64_t num_slots, T* q_out, int64_t rows,
-                    int64_t heads, int64_t kv_heads, int64_t dim) {
+                    int64_t heads, int64_t kv_heads, int64_t dim, bf16* k_scale = nullptr, bf16* v_scale = nullptr) {
   const int64_t grain = std::max<int64_t>(1, 8192 / ((heads + 2 * kv_heads) * dim));
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     std::vector<float> rotated(dim);
@@ -356,13 +368,24 @@ void rotary_kv_rows(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin
         for (int64_t i = 0; i < dim; ++i) o[i] = from_float<T>(rotated[i]);
       }
       const int64_t slot = slots[t];
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        rotate(row + (heads + h) * dim, c, s, rotated.data(), dim);
-        P* k = k_pool + (h * num_slots + slot) * dim;
-        for (int64_t i = 0; i < dim; ++i) k[i] = from_float<P>(rotated[i]);  // already T-exact
-        const T* v = row + (heads + kv_heads + h) * dim;
-        P* vo = v_pool + (h * num_slots + slot) * dim;
-        for (int64_t i = 0; i < dim; ++i) vo[i] = from_float<P>(to_float(v[i]));
+      if constexpr (std::is_same_v<P, int8_t>) {  // an 8-bit pool: codes and a scale per row
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const int64_t at = h * num_slots + slot;
+          rotate(row + (heads + h) * dim, c, s, rotated.data(), dim);
+          quantize_row(rotated.data(), dim, k_pool + at * dim, k_scale + at);
+          const T* v = row + (heads + kv_heads + h) * dim;
+          for (int64_t i = 0; i < dim; ++i) rotated[i] = to_float(v[i]);
+          quantize_row(rotated.data(), dim, v_pool + at * dim, v_scale + at);
+        }
+      } else {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          rotate(row + (heads + h) * dim, c, s, rotated.data(), dim);
+          P* k = k_pool + (h * num_slots + slot) * dim;
+          for (int64_t i = 0; i < dim; ++i) k[i] = from_float<P>(rotated[i]);  // already T-exact
+          const T* v = row + (heads + kv_heads + h) * dim;
+          P* vo = v_pool + (h * num_slots + slot) * dim;
+          for (int64_t i = 0; i < dim; ++i) vo[i] = from_float<P>(to_float(v[i]));
+        }
       }
     }
   });
@@ -411,25 +434,37 @@ at::Tensor swiglu_op(const at::Tensor& gate_up, int64_t lanes) {
 template <typename T>
 void rotary_kv_dispatch_pool(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                              const at::Tensor& slots, at::Tensor& k_pool, at::Tensor& v_pool, at::Tensor& q,
-                             int64_t heads, int64_t kv_heads, int64_t dim) {
+                             int64_t heads, int64_t kv_heads, int64_t dim, const c10::optional<at::Tensor>& k_scale,
+                             const c10::optional<at::Tensor>& v_scale) {
   const int64_t rows = qkv.size(0), num_slots = k_pool.size(1);
-  auto run = [&](auto* k, auto* v) {
+  auto run = [&](auto* k, auto* v, bf16* ks = nullptr, bf16* vs = nullptr) {
     rotary_kv_rows(ptr<T>(qkv), qkv.stride(0), ptr<T>(cos), ptr<T>(sin), cos.stride(0),
-                   slots.data_ptr<int64_t>(), k, v, num_slots, ptr<T>(q), rows, heads, kv_heads, dim);
+                   slots.data_ptr<int64_t>(), k, v, num_slots, ptr<T>(q), rows, heads, kv_heads, dim, ks, vs);
   };
   if (k_pool.scalar_type() == at::kFloat)
     run(ptr<float>(k_pool), ptr<float>(v_pool));
+  else if (k_pool.scalar_type() == at::kChar)
+    run(ptr<int8_t>(k_pool), ptr<int8_t>(v_pool), ptr<bf16>(*k_scale), ptr<bf16>(*v_scale));
   else
     run(ptr<bf16>(k_pool), ptr<bf16>(v_pool));
 }
 
 at::Tensor rotary_kv_write_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                               const at::Tensor& slots, at::Tensor k_pool, at::Tensor v_pool, int64_t num_heads,
-                              int64_t num_kv_heads) {
+                              int64_t num_kv_heads, const c10::optional<at::Tensor>& k_scale,
+                              const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(qkv.device().is_cpu() && float_or_bf16(qkv) && cos.scalar_type() == qkv.scalar_type() &&
                   sin.scalar_type() == qkv.scalar_type(),
               "rotary_kv_write: qkv, cos, sin float32 or bfloat16 CPU tensors of one dtype");
-  TORCH_CHECK(float_or_bf16(k_pool) && v_pool.scalar_type() == k_pool.scalar_type(), "pool float32 or bfloat16");
+  const bool int8 = k_pool.scalar_type() == at::kChar;
+  TORCH_CHECK((float_or_bf16(k_pool) || int8) && v_pool.scalar_type() == k_pool.scalar_type(),
+              "pool float32, bfloat16 or int8");
+  for (const auto* scale : {&k_scale, &v_scale})  // an 8-bit pool's: bfloat16 [Hkv, N]
+    TORCH_CHECK(int8 == scale->has_value() && (!int8 || ((*scale)->scalar_type() == at::kBFloat16 &&
+                                                         (*scale)->is_contiguous() && (*scale)->dim() == 2 &&
+                                                         (*scale)->size(0) == k_pool.size(0) &&
+                                                         (*scale)->size(1) == k_pool.size(1))),
+                "rotary_kv_write: an int8 pool and only it comes with bfloat16 scales [Hkv, N]");
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
                   v_pool.is_contiguous() && k_pool.size(0) == num_kv_heads,
               "k/v pools: contiguous [Hkv, N, D]");
@@ -444,9 +479,11 @@ at::Tensor rotary_kv_write_op(const at::Tensor& qkv, const at::Tensor& cos, cons
   for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < k_pool.size(1), "slot outside the pool");
   at::Tensor q = at::empty({rows, num_heads, dim}, qkv.options().memory_format(at::MemoryFormat::Contiguous));
   if (qkv.scalar_type() == at::kFloat)
-    rotary_kv_dispatch_pool<float>(qkv, c, s, slots, k_pool, v_pool, q, num_heads, num_kv_heads, dim);
+    rotary_kv_dispatch_pool<float>(qkv, c, s, slots, k_pool, v_pool, q, num_heads, num_kv_heads, dim, k_scale,
+                                   v_scale);
   else
-    rotary_kv_dispatch_pool<bf16>(qkv, c, s, slots, k_pool, v_pool, q, num_heads, num_kv_heads, dim);
+    rotary_kv_dispatch_pool<bf16>(qkv, c, s, slots, k_pool, v_pool, q, num_heads, num_kv_heads, dim, k_scale,
+                                  v_scale);
   return q;
 }
 
@@ -457,7 +494,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("swiglu(Tensor gate_up, int lanes) -> Tensor");
   m.def(
       "rotary_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) k_pool, Tensor(b!) v_pool, "
-      "int num_heads, int num_kv_heads) -> Tensor");
+      "int num_heads, int num_kv_heads, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {

@@ -1,5 +1,6 @@
 // torch binding of paged_attention.h: torch.ops.radixserve.paged_attention (CPU).
-// q and out travel as float32 (q is small: the new tokens); the pool keeps its own dtype.
+// q and out travel as float32 (q is small: the new tokens); the pool keeps its own dtype. An 8-bit pool
+// (int8 k, v) comes with its scales (bfloat16 [Hkv, N]: k_scale, v_scale).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,6 +33,20 @@ radixserve::SharedGroups checked_groups(const at::Tensor& members, const at::Ten
   return {m, st, ln, count};
 }
 
+// An 8-bit pool's scales as bfloat16 bits, checked against its codes [Hkv, N, D]; nullptr for a float pool.
+const uint16_t* checked_scales(const at::Tensor& codes, const c10::optional<at::Tensor>& scale, const char* name) {
+  if (codes.scalar_type() != at::kChar) {
+    TORCH_CHECK(!scale.has_value(), name, ": only an int8 pool has scales");
+    return nullptr;
+  }
+  TORCH_CHECK(scale.has_value(), name, ": an int8 pool needs its scales");
+  const at::Tensor& t = *scale;
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() == 2 && t.size(0) == codes.size(0) &&
+                  t.size(1) == codes.size(1),
+              name, ": bfloat16 [Hkv, N], contiguous");
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>());
+}
+
 // A bfloat16 pool's storage as the kernel's bf16 (the same bits).
 const radixserve::bf16* as_bf16(const at::Tensor& t) {
   return reinterpret_cast<const radixserve::bf16*>(t.data_ptr<c10::BFloat16>());
@@ -40,7 +55,8 @@ const radixserve::bf16* as_bf16(const at::Tensor& t) {
 at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                               const at::Tensor& q_starts, const at::Tensor& ctx_starts, const at::Tensor& group_members,
                               const at::Tensor& group_starts, const at::Tensor& group_lens, int64_t num_splits,
-                              double scale, int64_t window, double softcap) {
+                              double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& k_scale,
+                              const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention: window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "q [T,H,D], k/v [Hkv,N,D]");
   TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(0) == 0, "head dims / groups disagree");
@@ -56,8 +72,10 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at
   const radixserve::SharedGroups groups = checked_groups(group_members, group_starts, group_lens, qs, cs, batch);
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-  const radixserve::Shape s{q.size(1),     k.size(0), q.size(2), k.size(1), q.size(1) / k.size(0),
-                            float(scale), window,    float(softcap)};
+  const radixserve::Shape s{q.size(1),     k.size(0),    q.size(2),
+                            k.size(1),     q.size(1) / k.size(0), float(scale),
+                            window,        float(softcap),        checked_scales(k, k_scale, "k_scale"),
+                            checked_scales(v, v_scale, "v_scale")};
   auto parallel = [](int64_t n, auto fn) { at::parallel_for(0, n, 1, fn); };
   const int64_t* sl = slots.data_ptr<int64_t>();
   if (k.scalar_type() == at::kFloat) {
@@ -70,8 +88,13 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at
   } else if (k.scalar_type() == at::kHalf) {
     radixserve::paged_attention<c10::Half>(qf.data_ptr<float>(), k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(),
                                            sl, qs, cs, batch, num_splits, groups, s, out.data_ptr<float>(), parallel);
+  } else if (k.scalar_type() == at::kChar) {
+    const auto* kc = reinterpret_cast<const radixserve::i8*>(k.data_ptr<int8_t>());
+    const auto* vc = reinterpret_cast<const radixserve::i8*>(v.data_ptr<int8_t>());
+    radixserve::paged_attention<radixserve::i8>(qf.data_ptr<float>(), kc, vc, sl, qs, cs, batch, num_splits, groups,
+                                                s, out.data_ptr<float>(), parallel);
   } else {
-    TORCH_CHECK(false, "paged_attention: pool dtype must be float32, bfloat16 or float16");
+    TORCH_CHECK(false, "paged_attention: pool dtype must be float32, bfloat16, float16 or int8");
   }
   return out.to(q.scalar_type());
 }
@@ -82,7 +105,7 @@ TORCH_LIBRARY(radixserve, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor q_starts, Tensor ctx_starts, "
       "Tensor group_members, Tensor group_starts, Tensor group_lens, int num_splits, float scale, int window=0, "
-      "float softcap=0.0) -> Tensor");
+      "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("paged_attention", &paged_attention_op); }

@@ -15,7 +15,9 @@
 // context is split when there are fewer requests than threads (flash-decoding), and the splits'
 // softmax partials are merged at the end. Two passes per item, each a flat vectorisable loop:
 // scores = q K^T over the item's keys, then p = softmax and acc = p V (with AVX512, for head dims
-// 64, 96, 128 and 256 and float32 or bfloat16 pools, paged_avx512.h's intrinsics). Requests that
+// 64, 96, 128 and 256 and float32, bfloat16 or int8 pools, paged_avx512.h's intrinsics). An 8-bit pool's
+// codes are read in place and widened in registers; each key's scale multiplies its score, each value's
+// its softmax weight (after the weights' sum), so no row is ever dequantized into memory. Requests that
 // share a leading run of slots (SharedGroups) read it once, in shared_prefix.h's items, and only their
 // own suffix here; every partial then meets in one log-sum-exp merge.
 //
@@ -98,7 +100,7 @@ void values_pass(const float* p, int64_t rows, const int64_t* seen, const kv_t* 
 
 // Per-thread scratch the items reuse: a decode item is a few microseconds, too short to allocate.
 struct ItemScratch {
-  std::vector<float> q, scores;
+  std::vector<float> q, scores, key_scales;
   std::vector<int64_t> first, seen;
 };
 
@@ -147,19 +149,35 @@ void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t*
   }
   const int64_t head = w.hkv * s.num_slots * dim;
   const int64_t* item_slots = slots + w.key0;
+  // An 8-bit pool: scores of the codes times each key's scale (before the cap and the softmax), then the
+  // softmax weights times each value's scale (after their sum): code rows are read as they lie, never dequantized.
+  constexpr bool int8 = std::is_same_v<kv_t, i8>;
+  buf.key_scales.resize(int8 ? num_keys : 0);
+  float* key_scales = buf.key_scales.data();
+  const auto fold_scales = [&](const uint16_t* scale) {
+    if constexpr (int8) {
+      gather_scales(scale + w.hkv * s.num_slots, item_slots, num_keys, key_scales);
+      scale_rows(scores, rows, stride, key_scales, num_keys);
+    }
+  };
 #if defined(__AVX512F__)
-  if constexpr (DIM > 0 && DIM % 16 == 0 && (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, bf16>)) {
+  if constexpr (DIM > 0 && DIM % 16 == 0 &&
+                (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, bf16> || std::is_same_v<kv_t, i8>)) {
     avx512::scores_pass<DIM / 16>(qf, rows, k + head, item_slots, num_keys, stride, scores);
+    fold_scales(s.k_scale);
     for (int64_t r = 0; r < rows; ++r) {
       if (s.softcap > 0.f) avx512::soft_cap16(scores + r * stride, seen[r], 1.f / s.softcap, s.softcap);
       avx512::softmax_row(scores + r * stride, first[r], seen[r], stride, row_max + r, row_sum + r);
     }
+    fold_scales(s.v_scale);
     avx512::values_pass<DIM / 16>(scores, rows, seen, stride, v + head, item_slots, acc);
     return;
   }
 #endif
   scores_pass<DIM>(qf, rows, k + head, item_slots, num_keys, dim, stride, scores);
+  fold_scales(s.k_scale);
   for (int64_t r = 0; r < rows; ++r) softmax_row(scores + r * stride, first[r], seen[r], s, row_max + r, row_sum + r);
+  fold_scales(s.v_scale);
   values_pass<DIM>(scores, rows, seen, v + head, item_slots, num_keys, dim, stride, acc);
 }
 

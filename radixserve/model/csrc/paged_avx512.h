@@ -86,11 +86,39 @@ void scores_pass(const float* q, int64_t rows, const kv_t* k, const int64_t* slo
 // and twice the shuffles for 16 lanes a key). Every key's sum runs the same ops in the same order
 // wherever it lies in the block, so a score does not depend on its neighbours or on R. A step takes
 // keys j0 .. j0+3 of the first half and half+j0 .. half+j0+3 of the second (two streams, see the top).
-template <int NC, bool LO, int R>
-void scores_dp_rows(const uint16_t* qh, const uint16_t* ql, const bf16* k, const int64_t* slots, int64_t num_keys,
+//
+// An 8-bit pool's codes take the same path in integers: q is quantized to int16 per row (its max -> 32767: 2^-15 of
+// the row's largest, finer than q's own bfloat16), each pair register is the two keys' codes widened to int16
+// (key_pair), and vpdpwssd (vpmaddwd + add without AVX512-VNNI) sums q . code in int32, exactly; the caller
+// multiplies each row by its q scale and each key by its scale. The same register layout and reductions.
+inline __m512i key_pair(const bf16* a, const bf16* b, int c) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16 * c))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 * c)), 1);
+}
+inline __m512i key_pair(const i8* a, const i8* b, int c) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 16 * c));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(lo),
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * c)), 1);
+  return _mm512_cvtepi8_epi16(both);  // key a's 16 dims in the low half, b's in the high
+}
+
+// acc += q . k over one register: bf16 pairs, or int16 pairs into int32 lanes (kept in a float register's bits).
+inline __m512 dot_pairs(__m512 acc, __m512i q, __m512i k, bf16*) { return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)k); }
+inline __m512 dot_pairs(__m512 acc, __m512i q, __m512i k, i8*) {
+#if defined(__AVX512VNNI__)
+  return _mm512_castsi512_ps(_mm512_dpwssd_epi32(_mm512_castps_si512(acc), q, k));
+#else
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(acc), _mm512_madd_epi16(q, k)));
+#endif
+}
+inline __m512 to_float(__m512 acc, bf16*) { return acc; }
+inline __m512 to_float(__m512 acc, i8*) { return _mm512_cvtepi32_ps(_mm512_castps_si512(acc)); }
+
+template <int NC, bool LO, int R, typename kv_t>
+void scores_dp_rows(const uint16_t* qh, const uint16_t* ql, const kv_t* k, const int64_t* slots, int64_t num_keys,
                     int64_t stride, float* scores) {
   constexpr int64_t dim = NC * 16;
-  alignas(64) static const bf16 zeros[dim] = {};
+  alignas(64) static const kv_t zeros[dim] = {};
   __m512i qd[R][NC], qe[LO ? R : 1][NC];  // 16 dims of q twice, for both keys of a register
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -103,7 +131,7 @@ void scores_dp_rows(const uint16_t* qh, const uint16_t* ql, const bf16* k, const
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const int64_t half = (num_keys + 7) / 8 * 4;
   for (int64_t j0 = 0; j0 < half; j0 += 4) {
-    const bf16* row[8];
+    const kv_t* row[8];
 #pragma GCC unroll 8
     for (int64_t j = 0; j < 8; ++j) {
       const int64_t key = j < 4 ? j0 + j : half + j0 + j - 4;
@@ -117,15 +145,15 @@ void scores_dp_rows(const uint16_t* qh, const uint16_t* ql, const bf16* k, const
       for (int r = 0; r < R; ++r) acc[r][pr] = _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        const __m512i kk = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * pr] + 16 * c))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * pr + 1] + 16 * c)), 1);
+        const __m512i kk = key_pair(row[2 * pr], row[2 * pr + 1], c);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          acc[r][pr] = _mm512_dpbf16_ps(acc[r][pr], (__m512bh)qd[r][c], (__m512bh)kk);
-          if constexpr (LO) acc[r][pr] = _mm512_dpbf16_ps(acc[r][pr], (__m512bh)qe[r][c], (__m512bh)kk);
+          acc[r][pr] = dot_pairs(acc[r][pr], qd[r][c], kk, static_cast<kv_t*>(nullptr));
+          if constexpr (LO) acc[r][pr] = dot_pairs(acc[r][pr], qe[r][c], kk, static_cast<kv_t*>(nullptr));
         }
       }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r][pr] = to_float(acc[r][pr], static_cast<kv_t*>(nullptr));
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -145,8 +173,8 @@ void scores_dp_rows(const uint16_t* qh, const uint16_t* ql, const bf16* k, const
 }
 
 // Rows in blocks of up to 4 (4 x 4 accumulators; the q registers are reloaded when they do not fit).
-template <int NC, bool LO>
-void scores_dp(const uint16_t* qh, const uint16_t* ql, int64_t rows, const bf16* k, const int64_t* slots,
+template <int NC, bool LO, typename kv_t>
+void scores_dp(const uint16_t* qh, const uint16_t* ql, int64_t rows, const kv_t* k, const int64_t* slots,
                int64_t num_keys, int64_t stride, float* scores) {
   constexpr int64_t dim = NC * 16;
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
@@ -172,16 +200,49 @@ inline bool split_bf16(const float* q, int64_t n, uint16_t* hi, uint16_t* lo) {
   return any;
 }
 
-template <int NC>
-void scores_pass(const float* q, int64_t rows, const bf16* k, const int64_t* slots, int64_t num_keys, int64_t stride,
-                 float* scores) {
+// scores_pass for a bfloat16 pool, or an 8-bit pool's codes (kv_t = i8), with the BF16 dot product.
+// q [rows][dim] -> int16 codes (bits in ``codes``) with one scale per row: max|q_r| / 32767.
+inline void quantize_rows_i16(const float* q, int64_t rows, int64_t dim, uint16_t* codes, float* scales) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float mx = 0.f;
+    for (int64_t i = 0; i < dim; ++i) mx = std::max(mx, std::fabs(q[r * dim + i]));
+    scales[r] = mx / 32767.f;
+    const float inv = mx > 0.f ? 32767.f / mx : 0.f;
+    for (int64_t i = 0; i < dim; ++i)
+      codes[r * dim + i] = static_cast<uint16_t>(static_cast<int16_t>(std::nearbyint(q[r * dim + i] * inv)));
+  }
+}
+
+template <int NC, typename kv_t>
+void scores_pass_dp(const float* q, int64_t rows, const kv_t* k, const int64_t* slots, int64_t num_keys,
+                    int64_t stride, float* scores) {
   static thread_local std::vector<uint16_t> split;
   split.resize(2 * rows * NC * 16);
   uint16_t *hi = split.data(), *lo = hi + rows * NC * 16;
+  if constexpr (std::is_same_v<kv_t, i8>) {
+    static thread_local std::vector<float> q_scales;
+    q_scales.resize(rows);
+    quantize_rows_i16(q, rows, NC * 16, hi, q_scales.data());
+    scores_dp<NC, false>(hi, lo, rows, k, slots, num_keys, stride, scores);
+    const int64_t padded = (num_keys + 15) / 16 * 16;  // what scores_dp wrote
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < padded; ++j) scores[r * stride + j] *= q_scales[r];
+    return;
+  }
   if (split_bf16(q, rows * NC * 16, hi, lo))
     scores_dp<NC, true>(hi, lo, rows, k, slots, num_keys, stride, scores);
   else
     scores_dp<NC, false>(hi, lo, rows, k, slots, num_keys, stride, scores);
+}
+template <int NC>
+void scores_pass(const float* q, int64_t rows, const bf16* k, const int64_t* slots, int64_t num_keys, int64_t stride,
+                 float* scores) {
+  scores_pass_dp<NC>(q, rows, k, slots, num_keys, stride, scores);
+}
+template <int NC>
+void scores_pass(const float* q, int64_t rows, const i8* k, const int64_t* slots, int64_t num_keys, int64_t stride,
+                 float* scores) {
+  scores_pass_dp<NC>(q, rows, k, slots, num_keys, stride, scores);
 }
 #endif
 

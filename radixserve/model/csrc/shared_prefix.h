@@ -47,16 +47,19 @@ struct SharedItem {
   int64_t group, hkv, tok0, tok1, key0, key1;  // tokens index the group's token list; keys its prefix
 };
 
-// tile[j] = float(head[slots[j]]) for j < n, zero rows up to n_pad; prefetching rows ahead.
+// tile[j] = float(head[slots[j]]) for j < n, zero rows up to n_pad; prefetching rows ahead. An 8-bit pool's
+// rows are widened and multiplied by their scales (``scale``: the head's, bfloat16 bits; nullptr for a float
+// pool) on the way into the tile.
 template <typename kv_t>
-void gather_tile(const kv_t* head, const int64_t* slots, int64_t n, int64_t n_pad, int64_t remaining, int64_t dim,
-                 float* tile) {
+void gather_tile(const kv_t* head, const uint16_t* scale, const int64_t* slots, int64_t n, int64_t n_pad,
+                 int64_t remaining, int64_t dim, float* tile) {
   for (int64_t j = 0; j < n; ++j) {
     prefetch_row(head, slots, j, remaining, dim);
     const kv_t* row = head + slots[j] * dim;
     float* dst = tile + j * dim;
+    const float f = scale != nullptr ? bf16_to_float(scale[slots[j]]) : 1.f;
 #pragma omp simd
-    for (int64_t i = 0; i < dim; ++i) dst[i] = load(row, i);
+    for (int64_t i = 0; i < dim; ++i) dst[i] = load(row, i) * f;
   }
   std::fill(tile + n * dim, tile + n_pad * dim, 0.f);
 }
@@ -163,11 +166,12 @@ void run_shared_item(const SharedItem& w, const Shape& s, const float* q, const 
     for (int64_t i = 0; i < dim; ++i) qt[i * lanes + r] = q[(t * s.num_heads + h) * dim + i] * s.scale;
   }
   const int64_t head = w.hkv * s.num_slots * dim;
+  const auto head_scale = [&](const uint16_t* scale) { return scale ? scale + w.hkv * s.num_slots : nullptr; };
   const int64_t* slots = prefix_slots + w.key0;
   auto* qv = reinterpret_cast<const vecf*>(qt.data());
   for (int64_t j0 = 0; j0 < num_keys; j0 += kSharedTile) {
     const int64_t n = std::min(kSharedTile, num_keys - j0), n_pad = (n + kStep - 1) / kStep * kStep;
-    gather_tile(k + head, slots + j0, n, n_pad, num_keys - j0, dim, tile.data());
+    gather_tile(k + head, head_scale(s.k_scale), slots + j0, n, n_pad, num_keys - j0, dim, tile.data());
     auto* out = reinterpret_cast<vecf*>(st.data() + j0 * lanes);
     for_row_blocks(nvt, [&](int64_t v0, auto nv) { shared_scores<nv()>(tile.data(), n_pad, qv, nvt, v0, dim, out); });
   }
@@ -182,7 +186,7 @@ void run_shared_item(const SharedItem& w, const Shape& s, const float* q, const 
   auto* av = reinterpret_cast<vecf*>(acct.data());
   for (int64_t j0 = 0; j0 < num_keys; j0 += kSharedTile) {
     const int64_t n = std::min(kSharedTile, num_keys - j0);
-    gather_tile(v + head, slots + j0, n, n, num_keys - j0, dim, tile.data());
+    gather_tile(v + head, head_scale(s.v_scale), slots + j0, n, n, num_keys - j0, dim, tile.data());
     auto* p = reinterpret_cast<const vecf*>(st.data() + j0 * lanes);
     for_row_blocks(nvt, [&](int64_t v0, auto nv) { shared_values<nv()>(p, n, tile.data(), dim, nvt, v0, av); });
   }

@@ -38,3 +38,12 @@ def test_int8_holds_about_four_times_more_and_stays_close() -> None:
     error = (back - page(1)).abs().max().item()
     assert 0 < error <= page(1).abs().max().item() / 127
     arena.check()
+
+
+def test_8bit_pool_pages_are_stored_as_they_are_even_when_compressing() -> None:
+    """An int8 pool's page (codes and their scale bytes) is 8 bits already: never quantized a second time."""
+    page = torch.randint(-127, 128, (2, 2, 3, 16, 66), dtype=torch.int8)
+    arena = HostArena(1 << 20, compress=True)
+    arena.put(b"p" * 16, page)
+    got = arena.get(b"p" * 16)
+    assert got is not None and torch.equal(got, page) and arena.used_bytes == page.numel()

@@ -1,0 +1,87 @@
+"""The attention kernels alone on a bfloat16 and an 8-bit KV pool: ``radixserve bench kv-attention``.
+
+SmolLM2's shape (9 query heads over 3 K/V heads of 64 dims, ``--layers`` layers of pool): decode at
+``--batch`` requests of ``--context`` tokens each in slots of their own (the paged kernel, every layer in
+turn, so the pools' bytes stream from memory as in a model step), and one cold prefill of ``--context``
+tokens (the bfloat16 extend kernel, one layer). The pools hold the same random K/V; the columns run in
+turn, ``--rounds`` times, each cell the best round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from radixserve.memory.kv_pool import KVPool
+from radixserve.model import paged_kernel
+from radixserve.model.paged_kernel import PagedIndex, extend_attention, paged_attention
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def pools(layers: int, num_slots: int) -> dict[str, KVPool]:
+    generator = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, num_slots, KV_HEADS, HEAD_DIM, generator=generator)
+    made = {}
+    for name, dtype in (("bfloat16", torch.bfloat16), ("int8", torch.int8)):
+        pool = KVPool(layers, num_slots, KV_HEADS, HEAD_DIM, dtype)
+        for layer in range(layers):
+            pool.write(layer, torch.arange(num_slots), k, v)
+        made[name] = pool
+    return made
+
+
+def scales(pool: KVPool, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return (pool.k_scale[layer], pool.v_scale[layer]) if pool.quantized else None
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="radixserve bench kv-attention", description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--num-threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    assert paged_kernel.load(), "the C++ kernels did not build"
+    torch.set_num_threads(args.num_threads)
+    span = args.context + 1
+    made = pools(args.layers, args.batch * span + 1)
+    contexts = [torch.arange(1 + b * span, 1 + (b + 1) * span) for b in range(args.batch)]
+    decode = PagedIndex.build(contexts, [1] * args.batch, cascade=False)
+    prefill = PagedIndex.build([contexts[0][: args.context]], [args.context], cascade=False)
+    q_decode = torch.randn(args.batch, HEADS, HEAD_DIM).to(torch.bfloat16)
+    q_prefill = torch.randn(args.context, HEADS, HEAD_DIM).to(torch.bfloat16)
+    best: dict[tuple[str, str], float] = {}
+    for _ in range(args.rounds):
+        for name, pool in made.items():
+            step = seconds(
+                lambda p=pool: [  # type: ignore[misc]
+                    paged_attention(q_decode, p.k[i], p.v[i], decode, scales=scales(p, i)) for i in range(args.layers)
+                ]
+            )
+            cold = seconds(lambda p=pool: extend_attention(q_prefill, p.k[0], p.v[0], prefill, scales=scales(p, 0)))  # type: ignore[misc]
+            for kind, value in (("decode", step / args.layers), ("prefill", cold)):
+                best[(kind, name)] = min(best.get((kind, name), value), value)
+    print(f"{args.num_threads} thread(s); ms, best of {args.rounds}")
+    print(f"{'':<44}{'bfloat16':>10}{'int8':>10}{'speedup':>10}")
+    rows = {
+        "decode": f"decode, batch {args.batch} @ {args.context}, per layer",
+        "prefill": f"prefill attention, {args.context} tokens, one layer",
+    }
+    for kind, label in rows.items():
+        bf16, int8 = best[(kind, "bfloat16")] * 1e3, best[(kind, "int8")] * 1e3
+        print(f"{label:<44}{bf16:>10.2f}{int8:>10.2f}{bf16 / int8:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
