@@ -29,6 +29,18 @@ class Status(enum.Enum):
     ABORTED = "aborted"
 
 
+@dataclass
+class SpecState:
+    """One request's speculative drafting (scheduler/draft.py): its next draft length, cooldown, counters."""
+
+    draft_len: int
+    cooldown: int = 0  # decode steps left without drafting
+    misses: int = 0  # verify steps in a row that accepted nothing
+    num_draft_tokens: int = 0  # drafted and verified (meta_info's spec_draft_tokens)
+    num_accepted_tokens: int = 0  # of those, accepted (spec_accept_tokens)
+    num_verify_steps: int = 0
+
+
 @dataclass(eq=False)
 class Request:
     rid: int
@@ -71,6 +83,7 @@ class Request:
     admit_time: float | None = None  # its first admission: the end of its queueing
     first_token_time: float | None = None
     finish_time: float | None = None
+    spec: SpecState | None = None  # set at its first decode step when speculative decoding is on
     sampling: SamplingState = field(init=False, repr=False)  # seed, penalties, grammar
     grammar: InitVar[GrammarState | None] = None  # the compiled constraint its params ask for
 
@@ -136,4 +149,5 @@ class Request:
             error_kind=self.error_kind,
             input_logprobs=None if self.input_logprobs is None else list(self.input_logprobs),
             hidden_state=None if self.hidden_state is None else self.hidden_state.tolist(),
+            spec=None if self.spec is None else (self.spec.num_draft_tokens, self.spec.num_accepted_tokens),
         )
