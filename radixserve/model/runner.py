@@ -83,7 +83,8 @@ class ModelRunner:
         if mode not in ("extend", "decode", "mixed"):
             raise ValueError(f"unknown forward mode {mode!r}")  # callers outside the type checker
         ids, positions, out_slots, contexts, lens = [], [], [], [], []
-        for item in _decode_rows(inputs):
+        rows, solo = _decode_rows(inputs)
+        for item in rows:
             new = np.asarray(item.new_token_ids, dtype=np.int64)
             ctx = np.asarray(item.context_slots, dtype=np.int64)
             if not 0 < len(new) <= len(ctx) or (mode == "decode" and len(new) != 1):
@@ -101,25 +102,29 @@ class ModelRunner:
             self._to_device(out_slots),
             contexts,
             lens,
+            solo,
         )
 
     def _to_device(self, parts: list[np.ndarray]) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(parts)).to(self.device)
 
 
-def _decode_rows(inputs: list[StepInput]) -> list[StepInput]:
+def _decode_rows(inputs: list[StepInput]) -> tuple[list[StepInput], list[bool]]:
     """``inputs`` with each decode verifying drafts split into one-token decodes, one per new token, each on
-    the context up to itself: every row is computed as a plain decode computes it (the same kernels, the same
-    bits: an extend's rows may differ in the last bits), and their logits rows stay in the same order. Row j
-    reads the K/V rows before it wrote in the same layer, as an extend's rows do."""
+    the context up to itself, and which rows those are (empty: none). Every row is computed as a plain decode
+    computes it (the same kernels, the same bits: an extend's rows may differ in the last bits), read alone (the
+    rows share their whole context, and a shared-prefix group's merge rounds differently); their logits rows
+    stay in the same order. Row j reads the K/V the rows before it wrote in the same layer, as an extend's do."""
     if not any(item.num_draft_tokens for item in inputs):
-        return inputs
-    rows = []
+        return inputs, []
+    rows, solo = [], []
     for item in inputs:
         if not item.num_draft_tokens:
             rows.append(item)
+            solo.append(False)
             continue
         new = np.asarray(item.new_token_ids, dtype=np.int64)
         prefix_len = len(item.context_slots) - len(new)
         rows += [StepInput(new[j : j + 1], item.context_slots[: prefix_len + j + 1]) for j in range(len(new))]
-    return rows
+        solo += [True] * len(new)
+    return rows, solo

@@ -1,0 +1,166 @@
+"""Speculative decoding (``--speculative-algorithm ngram``) changes no answer: greedy output is token for token a
+plain run's, for every request of a batch, in the default dtype (bfloat16 here) and in float32; sampled output
+keeps its distribution; rejected drafts' slots are freed at once and no lock is left.
+
+Why greedy identity holds bit for bit: the verify rows run as one-token decode rows (model/runner.py
+``_decode_rows``), each on the context up to itself, so each row's logits are what a plain decode step computes
+(an extend's rows differ from a decode's in the last bfloat16 bits: the paged kernel's multi-row path)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.scheduler.batch import ScheduledBatch, StepOutput
+from radixserve.scheduler.draft import Drafter
+from radixserve.scheduler.request import Request
+
+CODE = Path(__file__).with_name("test_core.py").read_text()[:900]
+PROMPTS = [  # the long one last: its prefill chunks run beside the others' decodes and verifies
+    [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+    [{"role": "user", "content": "Repeat after me three times: the cat sat on the mat by the door."}],
+    [{"role": "user", "content": "List the numbers from 1 to 30, separated by commas."}],
+    [{"role": "user", "content": "Copy this code exactly:\n" + CODE}],
+]
+GREEDY = {"max_new_tokens": 48, "temperature": 0.0}
+
+
+class StepLog:
+    """Wraps the scheduler's process(): records each batch's entry modes, checks slot conservation each step."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.modes = engine, []
+        self._process = engine.scheduler.process
+        engine.scheduler.process = self.process  # type: ignore[method-assign]
+
+    def process(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> list[Request]:
+        self.modes.append({entry.mode for entry in batch.entries})
+        finished = self._process(batch, outputs)
+        engine = self.engine
+        engine.cache.check_invariants()
+        private = sum(len(r.kv.kv_indices) - r.kv.cache_protected_len for r in engine.scheduler.running if r.kv)
+        free, cached = engine.allocator.free_size(), engine.cache.total_size()
+        assert free + cached + private == engine.allocator.size, "a KV slot leaked (or was freed twice)"
+        return finished
+
+
+def generate(engine: Engine, speculate: bool, params: list[dict[str, object]]) -> list[list[int]]:
+    drafter = engine.drafter
+    engine.scheduler.drafter = drafter if speculate else None
+    try:
+        engine.flush_cache()
+        prompts = [engine.tokenizer.apply_chat_template(m) for m in PROMPTS]
+        first = engine.generate(input_ids=prompts, sampling_params=params)
+        again = engine.generate(input_ids=prompts, sampling_params=params)  # now the tree holds the answers
+        engine.check_idle_invariants()
+        return [r.output_ids for r in first + again]
+    finally:
+        engine.scheduler.drafter = drafter
+
+
+@pytest.fixture(scope="module", params=["auto", "float32"])
+def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+    # Small chunks with mixed steps: prefill chunks share steps with decodes and verifies.
+    engine = Engine(
+        dtype=request.param,
+        max_total_tokens=4096,
+        speculative_algorithm="ngram",
+        enable_mixed_chunk=True,
+        chunked_prefill_size=32,
+    )
+    assert engine.drafter is not None
+    engine.drafter.max_step_rows = 1 << 10  # draft beside prefill chunks too (by default a chunk's rows stop it)
+    yield engine
+    engine.close()
+
+
+def test_greedy_output_is_a_plain_runs(engine: Engine) -> None:
+    params = [dict(GREEDY) for _ in PROMPTS]
+    params[1]["stop"] = ["door"]  # a stop string inside a run of accepted drafts
+    params[2]["max_new_tokens"] = 21
+    log = StepLog(engine)
+    plain = generate(engine, False, params)
+    spec = generate(engine, True, params)
+    assert spec == plain
+    assert {"verify", "decode", "extend"} <= set().union(*log.modes)
+    assert any({"verify", "extend"} <= modes for modes in log.modes)  # drafts verified beside a prefill chunk
+    stats = engine.scheduler.stats
+    assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+
+
+def test_meta_info_counts_drafts(engine: Engine) -> None:
+    engine.flush_cache()
+    ids = engine.tokenizer.apply_chat_template(PROMPTS[-1])
+    meta = engine.generate(input_ids=ids, sampling_params=GREEDY).to_dict()["meta_info"]
+    assert meta["spec_draft_tokens"] >= meta["spec_accept_tokens"] > 0
+    assert meta["spec_accept_length"] > 1.0
+
+
+class GreedyPathDrafter(Drafter):
+    """Drafts the rest of a fixed token path while the output follows it: drafts that are often right and
+    sometimes wrong, whatever the model, so both the accept and the reject paths run."""
+
+    def __init__(self, path: list[int]) -> None:
+        super().__init__(len(path), None, use_prompt=False, max_step_rows=1 << 12)
+        self.path = path
+
+    def propose(self, req: Request, room: int) -> list[int]:
+        done = len(req.output_ids)
+        if req.output_ids != self.path[:done]:
+            return []
+        return self.path[done : done + min(room, req.params.max_new_tokens - done - 1)]
+
+
+def two_sample_p(a: list[object], b: list[object]) -> float:
+    """Chi-square test of homogeneity (cells with fewer than 10 in all pooled): the p-value."""
+    cells = sorted(set(a) | set(b), key=repr)
+    rows = np.array([[a.count(c) for c in cells], [b.count(c) for c in cells]], dtype=float)
+    big = rows.sum(axis=0) >= 10
+    rows = np.concatenate([rows[:, big], rows[:, ~big].sum(axis=1, keepdims=True)], axis=1)
+    rows = rows[:, rows.sum(axis=0) > 0]
+    expected = rows.sum(axis=1, keepdims=True) * rows.sum(axis=0, keepdims=True) / rows.sum()
+    stat = float(((rows - expected) ** 2 / expected).sum())
+    df = rows.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
+
+
+def test_sampled_output_keeps_its_distribution(tiny_model_dir: Path) -> None:
+    """The tiny random model at temperature 0.15: the first three tokens of 400 seeded requests with drafts
+    (rejection sampling) against 400 without, as whole triples and as the third token alone."""
+    engine = Engine(model_path=str(tiny_model_dir), dtype="float32", speculative_algorithm="ngram")
+    prompt = [5, 9, 14, 5, 9]
+    path = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 3, "temperature": 0}).output_ids
+    drafter = GreedyPathDrafter(path)
+
+    def run(speculate: bool, seeds: range) -> list[tuple[int, ...]]:
+        engine.scheduler.drafter = drafter if speculate else None
+        params = [{"max_new_tokens": 3, "temperature": 0.15, "seed": s} for s in seeds]
+        return [tuple(r.output_ids) for r in engine.generate(input_ids=[prompt] * len(seeds), sampling_params=params)]
+
+    plain, spec = run(False, range(400)), run(True, range(1000, 1400))
+    stats = engine.scheduler.stats
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens  # both paths ran
+    assert two_sample_p(plain, spec) > 1e-3
+    assert two_sample_p([t[2:3] for t in plain], [t[2:3] for t in spec]) > 1e-3
+    engine.check_idle_invariants()
+    engine.close()
+
+
+def test_drafts_that_do_not_fit_are_not_made(tiny_model_dir: Path) -> None:
+    """A pool with no free slot beyond the decodes' own: no drafts, no eviction for them, the same answers."""
+    engine = Engine(model_path=str(tiny_model_dir), dtype="float32", speculative_algorithm="ngram")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 100) for _ in range(8)] * 3 for _ in range(6)]
+    out = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0})
+    engine.scheduler.drafter = None
+    engine.flush_cache()
+    plain = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0})
+    assert [r.output_ids for r in out] == [r.output_ids for r in plain]
+    engine.check_idle_invariants()
+    engine.close()
