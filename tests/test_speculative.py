@@ -74,8 +74,6 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
         enable_mixed_chunk=True,
         chunked_prefill_size=32,
     )
-    assert engine.drafter is not None
-    engine.drafter.max_step_rows = 1 << 10  # draft beside prefill chunks too (by default a chunk's rows stop it)
     yield engine
     engine.close()
 
@@ -107,10 +105,10 @@ class GreedyPathDrafter(Drafter):
     sometimes wrong, whatever the model, so both the accept and the reject paths run."""
 
     def __init__(self, path: list[int]) -> None:
-        super().__init__(len(path), None, use_prompt=False, max_step_rows=1 << 12)
+        super().__init__(len(path), None, use_prompt=False, max_step_drafts=1 << 12)
         self.path = path
 
-    def propose(self, req: Request, room: int) -> list[int]:
+    def propose(self, req: Request, room: int, price: float) -> list[int]:
         done = len(req.output_ids)
         if req.output_ids != self.path[:done]:
             return []

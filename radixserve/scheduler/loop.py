@@ -194,27 +194,28 @@ class Scheduler:
             return False
 
     def _batch(self, reqs: list[Request], mode: Mode, rows: int = 0) -> ScheduledBatch:
-        """The entries of ``reqs``; decodes may get drafts while the step's rows (``rows`` already) stay few."""
+        """The entries of ``reqs``; decodes may get drafts, priced for a step of ``rows`` other rows."""
         entries = []
-        rows += len(reqs) if mode == "decode" else 0
+        price = self.drafter.price(len(reqs), rows + len(reqs)) if self.drafter and mode == "decode" else 0.0
+        drafted = 0
         for req in reqs:
             if req.kv is None:
                 continue
-            num_drafts = self._draft(req, rows) if mode == "decode" else 0
-            rows += num_drafts
+            num_drafts = self._draft(req, drafted, price) if mode == "decode" else 0
+            drafted += num_drafts
             new = req.kv.token_ids[-1 - num_drafts :] if mode == "decode" else req.kv.token_ids[req.chunk_start :]
             sample = mode == "decode" or len(req.kv.token_ids) == len(req.fill_ids)
             kind: Mode = "verify" if num_drafts else mode
             entries.append(ScheduledRequest(req, kind, new, req.kv.kv_indices, sample, num_drafts))
         return ScheduledBatch(tuple(entries), tuple(self._ended))
 
-    def _draft(self, req: Request, rows: int) -> int:
+    def _draft(self, req: Request, drafted: int, price: float) -> int:
         """Append drafts to ``req``'s K/V request (slots for them, never by evicting); how many."""
         if self.drafter is None or req.kv is None:
             return 0
         allocator = self.cache.allocator
-        room = min(self.drafter.max_step_rows - rows, allocator.free_size() - allocator.page_size)
-        drafts = self.drafter.propose(req, room) if room > 0 else []
+        room = min(self.drafter.max_step_drafts - drafted, allocator.free_size() - allocator.page_size)
+        drafts = self.drafter.propose(req, room, price) if room > 0 else []
         if not drafts or not self.cache.extend_request(req.kv, drafts):
             return 0
         return len(drafts)

@@ -31,11 +31,13 @@ class Status(enum.Enum):
 
 @dataclass
 class SpecState:
-    """One request's speculative drafting (scheduler/draft.py): its next draft length, cooldown, counters."""
+    """One request's speculative drafting (scheduler/draft.py): its acceptance estimate, cooldown, counters."""
 
-    draft_len: int
+    accepted: float = 1.0  # recent accepted draft tokens (decayed) ...
+    trials: float = 1.5  # ... of recent draft tokens tried: alpha = accepted / trials (the prior: 2/3)
     cooldown: int = 0  # decode steps left without drafting
-    misses: int = 0  # verify steps in a row that accepted nothing
+    skips: int = 0  # times in a row drafting did not pay (the next cooldown is 2**skips)
+    probe: bool = False  # the next proposal drafts one token whatever alpha says
     num_draft_tokens: int = 0  # drafted and verified (meta_info's spec_draft_tokens)
     num_accepted_tokens: int = 0  # of those, accepted (spec_accept_tokens)
     num_verify_steps: int = 0

@@ -16,7 +16,7 @@ from radixserve.cache import RadixCache, RadixKey, TokenAllocator
 from radixserve.core import SamplingParams
 from radixserve.model.sampling import SamplingState
 from radixserve.model.spec_verify import verify
-from radixserve.scheduler.draft import prompt_lookup
+from radixserve.scheduler.draft import Drafter, best_draft_len, prompt_lookup
 from radixserve.scheduler.ngram import NgramIndex
 
 
@@ -133,3 +133,13 @@ def test_greedy_verify_takes_the_argmax_prefix_and_leaves_the_state() -> None:
     assert verify(logits, [1, 2], state).token_ids == [1, 0]  # the second replaced by the argmax
     assert verify(logits, [2, 0], state).token_ids == [1]
     assert state._pending == [] and (state._seen is None or not state._seen[1:].any())  # untouched
+
+
+def test_draft_length_pays_only_where_it_gains() -> None:
+    drafter = Drafter(8, None)
+    alone, batch16, beside_prefill = drafter.price(1, 1), drafter.price(16, 16), drafter.price(1, 513)
+    assert best_draft_len(0.9, 8, alone) >= 4
+    assert best_draft_len(0.2, 8, alone) == 0  # prose: drafting would cost more than it saves
+    assert best_draft_len(0.8, 8, batch16) == 0  # a large batch already makes many tokens per step
+    assert best_draft_len(1.0, 8, batch16) == 8
+    assert best_draft_len(0.5, 8, beside_prefill) >= 4  # the decoders wait on a prefill chunk anyway
