@@ -20,6 +20,7 @@ from radixserve import Engine
 from radixserve.scheduler.batch import ScheduledBatch, StepOutput
 from radixserve.scheduler.draft import Drafter
 from radixserve.scheduler.request import Request
+from radixserve.server.metrics import ServerMetrics
 
 CODE = Path(__file__).with_name("test_core.py").read_text()[:900]
 PROMPTS = [  # the long one last: its prefill chunks run beside the others' decodes and verifies
@@ -98,6 +99,18 @@ def test_meta_info_counts_drafts(engine: Engine) -> None:
     meta = engine.generate(input_ids=ids, sampling_params=GREEDY).to_dict()["meta_info"]
     assert meta["spec_draft_tokens"] >= meta["spec_accept_tokens"] > 0
     assert meta["spec_accept_length"] > 1.0
+    snapshot = engine.snapshot()  # /server_info's scheduler figures
+    assert snapshot["avg_spec_accept_length"] is not None and snapshot["avg_spec_accept_length"] > 1.0
+    assert snapshot["spec_draft_tokens"] >= snapshot["spec_accepted_tokens"] > 0
+
+
+def test_prometheus_counts_drafts() -> None:
+    metrics = ServerMetrics()
+    metrics.on_finish(40, 0, 12, "stop", 0.5, spec=(10, 6))
+    metrics.on_finish(40, 0, 12, "stop", 0.5)
+    text = metrics.render().decode()
+    assert "radixserve:spec_decode_num_draft_tokens_total 10.0" in text
+    assert "radixserve:spec_decode_num_accepted_tokens_total 6.0" in text
 
 
 class GreedyPathDrafter(Drafter):

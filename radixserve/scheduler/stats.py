@@ -58,8 +58,8 @@ class SchedulerStats:
             "recomputed_tokens": self.recomputed_tokens,
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
-            # tokens per verify step (accepted drafts + the model's own): SGLang's avg accept length
-            "spec_accept_length": (
+            # tokens per verify step (accepted drafts + the model's own), named as SGLang's internal_states
+            "avg_spec_accept_length": (
                 1 + self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else None
             ),
             "finished": dict(self.finished),
