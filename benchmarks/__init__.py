@@ -28,6 +28,7 @@ BENCHMARKS = {
     "programs": "programs",
     "split-invariance": "split_invariance",
     "quant-formats": "quant_formats",
+    "speculative": "speculative",
 }
 
 

@@ -46,7 +46,9 @@ class StepLog:
         finished = self._process(batch, outputs)
         engine = self.engine
         engine.cache.check_invariants()
-        private = sum(len(r.kv.kv_indices) - r.kv.cache_protected_len for r in engine.scheduler.running if r.kv)
+        page = engine.allocator.page_size  # a request owns its partial last page whole
+        running = [r.kv for r in engine.scheduler.running if r.kv is not None]
+        private = sum(-(-(len(kv.kv_indices) - kv.cache_protected_len) // page) * page for kv in running)
         free, cached = engine.allocator.free_size(), engine.cache.total_size()
         assert free + cached + private == engine.allocator.size, "a KV slot leaked (or was freed twice)"
         return finished
@@ -164,15 +166,26 @@ def test_sampled_output_keeps_its_distribution(tiny_model_dir: Path) -> None:
     engine.close()
 
 
-def test_drafts_that_do_not_fit_are_not_made(tiny_model_dir: Path) -> None:
-    """A pool with no free slot beyond the decodes' own: no drafts, no eviction for them, the same answers."""
-    engine = Engine(model_path=str(tiny_model_dir), dtype="float32", speculative_algorithm="ngram")
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_drafts_in_a_tight_pool_with_pages(tiny_model_dir: Path, page_size: int) -> None:
+    """A pool with little room beyond the decodes' own and partial pages: drafts only where free slots are, rejected
+    ones' pages freed (a page's unused tail stays the request's), the same answers, nothing leaked."""
+    engine = Engine(
+        model_path=str(tiny_model_dir),
+        dtype="float32",
+        speculative_algorithm="ngram",
+        max_total_tokens=256,
+        page_size=page_size,
+    )
+    StepLog(engine)  # conservation after every step
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 100) for _ in range(8)] * 3 for _ in range(6)]
-    out = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0})
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    out = engine.generate(input_ids=prompts, sampling_params=params)
+    assert engine.scheduler.stats.spec_draft_tokens > 0
     engine.scheduler.drafter = None
     engine.flush_cache()
-    plain = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0})
+    plain = engine.generate(input_ids=prompts, sampling_params=params)
     assert [r.output_ids for r in out] == [r.output_ids for r in plain]
     engine.check_idle_invariants()
     engine.close()

@@ -58,11 +58,14 @@ class Drafter:
         limit = min(self.max_draft_tokens, room, req.params.max_new_tokens - len(req.output_ids) - 1)
         if limit <= 0 or req.sampling.grammar is not None and req.sampling.grammar.terminated:
             return []
-        num = 1 if spec.probe else best_draft_len(spec.accepted / spec.trials, limit, price)
-        if num == 0:
+        num = best_draft_len(spec.accepted / spec.trials, limit, price)
+        if num == 0 and not spec.probe:
             spec.cooldown, spec.probe = min(MAX_COOLDOWN_STEPS, 2**spec.skips), True
             spec.skips += 1
             return []
+        if num:  # it pays again: the next time it does not, the cooldowns start short
+            spec.skips = 0
+        num = max(num, 1)
         return self._lookup(req, num)
 
     def _lookup(self, req: Request, limit: int) -> list[int]:
@@ -86,8 +89,6 @@ class Drafter:
         spec.accepted = DECAY * spec.accepted + num_accepted
         spec.trials = DECAY * spec.trials + num_accepted + (num_accepted < num_drafted)
         spec.probe = False
-        if num_accepted:
-            spec.skips = 0
 
 
 def expected_accepted(alpha: float, num: int) -> float:

@@ -1,0 +1,189 @@
+"""Speculative decoding (``--speculative-algorithm ngram``) against plain decoding, side by side in one run.
+
+``radixserve bench speculative``: the embedded SmolLM2 (or ``--model-path``), greedy, ``--threads`` threads
+(1 by default). One engine; each configuration swaps the scheduler's drafter (off | both | tree | prompt), so
+every one runs the same model and kernels, and greedy answers must come out the same (checked: the run stops
+if one differs). Rounds rotate the configurations' order so load on the machine hits them alike; the table
+gives each figure's median over rounds.
+
+Workloads (chat prompts):
+- code-edit: a Python file in the prompt, the answer rewrites it with one rename (copies most of it);
+- rag-quote: a document in the prompt, the answer quotes from it;
+- agent: turns of one tool-calling agent, one request each (no history in the prompt), the same JSON shape
+  every turn: earlier answers are in the prefix cache (tree drafts) but not in the prompt (prompt lookup);
+- prose: free stories (nothing to copy: drafting must not cost);
+- prose x16: 16 prose requests at once, aggregate output tok/s (large batches must not lose).
+
+Single-stream figures are decode tok/s: a request's output tokens after its first, over the time from its
+first token to its last (prefill excluded); x16 is every output token over the batch's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+from radixserve.engine import Engine
+from radixserve.scheduler.draft import Drafter
+from radixserve.scheduler.request import Request
+
+CODE = '''def merge_intervals(intervals):
+    """Merge overlapping [start, end] intervals; return them sorted."""
+    if not intervals:
+        return []
+    intervals = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(intervals[0])]
+    for start, end in intervals[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def total_covered(intervals):
+    """The total length the intervals cover, counting overlaps once."""
+    return sum(end - start for start, end in merge_intervals(intervals))
+'''
+DOC = (
+    "The Harbor Bridge opened in 1932 after eight years of construction. It carries eight lanes of traffic, "
+    "two railway lines and a footway. The arch spans 503 metres and its top stands 134 metres above the water. "
+    "About 160,000 vehicles cross it every day. Workers repaint it continuously; a full coat takes ten years. "
+    "In 1998 a climbing tour opened, and more than four million people have climbed the arch since then. "
+    "The bridge was designed by John Bradfield, who oversaw the project from its first survey to its opening."
+)
+QUESTIONS = ["How long is the arch?", "Who designed the bridge?", "How many vehicles cross it?", "When did it open?"]
+AGENT_SYSTEM = (  # the call's shape in words only: its JSON is in earlier answers (the tree), not in the prompt
+    "You are a weather assistant with one tool, get_weather. Answer every question with one JSON object and "
+    "nothing else. Its keys: tool (the tool's name) and arguments (an object with the keys city, unit, which is "
+    "always celsius, and days, which is always 1, plus the key reason: why the user asked, in one sentence)."
+)
+CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Rome"]
+TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow", "a market at dawn", "an old violin", "a comet"]
+
+Workload = list[list[dict[str, str]]]
+
+
+def workloads() -> dict[str, Workload]:
+    def user(text: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": text}]
+
+    return {
+        "code-edit": [
+            user(f"Rewrite this code, renaming `intervals` to `{name}`. Output only the code.\n\n{CODE}")
+            for name in ("spans", "ranges")
+        ],
+        "rag-quote": [user(f"{DOC}\n\nQuote the sentence that answers: {q}") for q in QUESTIONS[:2]],
+        "agent": [
+            [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": f"Weather in {city}?"}]
+            for city in CITIES[:6]
+        ],
+        "prose": [user(f"Write a short story about {topic}.") for topic in TOPICS[:2]],
+    }
+
+
+def decode_speed(reqs: list[Request]) -> float:
+    """Output tokens after the first, over first token to finish, summed over the requests run one at a time."""
+    tokens = sum(len(r.output_ids) - 1 for r in reqs)
+    seconds = sum((r.finish_time or 0.0) - (r.first_token_time or 0.0) for r in reqs)
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def run_sequential(engine: Engine, prompts: Workload, max_new_tokens: int) -> tuple[float, list[list[int]]]:
+    """One request at a time (each sees the cache the earlier ones left); decode tok/s and the answers."""
+    reqs = []
+    for messages in prompts:
+        req = engine.make_request(engine.tokenizer.apply_chat_template(messages), _params(max_new_tokens))
+        engine.run_until_done([req])
+        reqs.append(req)
+    return decode_speed(reqs), [r.output_ids for r in reqs]
+
+
+def run_batch(engine: Engine, prompts: Workload, max_new_tokens: int) -> tuple[float, list[list[int]]]:
+    """All at once: aggregate output tok/s over the wall time, and the answers."""
+    reqs = [engine.make_request(engine.tokenizer.apply_chat_template(m), _params(max_new_tokens)) for m in prompts]
+    began = time.perf_counter()
+    engine.run_until_done(reqs)
+    return sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - began), [r.output_ids for r in reqs]
+
+
+def _params(max_new_tokens: int) -> dict[str, object]:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+
+
+def drafters(engine: Engine, num: int) -> dict[str, Drafter | None]:
+    """The configurations: the engine's own drafter over its index (both sources), each source alone, off."""
+    both = engine.drafter
+    assert both is not None and both.index is not None
+    return {
+        "off": None,
+        "both": both,
+        "tree": Drafter(num, both.index, use_prompt=False),
+        "prompt": Drafter(num, None, use_prompt=True),
+    }
+
+
+def measure(
+    engine: Engine, configs: dict[str, Drafter | None], run: Callable[[], tuple[float, list[list[int]]]]
+) -> dict[str, float]:
+    """Each configuration once on a cold cache (order as given); tok/s by configuration. Greedy answers agree."""
+    speeds, answers = {}, {}
+    for name, drafter in configs.items():
+        engine.scheduler.drafter = drafter
+        engine.flush_cache()
+        speeds[name], answers[name] = run()
+    first = next(iter(answers.values()))
+    for name, out in answers.items():
+        if out != first:
+            raise AssertionError(f"greedy answers differ with drafts ({name}): speculative decoding changed an answer")
+    return speeds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="radixserve bench speculative", description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--num-draft-tokens", type=int, default=8)
+    parser.add_argument("--skip-batch", action="store_true", help="leave out prose x16")
+    args = parser.parse_args(argv)
+    engine = Engine(
+        model_path=args.model_path,
+        num_threads=args.threads,
+        speculative_algorithm="ngram",
+        speculative_num_draft_tokens=args.num_draft_tokens,
+    )
+    configs = drafters(engine, args.num_draft_tokens)
+    table: dict[str, dict[str, list[float]]] = {}
+    for round_ in range(args.rounds):
+        for name, prompts in workloads().items():
+            chosen = configs if name == "agent" else {k: configs[k] for k in ("off", "both")}
+            order = dict(list(chosen.items())[round_ % len(chosen) :] + list(chosen.items())[: round_ % len(chosen)])
+            speeds = measure(engine, order, partial(run_sequential, engine, prompts, args.max_new_tokens))
+            for config, speed in speeds.items():
+                table.setdefault(name, {}).setdefault(config, []).append(speed)
+        if not args.skip_batch:
+            batch = [m for m in workloads()["prose"] for _ in range(8)]  # 16 requests at once
+            both = {k: configs[k] for k in (("off", "both") if round_ % 2 == 0 else ("both", "off"))}
+            speeds = measure(engine, both, partial(run_batch, engine, batch, args.max_new_tokens // 2))
+            for config, speed in speeds.items():
+                table.setdefault("prose x16", {}).setdefault(config, []).append(speed)
+        print(f"round {round_ + 1}/{args.rounds} done", flush=True)
+    print_table(table)
+    engine.close()
+
+
+def print_table(table: dict[str, dict[str, list[float]]]) -> None:
+    print("| workload | off tok/s | both tok/s | both / off | tree tok/s | prompt tok/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, by_config in table.items():
+        med = {config: statistics.median(values) for config, values in by_config.items()}
+        extra = [f"{med[c]:.1f}" if c in med else "" for c in ("tree", "prompt")]
+        print(
+            f"| {name} | {med['off']:.1f} | {med['both']:.1f} | {med['both'] / med['off']:.2f}x | {' | '.join(extra)} |"
+        )
