@@ -15,12 +15,15 @@ Workloads (chat prompts):
 - prose x16: 16 prose requests at once, aggregate output tok/s (large batches must not lose).
 
 Single-stream figures are decode tok/s: a request's output tokens after its first, over the time from its
-first token to its last (prefill excluded); x16 is every output token over the batch's wall time.
+first token to its last (prefill excluded); x16 is every output token over the batch's wall time. Beside the
+times, a figure load cannot move: decode forwards per output token (1.0 without drafts; each verify step is one
+forward however many tokens it takes).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -57,10 +60,27 @@ DOC = (
     "The bridge was designed by John Bradfield, who oversaw the project from its first survey to its opening."
 )
 QUESTIONS = ["How long is the arch?", "Who designed the bridge?", "How many vehicles cross it?", "When did it open?"]
-AGENT_SYSTEM = (  # the call's shape in words only: its JSON is in earlier answers (the tree), not in the prompt
-    "You are a weather assistant with one tool, get_weather. Answer every question with one JSON object and "
-    "nothing else. Its keys: tool (the tool's name) and arguments (an object with the keys city, unit, which is "
-    "always celsius, and days, which is always 1, plus the key reason: why the user asked, in one sentence)."
+AGENT_SYSTEM = "You are a weather assistant. Call the get_weather tool for the city the user asks about."
+# The call's JSON is held to this schema (structured output) and is nowhere in the prompt: drafts of its shape
+# come from earlier turns' answers in the prefix cache (tree), not from the request's own text (prompt).
+AGENT_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "tool": {"type": "string", "enum": ["get_weather"]},
+            "arguments": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                    "days": {"type": "integer"},
+                    "include_hourly_forecast": {"type": "boolean"},
+                },
+                "required": ["city", "unit", "days", "include_hourly_forecast"],
+            },
+        },
+        "required": ["tool", "arguments"],
+    }
 )
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Rome"]
 TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow", "a market at dawn", "an old violin", "a comet"]
@@ -86,6 +106,9 @@ def workloads() -> dict[str, Workload]:
     }
 
 
+Result = tuple[float, float, list[list[int]]]  # (tok/s, decode forwards per output token, the answers)
+
+
 def decode_speed(reqs: list[Request]) -> float:
     """Output tokens after the first, over first token to finish, summed over the requests run one at a time."""
     tokens = sum(len(r.output_ids) - 1 for r in reqs)
@@ -93,22 +116,31 @@ def decode_speed(reqs: list[Request]) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-def run_sequential(engine: Engine, prompts: Workload, max_new_tokens: int) -> tuple[float, list[list[int]]]:
+def forwards_per_token(reqs: list[Request]) -> float:
+    """Decode forwards per decoded token: each step takes one token, plus the drafts it accepted."""
+    tokens = sum(len(r.output_ids) - 1 for r in reqs)
+    accepted = sum(r.spec.num_accepted_tokens for r in reqs if r.spec is not None)
+    return (tokens - accepted) / tokens if tokens else 1.0
+
+
+def run_sequential(engine: Engine, prompts: Workload, max_new_tokens: int, schema: str | None = None) -> Result:
     """One request at a time (each sees the cache the earlier ones left); decode tok/s and the answers."""
     reqs = []
     for messages in prompts:
-        req = engine.make_request(engine.tokenizer.apply_chat_template(messages), _params(max_new_tokens))
+        params = {**_params(max_new_tokens), **({"json_schema": schema} if schema else {})}
+        req = engine.make_request(engine.tokenizer.apply_chat_template(messages), params)
         engine.run_until_done([req])
         reqs.append(req)
-    return decode_speed(reqs), [r.output_ids for r in reqs]
+    return decode_speed(reqs), forwards_per_token(reqs), [r.output_ids for r in reqs]
 
 
-def run_batch(engine: Engine, prompts: Workload, max_new_tokens: int) -> tuple[float, list[list[int]]]:
+def run_batch(engine: Engine, prompts: Workload, max_new_tokens: int) -> Result:
     """All at once: aggregate output tok/s over the wall time, and the answers."""
     reqs = [engine.make_request(engine.tokenizer.apply_chat_template(m), _params(max_new_tokens)) for m in prompts]
     began = time.perf_counter()
     engine.run_until_done(reqs)
-    return sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - began), [r.output_ids for r in reqs]
+    speed = sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - began)
+    return speed, forwards_per_token(reqs), [r.output_ids for r in reqs]
 
 
 def _params(max_new_tokens: int) -> dict[str, object]:
@@ -128,14 +160,16 @@ def drafters(engine: Engine, num: int) -> dict[str, Drafter | None]:
 
 
 def measure(
-    engine: Engine, configs: dict[str, Drafter | None], run: Callable[[], tuple[float, list[list[int]]]]
-) -> dict[str, float]:
-    """Each configuration once on a cold cache (order as given); tok/s by configuration. Greedy answers agree."""
+    engine: Engine, configs: dict[str, Drafter | None], run: Callable[[], Result]
+) -> dict[str, tuple[float, float]]:
+    """Each configuration once on a cold cache (order as given); (tok/s, forwards per token) by configuration.
+    Greedy answers agree."""
     speeds, answers = {}, {}
     for name, drafter in configs.items():
         engine.scheduler.drafter = drafter
         engine.flush_cache()
-        speeds[name], answers[name] = run()
+        speed, forwards, answers[name] = run()
+        speeds[name] = speed, forwards
     first = next(iter(answers.values()))
     for name, out in answers.items():
         if out != first:
@@ -159,12 +193,13 @@ def main(argv: list[str] | None = None) -> None:
         speculative_num_draft_tokens=args.num_draft_tokens,
     )
     configs = drafters(engine, args.num_draft_tokens)
-    table: dict[str, dict[str, list[float]]] = {}
+    table: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for round_ in range(args.rounds):
         for name, prompts in workloads().items():
             chosen = configs if name == "agent" else {k: configs[k] for k in ("off", "both")}
             order = dict(list(chosen.items())[round_ % len(chosen) :] + list(chosen.items())[: round_ % len(chosen)])
-            speeds = measure(engine, order, partial(run_sequential, engine, prompts, args.max_new_tokens))
+            schema = AGENT_SCHEMA if name == "agent" else None
+            speeds = measure(engine, order, partial(run_sequential, engine, prompts, args.max_new_tokens, schema))
             for config, speed in speeds.items():
                 table.setdefault(name, {}).setdefault(config, []).append(speed)
         if not args.skip_batch:
@@ -178,12 +213,14 @@ def main(argv: list[str] | None = None) -> None:
     engine.close()
 
 
-def print_table(table: dict[str, dict[str, list[float]]]) -> None:
+def print_table(table: dict[str, dict[str, list[tuple[float, float]]]]) -> None:
+    """Medians over rounds: tok/s, and (in brackets) decode forwards per output token."""
     print("| workload | off tok/s | both tok/s | both / off | tree tok/s | prompt tok/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, by_config in table.items():
-        med = {config: statistics.median(values) for config, values in by_config.items()}
-        extra = [f"{med[c]:.1f}" if c in med else "" for c in ("tree", "prompt")]
-        print(
-            f"| {name} | {med['off']:.1f} | {med['both']:.1f} | {med['both'] / med['off']:.2f}x | {' | '.join(extra)} |"
-        )
+        speed = {config: statistics.median(v[0] for v in values) for config, values in by_config.items()}
+        forwards = {config: statistics.median(v[1] for v in values) for config, values in by_config.items()}
+        cells = {c: f"{speed[c]:.1f} ({forwards[c]:.2f})" for c in speed}
+        ratio = speed["both"] / speed["off"]
+        extra = " | ".join(cells.get(c, "") for c in ("tree", "prompt"))
+        print(f"| {name} | {cells['off']} | {cells['both']} | {ratio:.2f}x | {extra} |")
