@@ -12,7 +12,7 @@ Workloads (chat prompts):
 - agent: turns of one tool-calling agent, one request each (no history in the prompt), the same JSON shape
   every turn: earlier answers are in the prefix cache (tree drafts) but not in the prompt (prompt lookup);
 - prose: free stories (nothing to copy: drafting must not cost);
-- prose x16: 16 prose requests at once, aggregate output tok/s (large batches must not lose).
+- prose-x16: 16 prose requests at once, aggregate output tok/s (large batches must not lose).
 
 Single-stream figures are decode tok/s: a request's output tokens after its first, over the time from its
 first token to its last (prefill excluded); x16 is every output token over the batch's wall time. Beside the
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
-    parser.add_argument("--skip-batch", action="store_true", help="leave out prose x16")
+    parser.add_argument("--workloads", nargs="*", default=None, help="run only these (default: all)")
     args = parser.parse_args(argv)
     engine = Engine(
         model_path=args.model_path,
@@ -196,18 +196,20 @@ def main(argv: list[str] | None = None) -> None:
     table: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for round_ in range(args.rounds):
         for name, prompts in workloads().items():
+            if args.workloads is not None and name not in args.workloads:
+                continue
             chosen = configs if name == "agent" else {k: configs[k] for k in ("off", "both")}
             order = dict(list(chosen.items())[round_ % len(chosen) :] + list(chosen.items())[: round_ % len(chosen)])
             schema = AGENT_SCHEMA if name == "agent" else None
             speeds = measure(engine, order, partial(run_sequential, engine, prompts, args.max_new_tokens, schema))
             for config, speed in speeds.items():
                 table.setdefault(name, {}).setdefault(config, []).append(speed)
-        if not args.skip_batch:
+        if args.workloads is None or "prose-x16" in args.workloads:
             batch = [m for m in workloads()["prose"] for _ in range(8)]  # 16 requests at once
             both = {k: configs[k] for k in (("off", "both") if round_ % 2 == 0 else ("both", "off"))}
             speeds = measure(engine, both, partial(run_batch, engine, batch, args.max_new_tokens // 2))
             for config, speed in speeds.items():
-                table.setdefault("prose x16", {}).setdefault(config, []).append(speed)
+                table.setdefault("prose-x16", {}).setdefault(config, []).append(speed)
         print(f"round {round_ + 1}/{args.rounds} done", flush=True)
     print_table(table)
     engine.close()

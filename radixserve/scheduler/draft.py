@@ -23,7 +23,7 @@ from radixserve.scheduler.ngram import NGRAM_SIZES, NgramIndex
 from radixserve.scheduler.request import Request, SpecState
 
 SPEC_SOURCES = ("both", "tree", "prompt")
-ROW_COST = 0.3  # a verify row's cost, in one-row decode steps (see above)
+ROW_COST = 0.4  # a verify row's cost, in one-row decode steps (see above; rounded up: a loss costs more than a miss)
 DECAY = 0.7  # per verify step: how much of the acceptance history is kept
 MAX_COOLDOWN_STEPS = 32  # the longest a request waits before probing again after drafting stopped paying
 

@@ -34,7 +34,7 @@ class SpecState:
     """One request's speculative drafting (scheduler/draft.py): its acceptance estimate, cooldown, counters."""
 
     accepted: float = 1.0  # recent accepted draft tokens (decayed) ...
-    trials: float = 1.5  # ... of recent draft tokens tried: alpha = accepted / trials (the prior: 2/3)
+    trials: float = 2.0  # ... of recent draft tokens tried: alpha = accepted / trials (the prior: 1/2)
     cooldown: int = 0  # decode steps left without drafting
     skips: int = 0  # times in a row drafting did not pay (the next cooldown is 2**skips)
     probe: bool = False  # the next proposal drafts one token whatever alpha says
