@@ -11,7 +11,7 @@ the embedded SmolLM2, bfloat16, 1 thread, 500 tokens of context: 1, 2, 4, 8 draf
 3.37x a decode step). Each request keeps an estimate of how likely its next draft token is accepted (``alpha``,
 recent steps weigh most) and drafts the k that maximises expected accepted tokens minus their price (k rows at
 the step's own tokens-per-cost, so drafting stops where a large batch already makes many tokens per step);
-none where nothing gains, then it waits (longer each time) before a one-token probe.
+none where nothing gains, then it waits (longer each time) before a one-token probe (at small batches only).
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ SPEC_SOURCES = ("both", "tree", "prompt")
 ROW_COST = 0.4  # a verify row's cost, in one-row decode steps (see above; rounded up: a loss costs more than a miss)
 DECAY = 0.7  # per verify step: how much of the acceptance history is kept
 MAX_COOLDOWN_STEPS = 32  # the longest a request waits before probing again after drafting stopped paying
+# No probe where a row costs more than this many tokens (from 5 decodes on): there a probe's row costs a share of
+# every decode's step (batch 16: ~6% for one row), and drafting resumes only if the estimate says it pays.
+MAX_PROBE_PRICE = 0.75
 
 
 class Drafter:
@@ -59,7 +62,7 @@ class Drafter:
         if limit <= 0 or req.sampling.grammar is not None and req.sampling.grammar.terminated:
             return []
         num = best_draft_len(spec.accepted / spec.trials, limit, price)
-        if num == 0 and not spec.probe:
+        if num == 0 and (not spec.probe or price > MAX_PROBE_PRICE):
             spec.cooldown, spec.probe = min(MAX_COOLDOWN_STEPS, 2**spec.skips), True
             spec.skips += 1
             return []

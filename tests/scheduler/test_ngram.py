@@ -18,6 +18,7 @@ from radixserve.model.sampling import SamplingState
 from radixserve.model.spec_verify import verify
 from radixserve.scheduler.draft import Drafter, best_draft_len, prompt_lookup
 from radixserve.scheduler.ngram import NgramIndex
+from radixserve.scheduler.request import Request
 
 
 def cached_sequences(cache: RadixCache) -> list[RadixKey]:
@@ -143,3 +144,21 @@ def test_draft_length_pays_only_where_it_gains() -> None:
     assert best_draft_len(0.8, 8, batch16) == 0  # a large batch already makes many tokens per step
     assert best_draft_len(1.0, 8, batch16) == 8
     assert best_draft_len(0.5, 8, beside_prefill) >= 4  # the decoders wait on a prefill chunk anyway
+
+
+def test_no_probe_at_a_large_batch() -> None:
+    """A request whose drafts do not pay waits, then probes one token alone; at batch 16 it never probes."""
+    index = NgramIndex()
+    drafter = Drafter(8, index)
+    req = Request(0, np.array([5, 6, 7, 8, 5, 6, 7]), SamplingParams(max_new_tokens=64))
+    req.output_ids = [8]
+    spec = drafter.state(req)
+    spec.accepted, spec.trials = 0.1, 4.0  # drafts have kept failing
+    alone, batch16 = drafter.price(1, 1), drafter.price(16, 16)
+    assert drafter.propose(req, 8, alone) == []  # the cooldown starts
+    assert spec.cooldown == 1 and spec.probe
+    assert drafter.propose(req, 8, alone) == []  # waits it out
+    assert drafter.propose(req, 8, batch16) == []  # no probe at batch 16: a longer wait instead
+    assert spec.cooldown == 2
+    assert drafter.propose(req, 8, alone) == drafter.propose(req, 8, alone) == []
+    assert drafter.propose(req, 8, alone) == [5]  # the probe: one token, from prompt lookup (8 -> 5)
