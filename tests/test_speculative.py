@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from radixserve import Engine
+from radixserve.model.runner import StepInput
 from radixserve.scheduler.batch import ScheduledBatch, StepOutput
 from radixserve.scheduler.draft import Drafter
 from radixserve.scheduler.request import Request
@@ -174,12 +175,12 @@ def test_drafts_in_a_tight_pool_with_pages(tiny_model_dir: Path, page_size: int)
         model_path=str(tiny_model_dir),
         dtype="float32",
         speculative_algorithm="ngram",
-        max_total_tokens=256,
+        max_total_tokens=128,
         page_size=page_size,
     )
     StepLog(engine)  # conservation after every step
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 100) for _ in range(8)] * 3 for _ in range(6)]
+    prompts = [[rng.randrange(3, 100) for _ in range(8)] * 3 for _ in range(3)]  # 3 x 36 tokens in 128 slots
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     out = engine.generate(input_ids=prompts, sampling_params=params)
     assert engine.scheduler.stats.spec_draft_tokens > 0
@@ -217,3 +218,22 @@ def test_grammar_holds_with_drafts(byte_model_dir: Path) -> None:
             json.loads(out.text)
     engine.check_idle_invariants()
     engine.close()
+
+
+def test_verify_rows_are_decode_rows_bit_for_bit(engine: Engine) -> None:
+    """The logits of a verify entry's rows (its newest token and 5 drafts, in one forward beside another request)
+    equal, bit for bit, those of six plain decode steps on the same K/V: why greedy identity holds exactly."""
+    runner, allocator = engine.executor.runner, engine.allocator
+    prompt = np.arange(300, 600, dtype=np.int64)
+    slots = allocator.alloc(len(prompt) + 6 + 40)
+    assert slots is not None
+    try:
+        ctx, other = slots[: len(prompt) + 6], slots[len(prompt) + 6 :]
+        runner.forward([StepInput(prompt, ctx[: len(prompt)]), StepInput(prompt[:40], other)], "extend")
+        new = np.array([11, 12, 13, 14, 15, 16])
+        plain = [runner.forward([StepInput(new[j : j + 1], ctx[: len(prompt) + j + 1])], "decode")[0] for j in range(6)]
+        inputs = [StepInput(new, ctx, num_draft_tokens=5), StepInput(prompt[39:40], other)]
+        verified = runner.forward(inputs, "mixed", logit_rows=[6, 1])
+        assert all(torch.equal(verified[j], plain[j]) for j in range(6))
+    finally:
+        allocator.free(slots)
