@@ -9,8 +9,8 @@ The index is a cache listener (``cache/core/listener.py``), kept with the tree's
 
 It holds no node, no slot and no lock: only copies of token ids, bounded by ``max_entries`` (the least
 recently written entry goes first; ~400 bytes each with 8-token continuations: 26 MB at the default 65,536,
-about the last 20k cached tokens' n-grams of three sizes). What it returns is always cached in the tree at that moment: when the
-cache frees ``key[start:]``, every entry this key wrote whose n-gram ends in the freed part is dropped, and
+about the last 20k cached tokens' n-grams of three sizes). What it returns is always cached in the tree at
+that moment: when the cache frees ``key[start:]``, every entry this key wrote whose n-gram ends in the freed part is dropped, and
 one whose continuation runs into it is cut where the freed part begins (an entry another sequence wrote
 since, at another position or with other tokens, is left alone: that sequence still holds it).
 
