@@ -10,9 +10,9 @@ The index is a cache listener (``cache/core/listener.py``), kept with the tree's
 It holds no node, no slot and no lock: only copies of token ids, bounded by ``max_entries`` (the least
 recently written entry goes first; ~400 bytes each with 8-token continuations: 26 MB at the default 65,536,
 about the last 20k cached tokens' n-grams of three sizes). What it returns is always cached in the tree at
-that moment: when the cache frees ``key[start:]``, every entry this key wrote whose n-gram ends in the freed part is dropped, and
-one whose continuation runs into it is cut where the freed part begins (an entry another sequence wrote
-since, at another position or with other tokens, is left alone: that sequence still holds it).
+that moment: when the cache frees ``key[start:]``, every entry this key wrote whose n-gram ends in the freed
+part is dropped, and one whose continuation runs into it is cut where the freed part begins (an entry another
+sequence wrote since, at another position or with other tokens, is left alone: that sequence still holds it).
 
 Namespaces (``extra_key`` / cache_salt) never mix: an n-gram is looked up only in its own namespace, and a
 continuation never crosses from a shared head into a private part.
