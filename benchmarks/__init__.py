@@ -31,6 +31,7 @@ BENCHMARKS = {
     "quant-formats": "quant_formats",
     "kv-fidelity": "kv_fidelity",
     "kv-attention": "kv_attention",
+    "speculative": "speculative",
 }
 
 

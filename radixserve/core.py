@@ -183,6 +183,8 @@ class GenerateResult:
     text_offsets: list[int] = field(default_factory=list)
     # An embedding request (``Request.return_hidden``): its last prompt token's final (normed) hidden state.
     hidden_state: list[float] | None = None
+    # Speculative decoding: (draft tokens verified, of those accepted); None when it never drafted.
+    spec: tuple[int, int] | None = None
 
     @property
     def retryable(self) -> bool:
@@ -204,6 +206,11 @@ class GenerateResult:
             meta["output_top_logprobs"] = [[list(pair) for pair in step] for step in self.output_top_logprobs]
         if self.input_logprobs is not None:
             meta["input_token_logprobs"] = self.input_logprobs
+        if self.spec is not None:
+            meta["spec_draft_tokens"], meta["spec_accept_tokens"] = self.spec
+            # SGLang's figure: output tokens per forward of this request (1.0 without speculation)
+            steps = len(self.output_ids) - self.spec[1]
+            meta["spec_accept_length"] = len(self.output_ids) / steps if steps > 0 else 0.0
         if self.error is not None:
             meta["error"] = self.error
             meta["retryable"] = self.retryable

@@ -91,8 +91,8 @@ def test_many_requests_on_one_shared_prefix_equal_one_by_one(
     """Their decode steps read the cached preamble once for all of them (cascade attention)."""
     groups: list[int] = []
 
-    def spy(*args: Any) -> SharedPrefixes:
-        found = find_shared_prefixes(*args)
+    def spy(*args: Any, **kwargs: Any) -> SharedPrefixes:
+        found = find_shared_prefixes(*args, **kwargs)
         groups.extend(np.diff(found.starts).tolist())
         return found
 

@@ -15,7 +15,10 @@ from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import DTYPES as DTYPES  # re-exported: server/args.py builds --dtype from it
 from radixserve.model.precision import kv_cache_dtype_error, resolve_dtype
 from radixserve.model.quant import QUANTIZATIONS
+from radixserve.scheduler.draft import SPEC_SOURCES
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
+
+SPECULATIVE_ALGORITHMS = ("ngram",)
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,11 @@ class EngineConfig:
     max_running_requests: int = 64
     chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts go in chunks
     enable_mixed_chunk: bool = False  # one forward per step: the prefill chunk and every running decode
+    # Speculative decoding without a draft model (scheduler/draft.py): None (off) | ngram (drafts from the prefix
+    # cache's sequences and the request's own text, verified in the step's one forward)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 8  # the most tokens drafted for one request per step
+    speculative_ngram_source: str = "both"  # both | tree (the prefix cache) | prompt (the request's own text)
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32
     kv_cache_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16 | int8: the KV pool's own dtype
     # auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks with float activations (q4_1-exact, lossless) where it stores only
@@ -86,6 +94,9 @@ class EngineConfig:
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device: auto|cpu|cuda[:N]"),
             (self.num_threads >= 1, "num_threads must be >= 1"),
+            (self.speculative_algorithm in (None, *SPECULATIVE_ALGORITHMS), "speculative_algorithm: None or ngram"),
+            (1 <= self.speculative_num_draft_tokens <= 16, "speculative_num_draft_tokens must be 1..16"),
+            (self.speculative_ngram_source in SPEC_SOURCES, f"speculative_ngram_source: one of {SPEC_SOURCES}"),
             (
                 self.chat_template is None or os.path.isfile(self.chat_template),
                 f"chat_template {self.chat_template!r} is not a file (a Jinja chat template)",

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from typing_extensions import TypeIs
 
-from radixserve.cache import KVEventLog, cache_page_size, create_prefix_cache, pool_allocator
+from radixserve.cache import CacheListener, KVEventLog, cache_page_size, create_prefix_cache, pool_allocator
 from radixserve.cache.summary import summarize
 from radixserve.cache.tiers.build import build_tiers
 from radixserve.cache.tiers.index import TierIndex
@@ -45,7 +45,9 @@ from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.precision import resolve_kv_cache_dtype
 from radixserve.model.runner import ModelRunner
 from radixserve.model.summary import describe_model
+from radixserve.scheduler.draft import Drafter
 from radixserve.scheduler.loop import Scheduler
+from radixserve.scheduler.ngram import NgramIndex
 from radixserve.scheduler.policy import create_schedule_policy
 from radixserve.scheduler.request import Request
 
@@ -68,6 +70,15 @@ def _config(config: EngineConfig | None, options: dict[str, Any]) -> EngineConfi
     if options:
         raise TypeError(f"give an EngineConfig or options, not both (got {', '.join(sorted(options))})")
     return config
+
+
+def _drafter(config: EngineConfig) -> Drafter | None:
+    """Speculative decoding's drafter (None: off), with the n-gram index over the cache where asked."""
+    if config.speculative_algorithm is None:
+        return None
+    source, num = config.speculative_ngram_source, config.speculative_num_draft_tokens
+    index = NgramIndex(max_continuation=num) if source in ("both", "tree") else None
+    return Drafter(num, index, use_prompt=source in ("both", "prompt"))
 
 
 class Engine(Driver):
@@ -109,7 +120,10 @@ class Engine(Driver):
         events = KVEventLog(cache_page_size(kind, page_size)) if config.enable_kv_events else None
         identity = ModelIdentity(self.loaded.path, self.loaded.model.quantization, self.tokenizer.encode)
         tiers = build_tiers(TierConfig.of(config), identity, self.kv_pool, events)
-        listeners = [events] if events is not None else []
+        listeners: list[CacheListener] = [events] if events is not None else []
+        self.drafter = _drafter(config)
+        if self.drafter is not None and self.drafter.index is not None:
+            listeners.append(self.drafter.index)  # kept with the tree's inserts and evictions
         self.cache = create_prefix_cache(
             kind, self.allocator, page_size, config.radix_eviction_policy, listeners=listeners, tiers=tiers
         )
@@ -126,6 +140,7 @@ class Engine(Driver):
             config.chunked_prefill_size,
             create_schedule_policy(config.schedule_policy, config.in_batch_dedup, config.schedule_seed),
             enable_mixed_chunk=config.enable_mixed_chunk,
+            drafter=self.drafter,
         )
         super().__init__(scheduler, executor)
         self._rids = itertools.count()

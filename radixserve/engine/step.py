@@ -5,7 +5,8 @@ logprobs) and changes no request, its sampling state included: ``Scheduler.proce
 applies the outputs, through the output stage (``output.py``: text, stop strings).
 A request that breaks the step fails alone, the others go on: a failed forward is
 retried one request at a time, a row of NaN/inf logits or a sampling error becomes
-that request's ``error``.
+that request's ``error``. A "verify" entry (a decode with drafts) gets the logits of its newest token
+and every draft from the same forward; ``spec_verify.verify`` says which tokens it takes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from radixserve.model.runner import ModelRunner, StepInput
 from radixserve.model.sampling import sample
+from radixserve.model.spec_verify import verify
 from radixserve.scheduler.batch import BatchMode, ScheduledBatch, ScheduledRequest, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,8 @@ class StepExecutor:
         errors: dict[int, str] = {}  # entry index -> why it failed
         scored: dict[int, PromptLogprobs] = {}  # entry index -> the prompt logprobs its chunk scored
         scored_hidden: dict[int, np.ndarray] = {}  # entry index -> its last token's hidden state (embeddings)
-        rows, logits = self._forward(entries, batch.mode, errors, _Scored(scored, scored_hidden))
+        drafted: dict[int, torch.Tensor] = {}  # entry index -> a verify entry's logits, one row per new token
+        rows, logits = self._forward(entries, batch.mode, errors, _Scored(scored, scored_hidden, drafted))
         sampled: dict[int, StepOutput] = {}
         if logits is not None:
             finite = torch.isfinite(logits).all(dim=-1).tolist()
@@ -48,7 +51,8 @@ class StepExecutor:
                 if not finite[row]:
                     errors[i] = NON_FINITE
             wanted = [(row, i) for row, i in enumerate(rows) if i not in errors and entries[i].sample]
-            sampled = self._sample(logits, entries, wanted, errors)
+            sampled = self._sample(logits, entries, [(row, i) for row, i in wanted if i not in drafted], errors)
+            sampled.update(self._verify(entries, drafted, [i for _, i in wanted if i in drafted], errors))
         computed = set(rows)
         outputs = []
         for i in range(len(entries)):
@@ -80,7 +84,7 @@ class StepExecutor:
         logits = []
         for i, entry in enumerate(entries):
             try:
-                logits.append(self._model([entry], entry.mode, scored, [i]))
+                logits.append(self._model([entry], ScheduledBatch((entry,)).mode, scored, [i]))
                 rows.append(i)
             except Exception as exc:
                 logger.exception("model step failed for request %d", entry.req.rid)
@@ -96,21 +100,24 @@ class StepExecutor:
         Only a batch with such an entry asks the model for every position's logits, or for hidden states.
         """
         inputs = [_step_input(e) for e in entries]
-        all_rows = any(_scores_prompt(e) for e in entries)
+        every_row = [_scores_prompt(e) or e.mode == "verify" for e in entries]
+        counts = [len(e.new_token_ids) if every else 1 for e, every in zip(entries, every_row)]
+        many = counts if any(every_row) else None  # logits rows per entry (None: its last row each)
         hidden = None
         if any(_wants_hidden(e) for e in entries):
-            logits, hidden = self.runner.forward_hidden(inputs, mode, all_logits=all_rows)
-        elif all_rows:
-            logits = self.runner.forward(inputs, mode, all_logits=True)
+            logits, hidden = self.runner.forward_hidden(inputs, mode, logit_rows=many)
+        elif many:
+            logits = self.runner.forward(inputs, mode, logit_rows=many)
         else:
             return self.runner.forward(inputs, mode)
-        if all_rows:
-            ends = np.cumsum([len(e.new_token_ids) for e in entries])
+        if many:
+            ends = np.cumsum(counts)
             for k, entry in enumerate(entries):
+                block = logits[ends[k] - counts[k] : ends[k]]
                 if _scores_prompt(entry):
-                    scored.logprobs[at[k]] = prompt_logprobs(
-                        entry, logits[ends[k] - len(entry.new_token_ids) : ends[k]]
-                    )
+                    scored.logprobs[at[k]] = prompt_logprobs(entry, block)
+                if entry.mode == "verify":
+                    scored.drafted[at[k]] = block
             last = torch.as_tensor(ends - 1, device=logits.device)
             logits, hidden = logits[last], None if hidden is None else hidden[last]
         for k, entry in enumerate(entries):
@@ -153,12 +160,42 @@ class StepExecutor:
             outputs[i] = StepOutput(one.token_ids[0], one.logprobs[0] if one.logprobs else None, top)
         return outputs
 
+    def _verify(
+        self,
+        entries: Sequence[ScheduledRequest],
+        drafted: dict[int, torch.Tensor],
+        wanted: list[int],
+        errors: dict[int, str],
+    ) -> dict[int, StepOutput]:
+        """Entry index -> the tokens a verify entry takes (``token``, then ``more``)."""
+        outputs = {}
+        for i in wanted:
+            entry = entries[i]
+            drafts = entry.new_token_ids[len(entry.new_token_ids) - entry.num_draft_tokens :].tolist()
+            try:
+                out = verify(drafted[i], drafts, entry.req.sampling)
+            except Exception as exc:
+                logger.exception("verifying drafts failed for request %d", entry.req.rid)
+                errors[i] = _message(exc)
+                continue
+            steps = [
+                StepOutput(
+                    token,
+                    out.logprobs[k] if out.logprobs else None,
+                    out.top_logprobs[k] if out.top_logprobs else None,
+                )
+                for k, token in enumerate(out.token_ids)
+            ]
+            outputs[i] = dataclasses.replace(steps[0], more=tuple(steps[1:]))
+        return outputs
+
 
 class _Scored(NamedTuple):
     """What a forward reads out besides the logits, by entry index."""
 
     logprobs: dict[int, PromptLogprobs]  # the prompt logprobs a chunk scored
     hidden: dict[int, np.ndarray]  # the last prompt token's final hidden state (an embedding request)
+    drafted: dict[int, torch.Tensor]  # a verify entry's logits: its newest token's row, then each draft's
 
 
 def _wants_hidden(entry: ScheduledRequest) -> bool:
@@ -189,7 +226,7 @@ def prompt_logprobs(entry: ScheduledRequest, logits: torch.Tensor) -> PromptLogp
 
 
 def _step_input(entry: ScheduledRequest) -> StepInput:
-    return StepInput(entry.new_token_ids, entry.context_slots)
+    return StepInput(entry.new_token_ids, entry.context_slots, entry.num_draft_tokens)
 
 
 def _message(error: BaseException) -> str:

@@ -139,7 +139,8 @@ class Routes:
         for name in ("paged", "extend"):
             contexts = [batch.context_slots[i] for i in groups[name]]
             lens = [batch.extend_lens[i] for i in groups[name]]
-            indices[name] = PagedIndex.build(contexts, lens, cascade and name == "paged") if contexts else None
+            solo = [batch.solo[i] for i in groups[name]] if batch.solo else None
+            indices[name] = PagedIndex.build(contexts, lens, cascade and name == "paged", solo) if contexts else None
         return cls(
             [],
             rows["spans"],

@@ -13,7 +13,7 @@ request's whole context through ``context_slots``::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Literal
 
@@ -30,6 +30,9 @@ class ForwardBatch:
     out_slots: torch.Tensor  # [T] int64: the KV slot each new token's K/V is written to
     context_slots: list[torch.Tensor]  # per request [ctx_len_i] int64: prefix slots then new-token slots
     extend_lens: list[int]  # per request: how many of its tokens are new (all 1 in decode; 1 for a decode in mixed)
+    # Per request (empty: none): read alone, never in a group sharing a prefix (cascade attention, whose merge
+    # rounds differently): the rows of a decode verifying drafts, which share their request's whole context.
+    solo: list[bool] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -41,6 +44,12 @@ class ForwardBatch:
         ends = list(accumulate(self.extend_lens))
         rows = torch.cat([torch.arange(end - n, end) for end, n in zip(ends, lens)]).to(self.input_ids.device)
         sub = ForwardBatch(
-            self.mode, self.input_ids[rows], self.positions[rows], self.out_slots[rows], self.context_slots, list(lens)
+            self.mode,
+            self.input_ids[rows],
+            self.positions[rows],
+            self.out_slots[rows],
+            self.context_slots,
+            list(lens),
+            self.solo,
         )
         return sub, rows

@@ -112,6 +112,10 @@ class GrammarState:
         """The grammar accepted a stop token: nothing more may be generated."""
         return bool(self._matcher.is_terminated())
 
+    def fork(self) -> GrammarState:
+        """An independent copy at the same position (to try draft tokens on)."""
+        return GrammarState(self._matcher.fork())
+
     def accept(self, token_id: int) -> None:
         if not self._matcher.is_terminated() and not self._matcher.accept_token(token_id):
             raise ValueError(f"token {token_id} does not fit the request's grammar")

@@ -216,14 +216,22 @@ class PagedIndex:
         return tuple(torch.from_numpy(part) for part in self.shared)
 
     @classmethod
-    def build(cls, context_slots: list[torch.Tensor], extend_lens: list[int], cascade: bool = True) -> PagedIndex:
+    def build(
+        cls,
+        context_slots: list[torch.Tensor],
+        extend_lens: list[int],
+        cascade: bool = True,
+        solo: list[bool] | None = None,
+    ) -> PagedIndex:
+        """``solo``: per request, never in a shared-prefix group (read as a request alone reads it)."""
         ctx_lens = [int(slots.shape[0]) for slots in context_slots]
         starts = torch.tensor([0, *itertools.accumulate(extend_lens)], dtype=torch.int64)
         ctx_starts = torch.tensor([0, *itertools.accumulate(ctx_lens)], dtype=torch.int64)
         slots = torch.cat(context_slots).to("cpu", torch.int64) if context_slots else torch.zeros(0, dtype=torch.int64)
         shared = SharedPrefixes.none()
         if cascade and len(extend_lens) >= 2:
-            shared = find_shared_prefixes(slots.numpy(), ctx_starts.numpy(), np.asarray(extend_lens, dtype=np.int64))
+            lens = np.asarray(extend_lens, dtype=np.int64)
+            shared = find_shared_prefixes(slots.numpy(), ctx_starts.numpy(), lens, solo=solo)
         # Enough work items for every thread: split contexts when requests x heads are few.
         threads = torch.get_num_threads()
         num_splits = 1 if threads == 1 else max(1, 2 * threads // max(1, len(extend_lens)))

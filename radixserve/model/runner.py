@@ -33,6 +33,7 @@ class StepInput:
 
     new_token_ids: Sequence[int] | np.ndarray
     context_slots: np.ndarray  # int64: prefix slots, then one slot per new token
+    num_draft_tokens: int = 0  # a decode verifying drafts: its last this many new tokens are drafts
 
 
 class ModelRunner:
@@ -43,21 +44,38 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def forward(self, inputs: list[StepInput], mode: ForwardMode, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: list[StepInput],
+        mode: ForwardMode,
+        all_logits: bool = False,
+        logit_rows: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Logits [len(inputs), vocab] (float32) of each request's last new token; ``all_logits``: of every
-        new token, [sum of new tokens, vocab] (prompt logprobs)."""
+        new token, [sum of new tokens, vocab] (prompt logprobs); ``logit_rows``: of request i's last
+        ``logit_rows[i]`` new tokens, concatenated (prompt logprobs, draft verification)."""
+        if logit_rows is not None:
+            return self.forward_hidden(inputs, mode, logit_rows=logit_rows)[0]
         batch = self.build_batch(inputs, mode)
         return self.model(batch, self.kv_pool, return_all_logits=all_logits).float()
 
     @torch.inference_mode()
     def forward_hidden(
-        self, inputs: list[StepInput], mode: ForwardMode, all_logits: bool = False
+        self,
+        inputs: list[StepInput],
+        mode: ForwardMode,
+        all_logits: bool = False,
+        logit_rows: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward``'s logits and the same rows' final hidden states (float32) from one forward:
         what an embedding request reads."""
-        hidden = self.model(
-            self.build_batch(inputs, mode), self.kv_pool, return_all_logits=all_logits, return_hidden=True
-        )
+        batch = self.build_batch(inputs, mode)
+        every = all_logits or logit_rows is not None
+        hidden = self.model(batch, self.kv_pool, return_all_logits=every, return_hidden=True)
+        if logit_rows is not None:  # the final norm is per row: the same bits as the model's own last rows
+            ends = np.cumsum([len(item.new_token_ids) for item in inputs])
+            keep = np.concatenate([np.arange(end - n, end) for end, n in zip(ends, logit_rows)])
+            hidden = hidden[torch.from_numpy(keep).to(hidden.device)]
         return self.model.logits(hidden), hidden.float()
 
     def build_batch(self, inputs: list[StepInput], mode: ForwardMode) -> ForwardBatch:
@@ -65,7 +83,8 @@ class ModelRunner:
         if mode not in ("extend", "decode", "mixed"):
             raise ValueError(f"unknown forward mode {mode!r}")  # callers outside the type checker
         ids, positions, out_slots, contexts, lens = [], [], [], [], []
-        for item in inputs:
+        rows, solo = _decode_rows(inputs)
+        for item in rows:
             new = np.asarray(item.new_token_ids, dtype=np.int64)
             ctx = np.asarray(item.context_slots, dtype=np.int64)
             if not 0 < len(new) <= len(ctx) or (mode == "decode" and len(new) != 1):
@@ -83,7 +102,29 @@ class ModelRunner:
             self._to_device(out_slots),
             contexts,
             lens,
+            solo,
         )
 
     def _to_device(self, parts: list[np.ndarray]) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(parts)).to(self.device)
+
+
+def _decode_rows(inputs: list[StepInput]) -> tuple[list[StepInput], list[bool]]:
+    """``inputs`` with each decode verifying drafts split into one-token decodes, one per new token, each on
+    the context up to itself, and which rows those are (empty: none). Every row is computed as a plain decode
+    computes it (the same kernels, the same bits: an extend's rows may differ in the last bits), read alone (the
+    rows share their whole context, and a shared-prefix group's merge rounds differently); their logits rows
+    stay in the same order. Row j reads the K/V the rows before it wrote in the same layer, as an extend's do."""
+    if not any(item.num_draft_tokens for item in inputs):
+        return inputs, []
+    rows, solo = [], []
+    for item in inputs:
+        if not item.num_draft_tokens:
+            rows.append(item)
+            solo.append(False)
+            continue
+        new = np.asarray(item.new_token_ids, dtype=np.int64)
+        prefix_len = len(item.context_slots) - len(new)
+        rows += [StepInput(new[j : j + 1], item.context_slots[: prefix_len + j + 1]) for j in range(len(new))]
+        solo += [True] * len(new)
+    return rows, solo

@@ -26,6 +26,7 @@ streams on CPU and CUDA; reproducibility holds per device type.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import secrets
@@ -95,6 +96,16 @@ class SamplingState:
         if self.grammar is not None:
             self.grammar.accept(token_id)
 
+    def fork(self) -> SamplingState:
+        """A copy to try tokens on (speculative verification, ``spec_verify.py``): ``append`` on it leaves this
+        state as it was. It shares this state's generator: draws from it go on from where they stand."""
+        other = copy.copy(self)
+        other._pending = list(self._pending)
+        other._seen = None if self._seen is None else self._seen.clone()
+        other._counts = None if self._counts is None else self._counts.clone()
+        other.grammar = None if self.grammar is None else self.grammar.fork()
+        return other
+
     def generator(self, device: torch.device) -> torch.Generator:
         """The generator for the next draw (created and seeded on ``device`` at first use), set back
         to where the last taken token's draw left it: a draw depends on the state alone."""
@@ -149,7 +160,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutpu
     if not logits.is_floating_point():
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     raw = logits.float()
-    penalized = apply_masks(_apply_penalties(raw, states), [s.grammar for s in states])
+    penalized = penalize(raw, states)
     token_ids = penalized.argmax(dim=-1)  # the greedy rows' answer; one op for the batch
     rows = [i for i, s in enumerate(states) if not s.params.greedy]
     if rows:
@@ -165,6 +176,11 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutpu
             pairs = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
             top = [row[: s.params.top_logprobs] for row, s in zip(pairs, states)]
     return SampleOutput(token_ids.tolist(), logprobs, top)
+
+
+def penalize(raw: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """``raw`` [B, V] float32 with each row's penalties and grammar mask applied (a new tensor if any apply)."""
+    return apply_masks(_apply_penalties(raw, states), [s.grammar for s in states])
 
 
 def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
@@ -191,15 +207,23 @@ def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> t
 def _sample_rows(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     """Temperature, top_k, top_p, min_p, then one draw per row from its own generator: [b] int64."""
     device = logits.device
+    probs = filtered_probs(logits, states)
+    # multinomial takes unnormalised weights; the max-probability token always survives.
+    draws = [torch.multinomial(probs[i], 1, generator=s.generator(device)) for i, s in enumerate(states)]
+    return torch.cat(draws)
+
+
+def filtered_probs(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """[b, V]: each row's distribution after temperature, top_k, top_p and min_p (unnormalised where filtered:
+    what a sampled row draws from)."""
+    device = logits.device
     probs = torch.softmax(logits / _column([s.params.temperature for s in states], device), dim=-1)
     if any(s.params.top_k > 0 or s.params.top_p < 1 for s in states):
         probs = probs.masked_fill(~_top_k_top_p_keep(probs, states), 0.0)
     if any(s.params.min_p > 0 for s in states):
         floor = _column([s.params.min_p for s in states], device) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
-    # multinomial takes unnormalised weights; the max-probability token always survives.
-    draws = [torch.multinomial(probs[i], 1, generator=s.generator(device)) for i, s in enumerate(states)]
-    return torch.cat(draws)
+    return probs
 
 
 def _top_k_top_p_keep(probs: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

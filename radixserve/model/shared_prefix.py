@@ -41,14 +41,21 @@ class SharedPrefixes(NamedTuple):
 
 
 def find_shared_prefixes(
-    slots: np.ndarray, ctx_starts: np.ndarray, extend_lens: np.ndarray, min_len: int = MIN_SHARED_PREFIX_LEN
+    slots: np.ndarray,
+    ctx_starts: np.ndarray,
+    extend_lens: np.ndarray,
+    min_len: int = MIN_SHARED_PREFIX_LEN,
+    solo: list[bool] | None = None,
 ) -> SharedPrefixes:
     """Groups of >= 2 requests whose contexts begin with the same >= ``min_len`` slots.
 
     Request b's context is ``slots[ctx_starts[b]:ctx_starts[b+1]]``. Reads only; the groups'
-    prefixes are verified slot by slot, so the kernel may trust them."""
+    prefixes are verified slot by slot, so the kernel may trust them. ``solo[b]``: b joins no group."""
     caps = np.diff(ctx_starts) - extend_lens + 1  # every new token of b sees its first caps[b] slots
-    candidates = np.flatnonzero(caps >= min_len)
+    eligible = caps >= min_len
+    if solo is not None:
+        eligible &= ~np.asarray(solo, dtype=bool)
+    candidates = np.flatnonzero(eligible)
     if candidates.size < 2:
         return SharedPrefixes.none()
     firsts = slots[ctx_starts[candidates]]

@@ -10,6 +10,9 @@ then finishes those that stopped.
 
 Each entry carries its own mode: with ``enable_mixed_chunk`` one forward carries a
 prefill chunk next to the running decodes (``ScheduledBatch.mode`` is then "mixed").
+A "verify" entry is a decode with drafts (speculative decoding): its newest token and
+``num_draft_tokens`` drafted ones, computed as one short extend; its ``StepOutput`` takes
+the accepted drafts and one more token (``more``). A step with one is "mixed" too.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 from radixserve.core import TopLogprobs
 from radixserve.scheduler.request import Request
 
-Mode = Literal["extend", "decode"]
+Mode = Literal["extend", "decode", "verify"]
 BatchMode = Literal["extend", "decode", "mixed"]
 
 
@@ -35,6 +38,7 @@ class ScheduledRequest:
     new_token_ids: np.ndarray  # int64: the tokens whose K/V this step computes
     context_slots: np.ndarray  # int64: the whole context's slots (cached prefix first, then the new tokens)
     sample: bool  # False: a prefill chunk that is not the prompt's last, so no token comes out
+    num_draft_tokens: int = 0  # verify: the last this many new tokens are drafts
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,8 @@ class ScheduledBatch:
         modes = {entry.mode for entry in self.entries}
         if not modes:
             raise ValueError("an empty batch has no mode")
-        return modes.pop() if len(modes) == 1 else "mixed"
+        mode = modes.pop() if len(modes) == 1 else "mixed"
+        return "mixed" if mode == "verify" else mode
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,9 @@ class StepOutput:
     prompt_logprobs: tuple[tuple[int, float], ...] = ()
     error: str | None = None  # the step failed for this request alone (no token): it aborts, its K/V is never cached
     hidden: np.ndarray | None = None  # float32 [hidden]: the last prompt token's final hidden state (return_hidden)
+    # verify: ``token`` and then ``more`` are the step's tokens in order: the accepted drafts, then the token the
+    # model chose after the last of them (so len(more) drafts were accepted)
+    more: tuple[StepOutput, ...] = ()
 
 
 class OutputStage(Protocol):

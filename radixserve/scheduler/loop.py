@@ -11,6 +11,15 @@ at most one chunk's forward and never for a decode-less step. After every prefil
 prefix goes into the cache (``cache_unfinished_req``) and stays locked, so
 requests held by in-batch dedup, or arriving later, hit it at once.
 
+With a ``drafter`` (speculative decoding, ``draft.py``) a decoding request may run as a "verify" entry:
+its newest token and a few drafted ones in one short extend. ``process`` takes the accepted drafts and the
+model's next token, and frees the rejected drafts' slots at once::
+
+    kv before the step:   prompt + output[:-1]                     (K/V computed)
+    scheduled:            ... + output[-1] + d1 .. dk               (slots for all; K/V written this step)
+    after (a accepted):   ... + output[-1] + d1 .. da               d(a+1) .. dk freed; the model's next token
+                                                                     is the newest output, with no K/V yet
+
 When decode runs out of slots, the running request that frees the most (with
 the least decode progress) is retracted: its K/V goes into the cache first
 (insert before release), so on resumption it recomputes only what was evicted.
@@ -27,6 +36,7 @@ from radixserve.cache import BasePrefixCache
 from radixserve.core import ErrorKind, FinishReason
 from radixserve.scheduler.admission import PrefillAdder, decode_reserve
 from radixserve.scheduler.batch import Mode, OutputStage, ScheduledBatch, ScheduledRequest, StepOutput
+from radixserve.scheduler.draft import Drafter
 from radixserve.scheduler.policy import BaseSchedulePolicy, create_schedule_policy
 from radixserve.scheduler.request import Request, Status
 from radixserve.scheduler.stats import RequestTiming, SchedulerStats
@@ -44,6 +54,7 @@ class Scheduler:
         policy: BaseSchedulePolicy | None = None,
         clock: Callable[[], float] = time.perf_counter,
         enable_mixed_chunk: bool = False,
+        drafter: Drafter | None = None,
     ) -> None:
         self.cache = cache
         self.output = output
@@ -52,6 +63,7 @@ class Scheduler:
         self.policy = policy or create_schedule_policy("fcfs")
         self.clock = clock
         self.enable_mixed_chunk = enable_mixed_chunk
+        self.drafter = drafter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted: prefilling (in chunks) or decoding
         self.stats = SchedulerStats()
@@ -134,7 +146,8 @@ class Scheduler:
         if not prefill and not ready:
             self._unstick()
             return ScheduledBatch(finished=tuple(self._ended))
-        entries = self._batch(prefill, "extend").entries + self._batch(ready, "decode").entries
+        prefill_rows = sum(len(r.kv.token_ids) - r.chunk_start for r in prefill if r.kv is not None)
+        entries = self._batch(prefill, "extend").entries + self._batch(ready, "decode", prefill_rows).entries
         return ScheduledBatch(entries, tuple(self._ended))
 
     def process(self, batch: ScheduledBatch, outputs: Sequence[StepOutput]) -> list[Request]:
@@ -150,6 +163,8 @@ class Scheduler:
         for entry, out in entries:
             if out.error is not None:
                 self._fail(entry.req, out.error)
+            elif entry.num_draft_tokens:
+                self._settle_drafts(entry, out)
             if out.hidden is not None:
                 entry.req.hidden_state = out.hidden
             for position, logprob in out.prompt_logprobs:
@@ -173,20 +188,49 @@ class Scheduler:
             self._finish(req, "length")
             return True
         try:
-            return self._append_token(req, out)
+            return any(self._append_token(req, one) for one in (out, *out.more))  # stops at the first that ends it
         except Exception as exc:  # its detokenizer or its grammar broke on it: it fails alone
             self._fail(req, exc)
             return False
 
-    def _batch(self, reqs: list[Request], mode: Mode) -> ScheduledBatch:
+    def _batch(self, reqs: list[Request], mode: Mode, rows: int = 0) -> ScheduledBatch:
+        """The entries of ``reqs``; decodes may get drafts, priced for a step of ``rows`` other rows."""
         entries = []
+        price = self.drafter.price(len(reqs), rows + len(reqs)) if self.drafter and mode == "decode" else 0.0
+        drafted = 0
         for req in reqs:
             if req.kv is None:
                 continue
-            new = req.kv.token_ids[-1:] if mode == "decode" else req.kv.token_ids[req.chunk_start :]
+            num_drafts = self._draft(req, drafted, price) if mode == "decode" else 0
+            drafted += num_drafts
+            new = req.kv.token_ids[-1 - num_drafts :] if mode == "decode" else req.kv.token_ids[req.chunk_start :]
             sample = mode == "decode" or len(req.kv.token_ids) == len(req.fill_ids)
-            entries.append(ScheduledRequest(req, mode, new, req.kv.kv_indices, sample))
+            kind: Mode = "verify" if num_drafts else mode
+            entries.append(ScheduledRequest(req, kind, new, req.kv.kv_indices, sample, num_drafts))
         return ScheduledBatch(tuple(entries), tuple(self._ended))
+
+    def _draft(self, req: Request, drafted: int, price: float) -> int:
+        """Append drafts to ``req``'s K/V request (slots for them, never by evicting); how many."""
+        if self.drafter is None or req.kv is None:
+            return 0
+        allocator = self.cache.allocator
+        room = min(self.drafter.max_step_drafts - drafted, allocator.free_size() - allocator.page_size)
+        drafts = self.drafter.propose(req, room, price) if room > 0 else []
+        if not drafts or not self.cache.extend_request(req.kv, drafts):
+            return 0
+        return len(drafts)
+
+    def _settle_drafts(self, entry: ScheduledRequest, out: StepOutput) -> None:
+        """Free the rejected drafts' slots (before any token is taken) and count the step."""
+        req, num_drafts = entry.req, entry.num_draft_tokens
+        num_accepted = len(out.more) if out.token is not None else 0
+        if req.kv is not None and req.status is Status.RUNNING:
+            self.cache.truncate_request(req.kv, len(req.kv.token_ids) - (num_drafts - num_accepted))
+        assert self.drafter is not None
+        self.drafter.record(req, num_drafts, num_accepted)
+        self.stats.spec_draft_tokens += num_drafts
+        self.stats.spec_accepted_tokens += num_accepted
+        self.stats.spec_verify_steps += 1
 
     def _unstick(self) -> None:
         """Nothing could run: a half-prefilled request cannot get memory. Abort the newest one.
@@ -340,6 +384,9 @@ class Scheduler:
         keep_text: bool = True,
     ) -> None:
         if req.kv is not None:
+            if insert and req.output_ids and len(req.kv.token_ids) >= len(req.prompt_ids) + len(req.output_ids):
+                # It stopped inside a step's accepted drafts: the K/V past its output is not its own.
+                self.cache.truncate_request(req.kv, len(req.prompt_ids) + len(req.output_ids) - 1)
             self.cache.cache_finished_req(req.kv, is_insert=insert)
             req.kv = None
         self.output.finish(req, keep_text)

@@ -29,6 +29,20 @@ class Status(enum.Enum):
     ABORTED = "aborted"
 
 
+@dataclass
+class SpecState:
+    """One request's speculative drafting (scheduler/draft.py): its acceptance estimate, cooldown, counters."""
+
+    accepted: float = 1.0  # recent accepted draft tokens (decayed) ...
+    trials: float = 2.0  # ... of recent draft tokens tried: alpha = accepted / trials (the prior: 1/2)
+    cooldown: int = 0  # decode steps left without drafting
+    skips: int = 0  # times in a row drafting did not pay (the next cooldown is 2**skips)
+    probe: bool = False  # the next proposal drafts one token whatever alpha says
+    num_draft_tokens: int = 0  # drafted and verified (meta_info's spec_draft_tokens)
+    num_accepted_tokens: int = 0  # of those, accepted (spec_accept_tokens)
+    num_verify_steps: int = 0
+
+
 @dataclass(eq=False)
 class Request:
     rid: int
@@ -71,6 +85,7 @@ class Request:
     admit_time: float | None = None  # its first admission: the end of its queueing
     first_token_time: float | None = None
     finish_time: float | None = None
+    spec: SpecState | None = None  # set at its first decode step when speculative decoding is on
     sampling: SamplingState = field(init=False, repr=False)  # seed, penalties, grammar
     grammar: InitVar[GrammarState | None] = None  # the compiled constraint its params ask for
 
@@ -136,4 +151,5 @@ class Request:
             error_kind=self.error_kind,
             input_logprobs=None if self.input_logprobs is None else list(self.input_logprobs),
             hidden_state=None if self.hidden_state is None else self.hidden_state.tolist(),
+            spec=None if self.spec is None else (self.spec.num_draft_tokens, self.spec.num_accepted_tokens),
         )

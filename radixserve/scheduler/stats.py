@@ -37,6 +37,9 @@ class SchedulerStats:
     retractions: int = 0
     decode_retractions: int = 0  # retracted after decoding began (resuming re-feeds its newest token)
     recomputed_tokens: int = 0  # tokens a resumed request had computed before and lost to eviction
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_verify_steps: int = 0  # decode steps of a request that verified drafts
     finished: Counter[str] = field(default_factory=Counter)  # by finish_reason
     recent: deque[RequestTiming] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
 
@@ -53,5 +56,11 @@ class SchedulerStats:
             "retractions": self.retractions,
             "decode_retractions": self.decode_retractions,
             "recomputed_tokens": self.recomputed_tokens,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            # tokens per verify step (accepted drafts + the model's own), named as SGLang's internal_states
+            "avg_spec_accept_length": (
+                1 + self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else None
+            ),
             "finished": dict(self.finished),
         }

@@ -17,12 +17,13 @@ from typing import Any, NoReturn
 from radixserve.cache import EVICTION_POLICIES, PREFIX_CACHES, WRITE_POLICIES
 from radixserve.core import ROUTER_INDEXES, ROUTER_POLICIES
 from radixserve.engine import DTYPES, EngineConfig
-from radixserve.engine.config import ENGINE_OPTIONS
+from radixserve.engine.config import ENGINE_OPTIONS, SPECULATIVE_ALGORITHMS
 from radixserve.kv_events.config import KVEventsConfig, parse_kv_events_config
 from radixserve.model.invariance import INVARIANT_KERNELS
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import KV_CACHE_DTYPES, REFUSED_KV_CACHE_DTYPES
 from radixserve.model.quant import QUANTIZATIONS
+from radixserve.scheduler.draft import SPEC_SOURCES
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
 from radixserve.server.reasoning import REASONING_PARSERS
 from radixserve.server.tool_parsers import PARSERS
@@ -319,6 +320,25 @@ def _scheduler_flags(sched: argparse._ArgumentGroup, d: EngineConfig) -> None:
     )
     sched.add_argument(
         "--max-running-requests", type=int, default=d.max_running_requests, help="requests decoded together"
+    )
+    sched.add_argument(
+        "--speculative-algorithm",
+        default=d.speculative_algorithm,
+        choices=SPECULATIVE_ALGORITHMS,
+        help="ngram: speculative decoding with no draft model: tokens that followed the last few tokens in the "
+        "prefix cache or the request's own text are verified in the step's forward (off by default)",
+    )
+    sched.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=d.speculative_num_draft_tokens,
+        help="the most tokens drafted for one request per step (adapted to its recent acceptance)",
+    )
+    sched.add_argument(
+        "--speculative-ngram-source",
+        default=d.speculative_ngram_source,
+        choices=SPEC_SOURCES,
+        help="where ngram drafts come from: the prefix cache's sequences (tree), the request's own text (prompt)",
     )
 
 

@@ -62,6 +62,9 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.evicted_tokens = counter("evicted_tokens", "KV slots evicted from the prefix cache.")
         self.retractions = counter("retractions", "Running requests retracted for lack of KV memory.")
+        # vLLM's speculative decoding counters (of finished requests; drafts verified, and of those accepted)
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified (speculative).")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative).")
         self.requests = counter("requests", "Finished requests by finish reason.", ("finish_reason",))
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)
@@ -89,8 +92,20 @@ class ServerMetrics:
         self._window_prompt = self._window_cached = 0
         self._seen_evicted = self._seen_retractions = 0
 
-    def on_finish(self, prompt_tokens: int, cached_tokens: int, generated: int, reason: str, e2e: float) -> None:
+    def on_finish(
+        self,
+        prompt_tokens: int,
+        cached_tokens: int,
+        generated: int,
+        reason: str,
+        e2e: float,
+        spec: tuple[int, int] | None = None,
+    ) -> None:
+        """``spec``: (draft tokens verified, accepted) when the request drafted."""
         self.prompt_tokens.inc(prompt_tokens)
+        if spec is not None:
+            self.spec_draft_tokens.inc(spec[0])
+            self.spec_accepted_tokens.inc(spec[1])
         self.cached_tokens.inc(cached_tokens)
         self.generation_tokens.inc(generated)
         self.requests.labels(finish_reason=reason).inc()

@@ -151,7 +151,7 @@ class RequestTracer:
             trace = self._live.get(entry.req.rid)
             if trace is None:
                 continue
-            if entry.mode == "decode":
+            if entry.mode != "extend":  # a decode, or a decode verifying drafts
                 trace.decode_steps += 1
                 trace.decode_began = began if trace.decode_began is None else trace.decode_began
                 continue

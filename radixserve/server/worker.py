@@ -68,6 +68,7 @@ class ServerListener(LoopListener):
                 len(result.output_ids),
                 result.finish_reason,
                 result.e2e_latency,
+                result.spec,
             )
 
     def on_step(self, load: LoadStats) -> None:

@@ -308,6 +308,19 @@ class BasePrefixCache(ABC, Generic[NodeT]):
         req.kv_indices = np.concatenate([req.kv_indices, slots])
         return True
 
+    def truncate_request(self, req: CacheReq[NodeT], length: int) -> None:
+        """Keep ``req``'s first ``length`` tokens and free the slots of the rest (rejected draft tokens).
+
+        Only private tokens go (``length >= cache_protected_len``); the cache does not change. With pages, the
+        partial last page stays the request's (``extend_request`` fills it next).
+        """
+        if not req.cache_protected_len <= length <= len(req.kv_indices):
+            raise ValueError(f"cannot cut a request of {len(req.kv_indices)} tokens to {length}")
+        page = self.allocator.page_size
+        self.allocator.free(req.kv_indices[-(-length // page) * page :])
+        req.key = req.key[:length]
+        req.kv_indices = req.kv_indices[:length]
+
     def alloc_slots(self, num_tokens: int) -> IndexArray | None:
         """Allocator slots, evicting unlocked cached prefixes when the pool is short."""
         slots = self.allocator.alloc(num_tokens)

@@ -1,0 +1,164 @@
+"""The n-gram index over the prefix cache (drafts for speculative decoding), prompt lookup, and the draft verifier.
+
+The index is checked against the tree after every insert and eviction: whatever it holds is cached, in the
+same namespace, right now (it keeps copies of token ids, bounded, and drops them as the tree frees them).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.cache import RadixCache, RadixKey, TokenAllocator
+from radixserve.core import SamplingParams
+from radixserve.model.sampling import SamplingState
+from radixserve.model.spec_verify import verify
+from radixserve.scheduler.draft import Drafter, best_draft_len, prompt_lookup
+from radixserve.scheduler.ngram import NgramIndex
+from radixserve.scheduler.request import Request
+
+
+def cached_sequences(cache: RadixCache) -> list[RadixKey]:
+    """Every root-to-leaf path of the tree, as keys (brute force)."""
+    return [cache.path_key(node) for node in cache.nodes() if not node.children and node is not cache.root]
+
+
+def check_index(index: NgramIndex, cache: RadixCache) -> None:
+    """Every entry: its n-gram, then its continuation, occurs in a cached sequence of its namespace."""
+    sequences = [(key.extra_key, key.token_ids.tolist()) for key in cached_sequences(cache)]
+    for (namespace, ngram), (pos, cont) in index._entries.items():
+        run = [*ngram, *cont]
+        start = pos - len(ngram) + 1
+        assert any(ns == namespace and tokens[start : start + len(run)] == run for ns, tokens in sequences), (
+            namespace,
+            ngram,
+            pos,
+            cont,
+        )
+
+
+def test_lookup_prefers_the_longest_ngram_and_returns_its_continuation() -> None:
+    index = NgramIndex(max_continuation=4)
+    cache = RadixCache(TokenAllocator(256), listeners=[index])
+    seq = [5, 6, 7, 8, 9, 10, 11, 1, 2, 7, 8, 30]
+    cache.insert(RadixKey(seq), cache.allocator.alloc(len(seq)))
+    assert index.lookup(None, [0, 6, 7, 8], 8) == (3, [9, 10, 11, 1])  # 6 7 8 -> 9 ..., not 7 8 -> 30
+    assert index.lookup(None, [1, 2, 7, 8], 2) == (4, [30])
+    assert index.lookup(None, [99, 98], 4) == (0, [])
+    assert index.lookup("tenant", [0, 6, 7, 8], 4) == (0, [])  # another namespace sees nothing
+    check_index(index, cache)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_index_never_holds_what_the_tree_freed(seed: int) -> None:
+    """Random inserts (shared prefixes, two namespaces) and evictions; after each, the index is checked."""
+    rng = random.Random(seed)
+    index = NgramIndex(max_continuation=3, max_entries=400, sizes=(3, 2))
+    allocator = TokenAllocator(96)
+    cache = RadixCache(allocator, listeners=[index])
+    chunks = [[rng.randrange(6) for _ in range(rng.randrange(1, 6))] for _ in range(8)]
+    for _ in range(60):
+        if rng.random() < 0.6:
+            tokens = [t for _ in range(rng.randrange(1, 5)) for t in rng.choice(chunks)]
+            key = RadixKey(tokens, rng.choice([None, "a"]))
+            slots = cache.alloc_slots(len(tokens))
+            if slots is not None:
+                done = cache.insert(key, slots)
+                allocator.free(slots[:done])
+        else:
+            cache.evict(rng.randrange(1, 20))
+        cache.check_invariants()
+        check_index(index, cache)
+        assert len(index) <= 400
+    cache.evict(cache.evictable_size())
+    assert len(index) == 0  # the tree is empty: so is the index
+
+
+def test_prompt_lookup_takes_the_latest_earlier_occurrence() -> None:
+    tokens = np.array([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
+    assert prompt_lookup(tokens, 3) == (3, [4, 5, 1])
+    assert prompt_lookup(np.array([7, 8, 9]), 3) == (0, [])
+
+
+def empirical_vs_expected(counts: dict[object, int], expected: dict[object, float]) -> float:
+    """The chi-square goodness-of-fit p-value of ``counts`` against probabilities ``expected`` (cells with an
+    expected count under 5 pooled)."""
+    total = sum(counts.values())
+    cells, small_obs, small_exp = [], 0, 0.0
+    for cell, p in expected.items():
+        if p * total >= 5:
+            cells.append((counts.get(cell, 0), p * total))
+        else:
+            small_obs, small_exp = small_obs + counts.get(cell, 0), small_exp + p * total
+    if small_exp > 0:
+        cells.append((small_obs, small_exp))
+    stat = sum((obs - exp) ** 2 / exp for obs, exp in cells)
+    df = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
+
+
+def test_rejection_sampling_keeps_the_distribution() -> None:
+    """verify() with two drafts, many seeds: the joint law of the taken tokens is what sampling step by step
+    gives (first token ~ p0; after an accepted draft, the next ~ p1; the bonus after both ~ p2)."""
+    torch.manual_seed(0)
+    vocab, drafts = 5, [1, 3]
+    logits = torch.randn(3, vocab) * 1.5
+    p = torch.softmax(logits, dim=-1).tolist()
+    expected: dict[object, float] = {}
+    for a in range(vocab):
+        if a != drafts[0]:
+            expected[(a,)] = p[0][a]
+            continue
+        for b in range(vocab):
+            if b != drafts[1]:
+                expected[(a, b)] = p[0][a] * p[1][b]
+                continue
+            for c in range(vocab):
+                expected[(a, b, c)] = p[0][a] * p[1][b] * p[2][c]
+    counts: dict[object, int] = {}
+    for seed in range(6000):
+        state = SamplingState(SamplingParams(temperature=1.0, seed=seed), [0])
+        out = tuple(verify(logits, drafts, state).token_ids)
+        counts[out] = counts.get(out, 0) + 1
+    assert set(counts) <= set(expected)
+    assert empirical_vs_expected(counts, expected) > 1e-3
+
+
+def test_greedy_verify_takes_the_argmax_prefix_and_leaves_the_state() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    state = SamplingState(SamplingParams(temperature=0.0, repetition_penalty=1.5), [0])
+    assert verify(logits, [1, 0], state).token_ids == [1, 0, 2]  # both accepted, then the bonus
+    assert verify(logits, [1, 2], state).token_ids == [1, 0]  # the second replaced by the argmax
+    assert verify(logits, [2, 0], state).token_ids == [1]
+    assert state._pending == [] and (state._seen is None or not state._seen[1:].any())  # untouched
+
+
+def test_draft_length_pays_only_where_it_gains() -> None:
+    drafter = Drafter(8, None)
+    alone, batch16, beside_prefill = drafter.price(1, 1), drafter.price(16, 16), drafter.price(1, 513)
+    assert best_draft_len(0.9, 8, alone) >= 4
+    assert best_draft_len(0.2, 8, alone) == 0  # prose: drafting would cost more than it saves
+    assert best_draft_len(0.8, 8, batch16) == 0  # a large batch already makes many tokens per step
+    assert best_draft_len(1.0, 8, batch16) == 8
+    assert best_draft_len(0.5, 8, beside_prefill) >= 4  # the decoders wait on a prefill chunk anyway
+
+
+def test_no_probe_at_a_large_batch() -> None:
+    """A request whose drafts do not pay waits, then probes one token alone; at batch 16 it never probes."""
+    index = NgramIndex()
+    drafter = Drafter(8, index)
+    req = Request(0, np.array([5, 6, 7, 8, 5, 6, 7]), SamplingParams(max_new_tokens=64))
+    req.output_ids = [8]
+    spec = drafter.state(req)
+    spec.accepted, spec.trials = 0.1, 4.0  # drafts have kept failing
+    alone, batch16 = drafter.price(1, 1), drafter.price(16, 16)
+    assert drafter.propose(req, 8, alone) == []  # the cooldown starts
+    assert spec.cooldown == 1 and spec.probe
+    assert drafter.propose(req, 8, alone) == []  # waits it out
+    assert drafter.propose(req, 8, batch16) == []  # no probe at batch 16: a longer wait instead
+    assert spec.cooldown == 2
+    assert drafter.propose(req, 8, alone) == drafter.propose(req, 8, alone) == []
+    assert drafter.propose(req, 8, alone) == [5]  # the probe: one token, from prompt lookup (8 -> 5)
