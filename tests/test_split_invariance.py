@@ -92,8 +92,13 @@ def test_companions_sharing_the_prefix_change_no_answer(engine: Engine) -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"page_size": 16}, {"hicache_size": 0.05, "hicache_write_policy": "write_through"}, {"quantization": "q4_1"}],
-    ids=["page-16", "host-tier", "int8-activations"],
+    [
+        {"page_size": 16},
+        {"hicache_size": 0.05, "hicache_write_policy": "write_through"},
+        {"quantization": "q4_1"},
+        {"dtype": "float32"},
+    ],
+    ids=["page-16", "host-tier", "int8-activations", "float32"],
 )
 def test_other_configurations_keep_it(options: dict[str, object]) -> None:
     engine = Engine(max_total_tokens=2048, **options)
@@ -105,12 +110,13 @@ def test_other_configurations_keep_it(options: dict[str, object]) -> None:
 
 
 def test_what_is_not_invariant_says_so() -> None:
-    """Off, and float32 (its extends run SDPA, whose bits depend on the uncached tail's length), report it."""
+    """Off, and the reference attention backend (gather + SDPA, whose bits depend on the uncached tail's length),
+    report it."""
     engine = Engine(max_total_tokens=512, split_invariant=False)
     assert not engine.split_invariant and engine.describe()["split_invariant"] is False
     engine.close()
-    engine = Engine(max_total_tokens=512, dtype="float32")
-    assert not engine.split_invariant and "only in bfloat16" in engine.describe()["split_invariant_reason"]
+    engine = Engine(max_total_tokens=512, attention_backend="reference")
+    assert not engine.split_invariant and "reference attention backend" in engine.describe()["split_invariant_reason"]
     engine.close()
 
 

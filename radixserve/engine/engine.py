@@ -371,13 +371,16 @@ class Engine(Driver):
             return False, f"no split-invariant kernels on {self.device.type}"
         model = self.loaded.config
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, dtype)
-        attention = attention_split_invariance(dtype, kv_dtype, self.config.attention_backend, model.head_dim)
-        if attention is not None:  # then the linears keep their faster GEMM path: invariance would not hold anyway
-            return False, attention
+        backend = self.loaded.model.attention_backend
+        paged_extends, why_not = attention_split_invariance(dtype, kv_dtype, backend, model.head_dim)
+        if why_not is not None:  # then the linears keep their faster GEMM path: invariance would not hold anyway
+            return False, why_not
         holds, why = make_split_invariant(self.loaded.model, self.config.split_invariant_kernel)
         if holds:  # the shared-prefix pass merges a prefix's partial softmax with each row's own: other bits
             self.loaded.model.cascade_attention = False
+            self.loaded.model.paged_extends = paged_extends
             why += "; decode rows read a shared prefix each on its own (no cascade pass)"
+            why += "; extends read in place (paged kernel)" if paged_extends else ""
         return holds, why
 
     def kv_bytes_per_token(self) -> int:

@@ -120,14 +120,18 @@ class Routes:
     span_members: tuple[int, ...] = ()
 
     @classmethod
-    def build(cls, batch: ForwardBatch, backend: str, cascade: bool, extend_kernel: bool) -> Routes:
+    def build(
+        cls, batch: ForwardBatch, backend: str, cascade: bool, extend_kernel: bool, paged_extends: bool = False
+    ) -> Routes:
         """``extend_kernel``: the bf16 extend kernel takes every extend request (a prefill chunk, a
-        cache hit's tail), but not the one-row requests of a mixed step, which are decodes."""
+        cache hit's tail), but not the one-row requests of a mixed step, which are decodes. ``paged_extends``:
+        the paged kernel takes every extend the extend kernel does not (split invariance where it does not run:
+        gather + SDPA's bits depend on the extend's length)."""
         groups: dict[str, list[int]] = {"extend": [], "paged": [], "decode": [], "spans": []}
         for i, extend_len in enumerate(batch.extend_lens):
             if extend_kernel and (batch.mode == "extend" or (batch.mode == "mixed" and extend_len > 1)):
                 groups["extend"].append(i)
-            elif backend == "paged" and extend_len <= PAGED_MAX_EXTEND_LEN:
+            elif backend == "paged" and (extend_len <= PAGED_MAX_EXTEND_LEN or paged_extends):
                 groups["paged"].append(i)
             elif batch.mode == "decode" or (batch.mode == "mixed" and extend_len == 1):
                 groups["decode"].append(i)
@@ -179,15 +183,22 @@ class AttentionPlan:
     batch: ForwardBatch
     backend: str = "reference"
     cascade: bool = True
+    paged_extends: bool = False  # Routes.build: every extend the extend kernel does not take reads in place
     _routes: dict[tuple[bool, int], Routes] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(
-        cls, batch: ForwardBatch, workspace: GatherWorkspace, backend: str = "reference", cascade: bool = True
+        cls,
+        batch: ForwardBatch,
+        workspace: GatherWorkspace,
+        backend: str = "reference",
+        cascade: bool = True,
+        paged_extends: bool = False,
     ) -> AttentionPlan:
         """``backend``: "paged" (in place, where a request suits it) or "reference" (gather + SDPA).
-        ``cascade``: the paged kernel reads a prefix that several requests share once for all of them."""
-        return cls(workspace, batch, backend, cascade)
+        ``cascade``: the paged kernel reads a prefix that several requests share once for all of them.
+        ``paged_extends``: the paged kernel takes every extend the bf16 extend kernel does not (split invariance)."""
+        return cls(workspace, batch, backend, cascade, paged_extends)
 
     def routes(self, extend_kernel: bool, window: int = 0) -> Routes:
         """The step's routes, with or without the extend kernel, for layers of this window (built on first
@@ -198,7 +209,9 @@ class AttentionPlan:
             if window:
                 self._routes[key] = self.routes(extend_kernel).windowed(self.batch, window)
             else:
-                self._routes[key] = Routes.build(self.batch, self.backend, self.cascade, extend_kernel)
+                self._routes[key] = Routes.build(
+                    self.batch, self.backend, self.cascade, extend_kernel, self.paged_extends
+                )
         return self._routes[key]
 
 
@@ -250,17 +263,19 @@ def extend_kernel_applies(q: torch.Tensor, kv_pool: KVPool) -> bool:
     return extend_kernel_usable()
 
 
-def attention_split_invariance(dtype: torch.dtype, kv_dtype: torch.dtype, backend: str, head_dim: int) -> str | None:
-    """None when a query's attention output does not depend on where its request's cached prefix ends (the bf16
-    extend kernel takes every extend and reads keys in blocks aligned to absolute positions, extend_attention.h);
-    else why not. Float32 extends go through gather + SDPA over the uncached tail's shape: not invariant."""
+def attention_split_invariance(
+    dtype: torch.dtype, kv_dtype: torch.dtype, backend: str, head_dim: int
+) -> tuple[bool, str | None]:
+    """(whether every extend must read in place through the paged kernel, None) when a query's attention output
+    does not depend on where its request's cached prefix ends or which rows share its step, else (False, why not).
+    In bfloat16 on an AVX512-BF16 CPU the extend kernel takes every extend (keys in blocks aligned to absolute
+    positions, extend_attention.h); elsewhere (float32, no AVX512-BF16) the paged kernel does, whose sums run in
+    an order fixed by the keys' positions (paged_avx512.h), instead of gather + SDPA, whose bits depend on the
+    extend's length. The shared-prefix pass is never invariant: the caller turns it off."""
     if backend == "reference":
-        return "the reference attention backend (gather + SDPA) is not split-invariant"
-    if dtype != torch.bfloat16 or kv_dtype not in (torch.bfloat16, torch.int8):
-        return "attention is split-invariant only in bfloat16 (the extend kernel; float32 extends run SDPA)"
-    if head_dim % 16 or not extend_kernel_usable():
-        return "the bfloat16 extend kernel does not run here (AVX512-BF16 and head_dim % 16 == 0 needed)"
-    return None
+        return False, "the reference attention backend (gather + SDPA) is not split-invariant"
+    extend_kernel = dtype == torch.bfloat16 and kv_dtype in (torch.bfloat16, torch.int8) and head_dim % 16 == 0
+    return not (extend_kernel and extend_kernel_usable()), None
 
 
 class Attention(nn.Module):

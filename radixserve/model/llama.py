@@ -156,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         self.attention_backend = resolve_backend(attention_backend, device)
         self.cascade_attention = True  # paged backend: read a prefix shared by several requests once (bench: off)
+        self.paged_extends = False  # paged backend: every extend the bf16 extend kernel does not take reads in place
         self.embed_tokens: nn.Module = uninitialised(
             nn.Embedding, config.vocab_size, config.hidden_size, device=device, dtype=dtype
         )
@@ -188,7 +189,9 @@ class LlamaForCausalLM(nn.Module):
         """
         if batch.input_ids.shape[0] != sum(batch.extend_lens) or len(batch.context_slots) != batch.batch_size:
             raise ValueError("ForwardBatch: input_ids, extend_lens and context_slots disagree")
-        plan = AttentionPlan.build(batch, self.workspace, self.attention_backend, self.cascade_attention)
+        plan = AttentionPlan.build(
+            batch, self.workspace, self.attention_backend, self.cascade_attention, self.paged_extends
+        )
         seq_lens = [slots.shape[0] for slots in batch.context_slots]
         cos, sin = rotary_cos_sin(self.rotary(batch.positions, seq_lens, batch.extend_lens), self.dtype)
         local = cos, sin
@@ -203,7 +206,12 @@ class LlamaForCausalLM(nn.Module):
         if not return_all_logits and batch.mode != "decode" and (kept := tail_lens(batch.extend_lens)) is not None:
             tail_batch, rows = batch.tail(kept)
             lens = kept
-            tail = rows, AttentionPlan.build(tail_batch, self.workspace, self.attention_backend, self.cascade_attention)
+            tail = (
+                rows,
+                AttentionPlan.build(
+                    tail_batch, self.workspace, self.attention_backend, self.cascade_attention, self.paged_extends
+                ),
+            )
         for i, layer in enumerate(self.layers):
             layer_cos, layer_sin = local if layer.local_rope else (cos, sin)
             last = i == len(self.layers) - 1

@@ -10,9 +10,12 @@
 //            register, 8 keys a step: scores_dp_rows);
 //   softmax  per row, 16 scores at a time (the same polynomial as fast_exp);
 //   values   each V row converted once, accumulated into up to 24 zmm registers (a block of rows).
-// Both passes walk an item's keys as two interleaved halves (key j, then key half + j): one core reads
-// a 2k-key context out of DRAM ~20% faster with two streams in flight than with one (the hardware
-// prefetcher runs each stream only so far ahead of a loop this dense in compute).
+// Both passes walk an item's keys as two interleaved streams: one core reads a 2k-key context out of DRAM
+// ~20% faster with two streams in flight than with one (the hardware prefetcher runs each stream only so far
+// ahead of a loop this dense in compute). The scores pass pairs key j with key half + j (each score is its own
+// dot product: the order changes no bits); the values pass pairs key j with key j + kStream within blocks of
+// 2 x kStream keys, an order fixed by the keys' positions, so a row's sum does not depend on how many keys the
+// other rows of its block see (split invariance: a row's bits do not move with where its extend starts).
 #pragma once
 
 #if defined(__AVX512F__)
@@ -271,8 +274,12 @@ inline void softmax_row(float* sc, int64_t first, int64_t seen, int64_t padded, 
   *l = _mm512_reduce_add_ps(sum);
 }
 
-// acc[r] = sum_j p[r][j] v_j for NR rows over keys [0, num_keys) (p is 0 past a row's last key), summed
-// in the order 0, half, 1, half + 1, ... (two streams, see the top).
+// The values pass's second stream runs this many keys after the first (see the top).
+constexpr int64_t kStream = 256;
+
+// acc[r] = sum_j p[r][j] v_j for NR rows over keys [0, num_keys) (p is 0 past a row's last key, and adding
+// 0 x v changes no bits), summed in the order 0, kStream, 1, kStream + 1, ..., then from 2 x kStream on the
+// same way: each key's place in the sum depends only on its position (see the top).
 template <int NC, int NR, typename kv_t>
 void values_block(const float* p, int64_t stride, const kv_t* v, const int64_t* slots, int64_t num_keys, float* acc) {
   constexpr int64_t dim = NC * 16;
@@ -281,7 +288,6 @@ void values_block(const float* p, int64_t stride, const kv_t* v, const int64_t* 
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) a[r][c] = _mm512_setzero_ps();
-  const int64_t half = (num_keys + 1) / 2;
   auto key = [&](int64_t j) {
     prefetch_row<kAhead>(v, slots, j, num_keys, dim);
     const kv_t* vj = v + slots[j] * dim;
@@ -295,9 +301,12 @@ void values_block(const float* p, int64_t stride, const kv_t* v, const int64_t* 
       for (int r = 0; r < NR; ++r) a[r][c] = _mm512_fmadd_ps(pr[r], x, a[r][c]);
     }
   };
-  for (int64_t j = 0; j < half; ++j) {
-    key(j);
-    if (half + j < num_keys) key(half + j);
+  for (int64_t base = 0; base < num_keys; base += 2 * kStream) {
+    const int64_t first = std::min(kStream, num_keys - base);
+    for (int64_t j = base; j < base + first; ++j) {
+      key(j);
+      if (j + kStream < num_keys) key(j + kStream);
+    }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
