@@ -188,16 +188,18 @@ def test_a_bfloat16_cache_hit_gives_the_same_tokens_as_a_cold_prefill(
 
 
 @needs_kernel
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.int8])
 def test_a_bfloat16_mixed_step_gives_the_same_bits_as_its_extend_and_decode_steps_apart(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, pool_dtype: torch.dtype
 ) -> None:
-    """Prefill chunks (kernel) next to decodes (paged kernel) in one forward, as ``--enable-mixed-chunk`` runs them."""
+    """Prefill chunks (kernel) next to decodes (paged kernel) in one forward, as ``--enable-mixed-chunk`` runs them,
+    on a bfloat16 pool and an 8-bit one (--kv-cache-dtype int8)."""
     folder = tmp_path_factory.mktemp("mixed-bf16")
     build_hf_model("llama", folder)
     model = load_ours(folder, torch.bfloat16)
 
     def setup() -> tuple[KVPool, list[tuple[list[int], torch.Tensor]]]:
-        pool, allocator = make_pool(model.config, dtype=torch.bfloat16)
+        pool, allocator = make_pool(model.config, dtype=pool_dtype)
         prompts = [list(range(3, 14)), list(range(20, 25)), list(range(40, 49))]
         contexts = [alloc(allocator, len(p)).flip(0) for p in prompts]
         model(make_batch("extend", list(zip(prompts, contexts))), pool)

@@ -187,32 +187,6 @@ def test_an_8bit_cache_hit_gives_the_same_tokens_as_a_cold_prefill(tiny_model_di
     engine.check_idle_invariants()
 
 
-@needs_extend
-def test_an_8bit_mixed_step_gives_the_bits_of_its_extend_and_decode_steps_apart(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    folder = tmp_path_factory.mktemp("mixed-int8")
-    build_hf_model("llama", folder)
-    model = load_ours(folder, torch.bfloat16)
-
-    def setup() -> tuple[KVPool, list[tuple[list[int], torch.Tensor]]]:
-        pool, allocator = make_pool(model.config, dtype=torch.int8)
-        prompts = [list(range(3, 14)), list(range(20, 25)), list(range(40, 49))]
-        contexts = [alloc(allocator, len(p)).flip(0) for p in prompts]
-        model(make_batch("extend", list(zip(prompts, contexts))), pool)
-        decode_a = ([17], torch.cat([contexts[0], alloc(allocator, 1)]))
-        decode_b = ([23], torch.cat([contexts[1], alloc(allocator, 1)]))
-        chunk = (list(range(60, 80)), torch.cat([contexts[2], alloc(allocator, 20)]))
-        return pool, [chunk, decode_a, decode_b]
-
-    pool, items = setup()
-    mixed = model(make_batch("mixed", items), pool)
-    pool, items = setup()
-    extend = model(make_batch("extend", [items[0]]), pool)
-    decode = model(make_batch("decode", [items[1], items[2]]), pool)
-    assert torch.equal(mixed, torch.stack([extend[0], decode[0], decode[1]]))
-
-
 def test_the_reference_backend_reads_the_8bit_pool_close_to_the_kernels(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

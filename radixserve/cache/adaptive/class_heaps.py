@@ -27,16 +27,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
-
-class Ranked(Protocol):
-    last_access_time: float
-    hit_count: int
-    depth: int
-
-    def __hash__(self) -> int: ...
-
+from radixserve.cache.core.candidates import Ranked
 
 T = TypeVar("T", bound=Ranked)
 # (-depth, last access, tie-break, slot, member) and (last access, tie-break, member): tie-breaks are unique, so

@@ -21,6 +21,16 @@ T = TypeVar("T", bound=Hashable)
 Rank = tuple[float, ...]
 
 
+class Ranked(Protocol):
+    """What the learned candidate sets rank a tree node by (adaptive, learned)."""
+
+    last_access_time: float
+    hit_count: int
+    depth: int
+
+    def __hash__(self) -> int: ...
+
+
 class CandidateSet(Protocol[T]):
     """What a tree needs of its eviction candidates (``CandidateHeap``, ``AdaptiveCandidates``)."""
 

@@ -31,19 +31,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
-from radixserve.cache.core.candidates import CandidateHeap
+from radixserve.cache.core.candidates import CandidateHeap, Ranked
 
 TOP, REUSED, BELOW = 0, 1, 2  # segments: T1 at the top level, T2, T1 below a cached prefix
-
-
-class Ranked(Protocol):
-    last_access_time: float
-    hit_count: int
-    depth: int
-
-    def __hash__(self) -> int: ...
 
 
 T = TypeVar("T", bound=Ranked)
