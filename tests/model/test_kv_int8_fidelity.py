@@ -20,7 +20,9 @@ pytestmark = [
 NEW_TOKENS = 32
 # prompt: (min top-1, max mean KL, min first greedy divergence). Measured on the AMX Xeon (top-1, KL, divergence):
 THRESHOLDS = {
-    "chat": (0.93, 0.012, 16),  # 44 tokens: 0.955, 7.1e-3, none in 32
+    # 44 tokens: 0.955, 7.1e-3, none in 32; 9 since the paged values pass sums in position order (a near-tie:
+    # bfloat16 against float32 parts at 9 too)
+    "chat": (0.93, 0.012, 8),
     "code": (0.97, 0.005, 12),  # 168 tokens: 0.988, 2.4e-3, 27
     "document": (0.95, 0.005, 16),  # 1,222 tokens: 0.967, 2.7e-3, none in 32
 }
