@@ -154,11 +154,12 @@ def test_the_extend_kernel_takes_every_prefill_chunk_but_not_the_decodes_of_a_mi
 
 
 @needs_kernel
-@pytest.mark.parametrize("chunk", [8192, 16])
+@pytest.mark.parametrize("chunk,kv", [(8192, "auto"), (16, "auto"), (8192, "int8")])
 def test_a_bfloat16_cache_hit_gives_the_same_tokens_as_a_cold_prefill(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, chunk: int, kv: str
 ) -> None:
-    """Prompt prefilled whole (or in chunks of 16) vs its tail extended on a cached prefix, both through the kernel."""
+    """Prompt prefilled whole (or in chunks of 16) vs its tail extended on a cached prefix, both through the kernel;
+    on a bfloat16 pool and an 8-bit one (--kv-cache-dtype int8)."""
     calls: list[int] = []
 
     def spy(q: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -167,8 +168,13 @@ def test_a_bfloat16_cache_hit_gives_the_same_tokens_as_a_cold_prefill(
 
     monkeypatch.setattr(attention, "extend_attention", spy)
     engine = Engine.create(
-        model_path=str(tiny_model_dir), max_total_tokens=2048, dtype="bfloat16", chunked_prefill_size=chunk
+        model_path=str(tiny_model_dir),
+        max_total_tokens=2048,
+        dtype="bfloat16",
+        chunked_prefill_size=chunk,
+        kv_cache_dtype=kv,
     )
+    assert engine.describe()["resolved_kv_cache_dtype"] == ("int8" if kv == "int8" else "bfloat16")
     greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     generator = torch.Generator().manual_seed(2)
     shared = torch.randint(3, 128, (40,), generator=generator).tolist()
