@@ -32,6 +32,7 @@ BENCHMARKS = {
     "kv-fidelity": "kv_fidelity",
     "kv-attention": "kv_attention",
     "speculative": "speculative",
+    "peer-serve": "peer_serve",
 }
 
 

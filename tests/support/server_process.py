@@ -1,6 +1,8 @@
 """``radixserve serve`` as a child process on a free loopback port: start, wait for /health, stop.
 
-The benchmarks drive servers this way (as users run them), and so do the server tests.
+The benchmarks drive servers this way (as users run them), and so do the server tests. ``program`` runs
+another OpenAI-compatible server the same way (a peer such as llama.cpp's ``llama-server``, which also
+takes ``--port`` and answers /health with 200 once its model is loaded).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -25,15 +28,18 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    # Flags every server of this process starts with, before its own (which win: argparse keeps the last).
+    # Flags every radixserve server of this process starts with, before its own (which win: argparse keeps the last).
     base_flags: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, *flags: str, model_path: str | Path | None = None) -> None:
+    def __init__(
+        self, *flags: str, model_path: str | Path | None = None, program: Sequence[str] | None = None
+    ) -> None:
+        self.program = list(program) if program is not None else [sys.executable, "-m", "radixserve", "serve"]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flags = [
             *(["--model-path", str(model_path)] if model_path is not None else []),
-            *self.base_flags,
+            *(self.base_flags if program is None else ()),  # radixserve's flags: not a peer's
             *flags,
             "--port",
             str(self.port),
@@ -44,7 +50,7 @@ class ServerProcess:
     def start(self, timeout: float = 180.0) -> ServerProcess:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixserve", "serve", *self.flags],
+            [*self.program, *self.flags],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
