@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 DEFAULT_RULE_POINTS = 0.5
-ONLINE = ("adaptive", "learned")  # policies that learn from the traffic: never "fixed" rivals
+ONLINE = ("adaptive", "learned", "minisim")  # policies that learn from the traffic: never "fixed" rivals
 
 
 class Row(Protocol):
