@@ -35,7 +35,6 @@ class DuelingCandidates:
     MIN_SHADOW_BLOCKS = 128
     EPOCH_BLOCKS = 64  # sampled blocks per epoch: the choice is made at each epoch's end
     DECAY = 0.9  # each epoch's end scales every score by this: a window of about 1 / (1 - DECAY) epochs
-    SHADOW_SCALE = 1.0
     INITIAL = 1  # the candidate the live heap starts with (index in ranks)
     MARGIN = 0.01  # of the window's sampled lookup tokens: a lead smaller than this keeps the current choice
 
@@ -47,7 +46,7 @@ class DuelingCandidates:
         blocks = capacity_len / self.BLOCK_TOKENS
         self.rate = min(1.0, max(self.RATE, self.MIN_SHADOW_BLOCKS / max(blocks, 1.0)))
         self._sampler = BlockSampler(self.BLOCK_TOKENS, self.rate)
-        shadow_blocks = int(self.SHADOW_SCALE * self.rate * blocks)
+        shadow_blocks = int(self.rate * blocks)
         self.shadows = {name: SHADOWS[name](shadow_blocks, self.BLOCK_TOKENS) for name in ranks}
         self.choice = self.names[self.INITIAL]
         self._bind(CandidateHeap(ranks[self.choice], tie_break, True))
@@ -97,12 +96,13 @@ class DuelingCandidates:
         scores = {name: shadow.hit_tokens for name, shadow in self.shadows.items()}
         leader = max(self.names, key=lambda name: (scores[name], name == self.choice))
         if scores[leader] - scores[self.choice] > self.MARGIN * self.lookup_tokens:
-            self._switch(leader)
+            self.choose(leader)
         for shadow in self.shadows.values():
             shadow.hit_tokens *= self.DECAY
         self.lookup_tokens *= self.DECAY
 
-    def _switch(self, name: str) -> None:
+    def choose(self, name: str) -> None:
+        """Evict by ``name``'s order from now on: the live heap is rebuilt under its rank (O(n))."""
         heap: CandidateHeap[Any] = CandidateHeap(self._ranks[name], self._tie_break, True)
         for member in self._heap:
             heap.add(member)

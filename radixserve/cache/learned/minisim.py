@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from radixserve.cache.core.key import RadixKey
 
+_MIX = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 (Fibonacci hashing) as int64: spreads small names
 _BASE = 0xC2B2AE3D27D4EB4F  # the polynomial's base (odd: every power is a unit mod 2**64)
 
 
@@ -48,7 +49,7 @@ class BlockSampler:
         names = np.cumsum(reads * self._power_table(blocks)[:blocks])
         if key.extra_key is not None:
             names += _namespace(key.extra_key)
-        picked = np.flatnonzero(names.view(np.uint64) <= self._threshold)  # a name's value: its high bits mix
+        picked = np.flatnonzero((names * _MIX).view(np.uint64) <= self._threshold)  # on the mixed name's high bits
         sampled: list[int] = names[picked].tolist()
         return sampled
 
