@@ -1,4 +1,4 @@
-"""The online eviction policies (adaptive, learned) against the fixed ones, from one ``bench simulate`` run.
+"""The online eviction policies (adaptive, learned, minisim) against the fixed ones, from one ``bench simulate`` run.
 
 Per capacity (page size 1), for each online policy in the run: its hit rate, the best fixed policy's (and
 which), the difference, how much of the LRU-to-Belady gap adaptive closes, and

@@ -175,7 +175,7 @@ class LearnedStrategy(EvictionStrategy):
 
 class MiniSimStrategy(EvictionStrategy):
     """The fixed policy (LRU, LFU, SLRU) whose miniature simulation on a spatial sample of the traffic serves the
-    most hits lately (cache/learned/dueling.py); LRU until another leads by a margin."""
+    most hits lately (cache/learned/dueling.py); LFU until another leads by a margin."""
 
     CANDIDATES: tuple[type[EvictionStrategy], ...] = (LRUStrategy, LFUStrategy, SLRUStrategy)
 

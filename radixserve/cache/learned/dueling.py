@@ -1,20 +1,22 @@
 """The ``minisim`` candidate set: the tree evicts by whichever fixed policy its miniature simulations rank best.
 
 Every fixed policy in ``ranks`` (LRU, LFU, SLRU) runs as a shadow cache (minisim.py) over a spatial sample of
-the blocks the tree is asked for, at ``rate`` x the tree's capacity. Each counts the hit tokens it would have
-served, decayed by half every ``EPOCH_BLOCKS`` sampled blocks looked up (a window of recent traffic, so a
-workload that changes character changes the choice). The live candidates are one ``CandidateHeap`` ranked by
-the current choice; when another shadow leads it by more than ``MARGIN`` of the window's sampled lookup tokens
-(hysteresis: noise does not flip it) at an epoch's end, the heap is rebuilt under the leader's rank (O(n), at
-most once an epoch).
+the blocks the tree is asked for, at ``rate`` x the tree's capacity: a lookup (``note_lookup``) counts in each
+shadow the sampled blocks it holds, a finished request's insert (``note_finished``) adds its blocks or counts a
+reuse. Scores are the hit tokens, scaled by ``DECAY`` every ``EPOCH_BLOCKS`` sampled blocks looked up (a window
+of recent traffic: a workload that changes character changes the choice). The live candidates are one
+``CandidateHeap`` ranked by the current choice; at an epoch's end, when another shadow leads it by more than
+``MARGIN`` of the window's sampled lookup tokens (hysteresis: noise does not flip it), the heap is rebuilt under
+the leader's rank (O(n), at most once an epoch). It starts on ``INITIAL`` (LFU).
 
 The rate is ``RATE`` unless the shadows would then hold fewer than ``MIN_SHADOW_BLOCKS`` blocks: small pools
-sample more (up to every block), so a shadow is never too small to rank policies as its full-size cache would.
+sample more (up to every block), so a shadow is not too small to rank policies as its full-size cache would.
 
-Deterministic given the trace (the sample is a hash of the tokens, not a random draw; no clock read but the
-tree's), bounded (each shadow at most its capacity in blocks: ``rate`` x the pool's tokens / ``BLOCK_TOKENS``,
-``MIN_SHADOW_BLOCKS`` at least), and at LRU's cost class: the live heap is LRU's (or LFU's, SLRU's); a request
-adds one vectorised hash of its key on lookup and on insert and O(log n) work per sampled block per shadow.
+Deterministic given the trace (the sample is a hash of the tokens, not a random draw; no clock read), bounded
+(each shadow at most ``rate`` x the pool's tokens / ``BLOCK_TOKENS`` blocks, ``MIN_SHADOW_BLOCKS`` at least,
+O(1) per block), and in LRU's cost class: the live heap is LRU's (or LFU's, SLRU's) and the tree's calls go to
+it directly; a request adds one vectorised hash of its key at lookup and one at insert, and O(1) work per
+sampled block per shadow.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class DuelingCandidates:
     MIN_SHADOW_BLOCKS = 128
     EPOCH_BLOCKS = 64  # sampled blocks per epoch: the choice is made at each epoch's end
     DECAY = 0.9  # each epoch's end scales every score by this: a window of about 1 / (1 - DECAY) epochs
-    INITIAL = 1  # the candidate the live heap starts with (index in ranks)
+    INITIAL = "lfu"  # the live heap's first order (tuned: starting on LRU lost more on the tuning seeds' short runs)
     MARGIN = 0.01  # of the window's sampled lookup tokens: a lead smaller than this keeps the current choice
 
     def __init__(
@@ -48,7 +50,7 @@ class DuelingCandidates:
         self._sampler = BlockSampler(self.BLOCK_TOKENS, self.rate)
         shadow_blocks = int(self.rate * blocks)
         self.shadows = {name: SHADOWS[name](shadow_blocks, self.BLOCK_TOKENS) for name in ranks}
-        self.choice = self.names[self.INITIAL]
+        self.choice = self.INITIAL if self.INITIAL in ranks else self.names[0]
         self._bind(CandidateHeap(ranks[self.choice], tie_break, True))
         self.lookup_tokens = 0.0  # sampled tokens looked up in the current window (decayed as the scores)
         self._epoch_blocks = 0

@@ -1,19 +1,17 @@
 """Miniature simulations (Waldspurger et al., ATC '17): each fixed policy replayed on a spatial sample of blocks.
 
-A request's tokens fall in blocks of ``BLOCK_TOKENS``; a block is named by a hash of its whole prefix (its
-tokens and every token before them, in its namespace), so two requests name a block alike exactly when they
-share that prefix, as the tree's nodes do. A block is in the sample when its name hashes below ``rate``: the
-same blocks every time, whoever reads them (spatial sampling), so a sampled block sees every one of its reuses,
-and a shadow cache of ``rate`` x the tree's capacity over the sampled blocks sees the hit rate the whole cache
-would have under its policy, within sampling noise. One hash pass per request is vectorised (a polynomial
-prefix hash as one cumulative sum); only the sampled blocks cost Python work.
+A request's tokens fall in blocks of ``block_tokens``; a block is named by a hash of its whole prefix (a
+polynomial over each block's last token, mod 2**64, in its namespace), so two requests name a block alike when
+they share that prefix, as the tree's nodes do. A block is in the sample when its mixed name falls below
+``rate``: the same blocks every time, whoever reads them (spatial sampling), so a sampled block sees every one
+of its reuses, and a shadow cache of ``rate`` x the tree's capacity over the sampled blocks sees about the hit
+rate the whole cache would have under its policy. One vectorised pass per key (a cumulative sum over one token
+per block); only the sampled blocks cost Python work.
 
-A shadow cache is a set of blocks with the tree nodes' statistics (last access, reuses, depth) in a
-``CandidateHeap`` ranked by the fixed policy's own ``rank``, ties deepest first: in the tree a parent is
-read whenever a child is, so its rank is never below its children's and a child leaf goes first; ranking the
-sampled blocks alone keeps that order without the tree. A lookup counts the sampled blocks present as hit
-tokens and refreshes them (``match_prefix``); an insert counts a reuse on those present, adds the rest, and
-evicts the lowest ranked past capacity (``insert``).
+A shadow holds sampled blocks, no tree: in the tree a parent is read whenever a child is, so its rank under
+LRU, SLRU or LFU is never below its children's, and ranking the blocks alone keeps the tree's order (a child
+first) without the tree. What a shadow does not model: locked in-flight requests (the live pool holds less
+than its capacity while they run) and partial blocks (a tail under ``block_tokens``).
 """
 
 from __future__ import annotations
