@@ -70,12 +70,12 @@ def _namespace(extra_key: str) -> int:
 class ShadowCache:
     """One fixed policy over the sampled blocks, at most ``capacity`` of them; ``hit_tokens`` counts its hits.
 
-    ``request(names)``: one finished request's sampled blocks; those present are hits (one more reuse,
-    refreshed), the rest are added, then the lowest ranked go past capacity. A request's blocks go deepest
-    first, so within one request the shallowest is the most recent (the tree evicts a child leaf before its
-    parent). Each subclass keeps its policy's order in ordered dicts (O(1) per block): the ranks of
-    policy.py's LRU, SLRU and LFU, ties by age (tests/cache/learned/test_minisim.py holds each to a
-    ``CandidateHeap`` under the strategy's own rank).
+    ``lookup(names)`` counts the blocks present as hits and refreshes them (``match_prefix``); ``insert(names)``
+    gives those present one more reuse and adds the rest, then the lowest ranked go past capacity (a finished
+    request's ``insert``). A request's blocks go deepest first, so within one request the shallowest is the most
+    recent (the tree evicts a child leaf before its parent). Each subclass keeps its policy's order in ordered
+    dicts (O(1) per block): the ranks of policy.py's LRU, SLRU and LFU, ties by age (test_minisim.py holds each
+    to the strategy's own rank).
     """
 
     def __init__(self, capacity: int, block_tokens: int) -> None:
