@@ -5,7 +5,7 @@ Two tables (issue 36):
 1. Held-out production traces: the second half (by time) of each Mooncake trace (``--trace mooncake:PATH``
    replay: 32-token blocks, page 1, concurrency 16, the trace's timestamps as the clock) at each capacity
    (a share of that half's working set): every policy's hit rate and Belady's bound; for each online policy
-   (adaptive, learned) the points over the best fixed one, the share of the LRU-to-Belady gap it closes, and
+   (adaptive, learned, minisim) the points over the best fixed one, the share of the LRU-to-Belady gap it closes, and
    its cache CPU per request over LRU's in the same replay (µs/request, thread CPU time, least of --repeat).
 2. Randomised families (families.py): per family and capacity, each online policy's worst seed against the
    best fixed policy of that seed (and which seed), over the held-out seeds, and the mean.

@@ -212,6 +212,12 @@ class AdaptiveCandidates(Generic[T]):
         self._ghosts.remember(ghost_key, slot // num_classes, self._clock(), self._size(member), member.hit_count)
         return member
 
+    def note_lookup(self, key: object, now: float) -> None:
+        """Whole requests teach this set nothing: it learns where lookups stop (``note_miss``)."""
+
+    def note_finished(self, key: object, now: float) -> None:
+        """Whole requests teach this set nothing: it learns where lookups stop (``note_miss``)."""
+
     def note_miss(self, ghost_key: Hashable, now: float) -> None:
         """A lookup stopped where an evicted leaf would have continued: settle its duels, learn the top shift."""
         if ghost_key in self._dueling:

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
+
+if TYPE_CHECKING:
+    from radixserve.cache.core.key import RadixKey
 
 T = TypeVar("T", bound=Hashable)
 Rank = tuple[float, ...]
@@ -42,6 +45,8 @@ class CandidateSet(Protocol[T]):
     def refresh(self, member: T) -> None: ...
     def pop(self) -> T | None: ...
     def note_miss(self, ghost_key: Hashable, now: float) -> None: ...
+    def note_lookup(self, key: RadixKey, now: float) -> None: ...
+    def note_finished(self, key: RadixKey, now: float) -> None: ...
     def check(self) -> None: ...
 
 
@@ -84,6 +89,12 @@ class CandidateHeap(Generic[T]):
 
     def note_miss(self, ghost_key: Hashable, now: float) -> None:
         """A lookup stopped where ``ghost_key`` would have continued; only adaptive sets learn from it."""
+
+    def note_lookup(self, key: RadixKey, now: float) -> None:
+        """A lookup of ``key``; only the minisim set replays it (its shadows count their hits)."""
+
+    def note_finished(self, key: RadixKey, now: float) -> None:
+        """A finished request's sequence ``key`` is inserted; only the minisim set replays it (its shadows)."""
 
     def pop(self) -> T | None:
         """Remove and return the lowest-ranked member, or None when there is none."""

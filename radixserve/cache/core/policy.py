@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from radixserve.cache.adaptive.candidates import AdaptiveCandidates
 from radixserve.cache.core.candidates import CandidateHeap, CandidateSet, Rank
 from radixserve.cache.learned.candidates import LearnedCandidates
+from radixserve.cache.learned.dueling import DuelingCandidates
 
 __all__ = ["EVICTION_POLICIES", "CandidateHooks", "EvictionStrategy", "NodeStats", "Rank", "create_eviction_strategy"]
 
@@ -172,6 +173,20 @@ class LearnedStrategy(EvictionStrategy):
         return LearnedCandidates(tie_break, hooks.ghost_key, hooks.node_len, hooks.capacity_len)
 
 
+class MiniSimStrategy(EvictionStrategy):
+    """The fixed policy (LRU, LFU, SLRU) whose miniature simulation on a spatial sample of the traffic serves the
+    most hits lately (cache/learned/dueling.py); LFU until another leads by a margin."""
+
+    CANDIDATES: tuple[type[EvictionStrategy], ...] = (LRUStrategy, LFUStrategy, SLRUStrategy)
+
+    def rank(self, node: NodeStats) -> Rank:
+        return (node.last_access_time,)  # the first candidate's; the candidate set ranks by its current choice
+
+    def candidate_set(self, tie_break: Callable[[Any], int], hooks: CandidateHooks) -> CandidateSet[Any]:
+        ranks = {cls.__name__.removesuffix("Strategy").lower(): cls().rank for cls in self.CANDIDATES}
+        return DuelingCandidates(ranks, tie_break, hooks.capacity_len)
+
+
 EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
     "lru": LRUStrategy,
     "mru": MRUStrategy,
@@ -182,6 +197,7 @@ EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
     "priority": PriorityStrategy,
     "adaptive": AdaptiveStrategy,
     "learned": LearnedStrategy,
+    "minisim": MiniSimStrategy,
 }
 
 

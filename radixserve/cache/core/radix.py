@@ -111,6 +111,7 @@ class RadixCache(BasePrefixCache[TreeNode]):
         """
         key = key[: len(key) - len(key) % self.page_size].aligned(self.page_size)
         now = self.clock()
+        self.candidates.note_lookup(key, now)
         node, values = self.root, []
         self.root.last_access_time = now
         while len(key):
@@ -160,6 +161,8 @@ class RadixCache(BasePrefixCache[TreeNode]):
             raise ValueError(f"insert needs page-aligned key and indices of one length: {len(key)}, {len(indices)}")
         key = key.aligned(self.page_size)
         full, now = key.token_ids, self.clock()
+        if count_hit:  # a finished request's whole sequence (not a chunk of one still running)
+            self.candidates.note_finished(key, now)
         node, matched_len = self.root, 0
         while matched_len < len(full):
             rest = key[matched_len:]

@@ -127,6 +127,12 @@ class LearnedCandidates(Generic[T]):
         self._remember(self._ghost_key(member), segment, length)
         return member
 
+    def note_lookup(self, key: object, now: float) -> None:
+        """Whole requests teach this set nothing: it learns where lookups stop (``note_miss``)."""
+
+    def note_finished(self, key: object, now: float) -> None:
+        """Whole requests teach this set nothing: it learns where lookups stop (``note_miss``)."""
+
     def note_miss(self, ghost_key: Hashable, now: float) -> None:
         """A lookup stopped where an evicted leaf hung: its segment should have had more room."""
         for segment, ghosts in enumerate(self._ghosts):

@@ -187,6 +187,8 @@ class RadixMachine(RuleBasedStateMachine):
                 victim = adaptive_victim(leaves, shifts, learned.num_classes)  # type: ignore[attr-defined]
             elif self.policy == "learned":
                 victim = learned_victim(leaves, learned.share, learned.top_share)  # type: ignore[attr-defined]
+            elif self.policy == "minisim":  # the fixed policy its shadows chose
+                victim = min(leaves, key=EXPECTED_RANK[learned.choice])  # type: ignore[attr-defined]
             else:
                 victim = min(leaves, key=EXPECTED_RANK[self.policy])
             leaves.remove(victim)
@@ -274,6 +276,12 @@ class RadixMachine(RuleBasedStateMachine):
         """Stand in for what the ghosts would have taught: any shares must keep the order exact."""
         self.cache.candidates.share = share  # type: ignore[attr-defined]
         self.cache.candidates.top_share = top_share  # type: ignore[attr-defined]
+
+    @precondition(lambda self: self.policy == "minisim")
+    @rule(name=st.sampled_from(["lru", "lfu", "slru"]))
+    def choose(self, name: str) -> None:
+        """Stand in for what the shadows would have chosen: a switch of order keeps every leaf a candidate."""
+        self.cache.candidates.choose(name)  # type: ignore[attr-defined]
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:
