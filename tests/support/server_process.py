@@ -31,9 +31,7 @@ class ServerProcess:
     # Flags every radixserve server of this process starts with, before its own (which win: argparse keeps the last).
     base_flags: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(
-        self, *flags: str, model_path: str | Path | None = None, program: Sequence[str] | None = None
-    ) -> None:
+    def __init__(self, *flags: str, model_path: str | Path | None = None, program: Sequence[str] | None = None) -> None:
         self.program = list(program) if program is not None else [sys.executable, "-m", "radixserve", "serve"]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
