@@ -134,31 +134,42 @@ def side_by_side(
     return table
 
 
+def group_bases(servers: list[str]) -> dict[str, str]:
+    """Each server's baseline: the first server of its group (the name's part before the first '-': rs-off,
+    rs-ngram; llama-off, llama-cache), which its speed is divided by and its answers compared with."""
+    bases: dict[str, str] = {}
+    for server in servers:
+        bases[server] = next(s for s in servers if s.split("-")[0] == server.split("-")[0])
+    return bases
+
+
 def format_table(table: Table, servers: list[str]) -> str:
-    """Medians over rounds: tok/s, its ratio to the first server, accepted / drafted tokens (summed over rounds),
-    and answers that differ from the first server's (summed)."""
-    first = servers[0]
+    """Medians over rounds: tok/s, its ratio to the server's group baseline, accepted / drafted tokens (summed
+    over rounds), and answers that differ from the baseline's (summed)."""
+    bases = group_bases(servers)
+    compared = [s for s in servers if bases[s] != s]
     head = "| workload | conc | " + " | ".join(f"{s} tok/s" for s in servers) + " | "
-    head += " | ".join(f"{s} / {first}" for s in servers[1:]) + " | accepted / drafted | answers differing |"
-    lines = [head, "|---|---:|" + "---:|" * (2 * len(servers) - 1) + "---|---|"]
+    head += "".join(f"{s} / {bases[s]} | " for s in compared) + "accepted / drafted | answers differing |"
+    lines = [head, "|---|---:|" + "---:|" * (len(servers) + len(compared)) + "---|---|"]
     for (name, concurrency), by_server in table.items():
         speed = {s: statistics.median(r.speed for r in by_server[s]) for s in servers}
-        ratios = " | ".join(f"{speed[s] / speed[first]:.2f}x" if speed[first] else "n/a" for s in servers[1:])
+        ratios = "".join(f"{speed[s] / speed[bases[s]]:.2f}x | " if speed[bases[s]] else "n/a | " for s in compared)
         spec = ", ".join(
             f"{s} {sum(r.accepted for r in by_server[s])}/{sum(r.drafted for r in by_server[s])}"
             for s in servers
             if any(r.drafted for r in by_server[s])
         )
-        base = [t for r in by_server[first] for t in r.texts]
-        differ = ", ".join(
-            f"{s} {sum(a != b for a, b in zip(base, (t for r in by_server[s] for t in r.texts), strict=True))}"
-            for s in servers[1:]
-        )
+        differ = ", ".join(f"{s} {_differing(by_server[bases[s]], by_server[s])}" for s in compared)
         errors = [e for s in servers for r in by_server[s] for e in r.errors]
         cells = " | ".join(f"{speed[s]:.1f}" for s in servers)
         note = f" ({len(errors)} failed: {errors[0]})" if errors else ""
-        lines.append(f"| {name} | {concurrency} | {cells} | {ratios} | {spec or '-'} | {differ or '-'}{note} |")
+        lines.append(f"| {name} | {concurrency} | {cells} | {ratios}{spec or '-'} | {differ or '-'}{note} |")
     return "\n".join(lines)
+
+
+def _differing(base: list[PassResult], other: list[PassResult]) -> int:
+    """Answers of ``other`` that differ from ``base``'s, pass by pass (the same prompts in the same order)."""
+    return sum(a != b for x, y in zip(base, other, strict=True) for a, b in zip(x.texts, y.texts, strict=True))
 
 
 def main(args: argparse.Namespace) -> None:

@@ -156,15 +156,15 @@ def test_side_by_side_sends_each_chat_workload_to_every_server_in_turn(server: S
     # The same server under two names: greedy answers agree, no drafts (speculation off), every pass measured.
     prompts = [[{"role": "user", "content": word}] for word in ("hello there", "good morning", "bye")]
     work: dict[str, tuple[Workload, str | None]] = {"words": (prompts, None)}
-    table = side_by_side({"a": server.url, "b": server.url}, work, [1, 2], rounds=2, max_tokens=6)
+    table = side_by_side({"a": server.url, "a-b": server.url}, work, [1, 2], rounds=2, max_tokens=6)
     assert sorted(table) == [("words", 1), ("words", 2)]
     for (_, concurrency), by_server in table.items():
-        assert sorted(by_server) == ["a", "b"]
+        assert sorted(by_server) == ["a", "a-b"]
         for results in by_server.values():
             assert len(results) == 2  # one pass a round
             assert all(r.errors == () and r.speed > 0 and (r.drafted, r.accepted) == (0, 0) for r in results)
             assert all(len(r.texts) == (3 if concurrency == 1 else 2) and all(r.texts) for r in results)
-        assert [r.texts for r in by_server["a"]] == [r.texts for r in by_server["b"]]
-    lines = format_table(table, ["a", "b"]).splitlines()
-    assert lines[0].startswith("| workload | conc | a tok/s | b tok/s | b / a |")
-    assert lines[2].startswith("| words | 1 |") and lines[2].endswith("| - | b 0 |")
+        assert [r.texts for r in by_server["a"]] == [r.texts for r in by_server["a-b"]]
+    lines = format_table(table, ["a", "a-b"]).splitlines()
+    assert lines[0].startswith("| workload | conc | a tok/s | a-b tok/s | a-b / a |")
+    assert lines[2].startswith("| words | 1 |") and lines[2].endswith("| - | a-b 0 |")
