@@ -73,6 +73,7 @@ class RequestRecord:
     cached_tokens: int = 0
     turn: int | None = None  # its turn in its session (closed-loop workloads)
     appended_tokens: int = 0  # prompt tokens its session's previous turn's prompt lacks (all, on a first turn)
+    text: str = ""  # the answer, as streamed
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,11 @@ def _error_message(status: int, body: bytes) -> str:
     return f"HTTP {status}: {message}"
 
 
+def _chunk_text(choice: dict[str, Any]) -> str:
+    """A streamed choice's new text: a completion's ``text``, a chat completion's ``delta.content``."""
+    return str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+
+
 async def send_request(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord, t0: float
 ) -> None:
@@ -241,7 +247,9 @@ async def send_request(
                     record.error = str(error.get("message", error) if isinstance(error, dict) else error)
                     return
                 now = time.perf_counter()
-                if any(choice.get("text") for choice in event.get("choices") or []):
+                text = "".join(_chunk_text(choice) for choice in event.get("choices") or [])
+                if text:
+                    record.text += text
                     if record.ttft_s is None:
                         record.ttft_s = now - start
                     else:
@@ -446,7 +454,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (OpenAI-compatible)")
     parser.add_argument("--model", default=None, help="default: the first id from /v1/models")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--workload", default="support-agent", choices=sorted(WORKLOADS))
+    parser.add_argument(
+        "--workload",
+        default=None,
+        help=f"one of {', '.join(sorted(WORKLOADS))} (default support-agent); with --servers, copy workloads "
+        "(comma-separated: code-edit,rag-quote,agent,prose; default all)",
+    )
     parser.add_argument("--num-requests", type=int, default=None, help="default: the workload's own size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", type=Path, default=None, help="replay a trace file instead (load_trace)")
@@ -461,7 +474,21 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--use-trace-timestamps", action="store_true", help="send at the trace's own times")
     parser.add_argument("--output", type=Path, default=None, help="write the results + per-request records as JSON")
+    side = parser.add_argument_group("side by side (copy workloads through several servers; serve_speculative.py)")
+    side.add_argument("--servers", nargs="+", default=None, metavar="NAME=URL", help="e.g. off=URL ngram=URL")
+    side.add_argument("--concurrency", nargs="+", type=int, default=[1, 16])
+    side.add_argument("--rounds", type=int, default=3)
+    side.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args(argv)
+    if args.servers:
+        from benchmarks import serve_speculative  # it imports this module's client
+
+        serve_speculative.main(args)
+        return
+    if args.workload is None:
+        args.workload = "support-agent"
+    if args.workload not in WORKLOADS:
+        parser.error(f"--workload: choose from {sorted(WORKLOADS)}")
 
     vocab = args.vocab_size or server_vocab_size(args.base_url, args.api_key) or VOCAB_SIZE
     if args.trace is not None:

@@ -6,13 +6,9 @@ every one runs the same model and kernels, and greedy answers must come out the 
 if one differs). Rounds rotate the configurations' order so load on the machine hits them alike; the table
 gives each figure's median over rounds.
 
-Workloads (chat prompts):
-- code-edit: a Python file in the prompt, the answer rewrites it with one rename (copies most of it);
-- rag-quote: a document in the prompt, the answer quotes from it;
-- agent: turns of one tool-calling agent, one request each (no history in the prompt), the same JSON shape
-  every turn: earlier answers are in the prefix cache (tree drafts) but not in the prompt (prompt lookup);
-- prose: free stories (nothing to copy: drafting must not cost);
-- prose-x16: 16 prose requests at once, aggregate output tok/s (large batches must not lose).
+Workloads (chat prompts, ``copy_workloads.py``; the same ones ``bench serve --servers`` sends through HTTP):
+code-edit, rag-quote, agent (tree and prompt drafts also alone), prose, and prose-x16: 16 prose requests at once,
+aggregate output tok/s (large batches must not lose).
 
 Single-stream figures are decode tok/s: a request's output tokens after its first, over the time from its
 first token to its last (prefill excluded); x16 is every output token over the batch's wall time. Beside the
@@ -23,88 +19,15 @@ forward however many tokens it takes).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
 from functools import partial
 
+from benchmarks.copy_workloads import SCHEMAS, Workload, repeated, workloads
 from radixserve.engine import Engine
 from radixserve.scheduler.draft import Drafter
 from radixserve.scheduler.request import Request
-
-CODE = '''def merge_intervals(intervals):
-    """Merge overlapping [start, end] intervals; return them sorted."""
-    if not intervals:
-        return []
-    intervals = sorted(intervals, key=lambda pair: pair[0])
-    merged = [list(intervals[0])]
-    for start, end in intervals[1:]:
-        last = merged[-1]
-        if start <= last[1]:
-            last[1] = max(last[1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
-def total_covered(intervals):
-    """The total length the intervals cover, counting overlaps once."""
-    return sum(end - start for start, end in merge_intervals(intervals))
-'''
-DOC = (
-    "The Harbor Bridge opened in 1932 after eight years of construction. It carries eight lanes of traffic, "
-    "two railway lines and a footway. The arch spans 503 metres and its top stands 134 metres above the water. "
-    "About 160,000 vehicles cross it every day. Workers repaint it continuously; a full coat takes ten years. "
-    "In 1998 a climbing tour opened, and more than four million people have climbed the arch since then. "
-    "The bridge was designed by John Bradfield, who oversaw the project from its first survey to its opening."
-)
-QUESTIONS = ["How long is the arch?", "Who designed the bridge?", "How many vehicles cross it?", "When did it open?"]
-AGENT_SYSTEM = "You are a weather assistant. Call the get_weather tool for the city the user asks about."
-# The call's JSON is held to this schema (structured output) and is nowhere in the prompt: drafts of its shape
-# come from earlier turns' answers in the prefix cache (tree), not from the request's own text (prompt).
-AGENT_SCHEMA = json.dumps(
-    {
-        "type": "object",
-        "properties": {
-            "tool": {"type": "string", "enum": ["get_weather"]},
-            "arguments": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                    "days": {"type": "integer"},
-                    "include_hourly_forecast": {"type": "boolean"},
-                },
-                "required": ["city", "unit", "days", "include_hourly_forecast"],
-            },
-        },
-        "required": ["tool", "arguments"],
-    }
-)
-CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Rome"]
-TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow", "a market at dawn", "an old violin", "a comet"]
-
-Workload = list[list[dict[str, str]]]
-
-
-def workloads() -> dict[str, Workload]:
-    def user(text: str) -> list[dict[str, str]]:
-        return [{"role": "user", "content": text}]
-
-    return {
-        "code-edit": [
-            user(f"Rewrite this code, renaming `intervals` to `{name}`. Output only the code.\n\n{CODE}")
-            for name in ("spans", "ranges")
-        ],
-        "rag-quote": [user(f"{DOC}\n\nQuote the sentence that answers: {q}") for q in QUESTIONS[:2]],
-        "agent": [
-            [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": f"Weather in {city}?"}]
-            for city in CITIES[:6]
-        ],
-        "prose": [user(f"Write a short story about {topic}.") for topic in TOPICS[:2]],
-    }
-
 
 Result = tuple[float, float, list[list[int]]]  # (tok/s, decode forwards per output token, the answers)
 
@@ -200,12 +123,12 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             chosen = configs if name == "agent" else {k: configs[k] for k in ("off", "both")}
             order = dict(list(chosen.items())[round_ % len(chosen) :] + list(chosen.items())[: round_ % len(chosen)])
-            schema = AGENT_SCHEMA if name == "agent" else None
+            schema = SCHEMAS.get(name)
             speeds = measure(engine, order, partial(run_sequential, engine, prompts, args.max_new_tokens, schema))
             for config, speed in speeds.items():
                 table.setdefault(name, {}).setdefault(config, []).append(speed)
         if args.workloads is None or "prose-x16" in args.workloads:
-            batch = [m for m in workloads()["prose"] for _ in range(8)]  # 16 requests at once
+            batch = repeated(workloads()["prose"], 16)  # 16 requests at once
             both = {k: configs[k] for k in (("off", "both") if round_ % 2 == 0 else ("both", "off"))}
             speeds = measure(engine, both, partial(run_batch, engine, batch, args.max_new_tokens // 2))
             for config, speed in speeds.items():

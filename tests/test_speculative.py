@@ -125,7 +125,7 @@ class GreedyPathDrafter(Drafter):
         super().__init__(len(path), None, use_prompt=False, max_step_drafts=1 << 12)
         self.path = path
 
-    def propose(self, req: Request, room: int, price: float) -> list[int]:
+    def propose(self, req: Request, room: int, price: float, first_row: int = 0) -> list[int]:
         done = len(req.output_ids)
         if req.output_ids != self.path[:done]:
             return []

@@ -198,10 +198,10 @@ class Scheduler:
         entries = []
         price = self.drafter.price(len(reqs), rows + len(reqs)) if self.drafter and mode == "decode" else 0.0
         drafted = 0
-        for req in reqs:
+        for i, req in enumerate(reqs):
             if req.kv is None:
                 continue
-            num_drafts = self._draft(req, drafted, price) if mode == "decode" else 0
+            num_drafts = self._draft(req, drafted, price, rows + i + drafted) if mode == "decode" else 0
             drafted += num_drafts
             new = req.kv.token_ids[-1 - num_drafts :] if mode == "decode" else req.kv.token_ids[req.chunk_start :]
             sample = mode == "decode" or len(req.kv.token_ids) == len(req.fill_ids)
@@ -209,13 +209,14 @@ class Scheduler:
             entries.append(ScheduledRequest(req, kind, new, req.kv.kv_indices, sample, num_drafts))
         return ScheduledBatch(tuple(entries), tuple(self._ended))
 
-    def _draft(self, req: Request, drafted: int, price: float) -> int:
-        """Append drafts to ``req``'s K/V request (slots for them, never by evicting); how many."""
+    def _draft(self, req: Request, drafted: int, price: float, first_row: int) -> int:
+        """Append drafts to ``req``'s K/V request (slots for them, never by evicting); how many. ``first_row``:
+        the step's rows before ``req``'s."""
         if self.drafter is None or req.kv is None:
             return 0
         allocator = self.cache.allocator
         room = min(self.drafter.max_step_drafts - drafted, allocator.free_size() - allocator.page_size)
-        drafts = self.drafter.propose(req, room, price) if room > 0 else []
+        drafts = self.drafter.propose(req, room, price, first_row) if room > 0 else []
         if not drafts or not self.cache.extend_request(req.kv, drafts):
             return 0
         return len(drafts)

@@ -11,7 +11,9 @@ import httpx
 import numpy as np
 import pytest
 
+from benchmarks.copy_workloads import Workload
 from benchmarks.serve import BenchResult, LatencyStats, main, run_benchmark
+from benchmarks.serve_speculative import format_table, side_by_side
 from benchmarks.traces import save_trace
 from benchmarks.workloads import TraceRequest, agent_loop, generated_shared_prefix
 from tests.support.server_process import ServerProcess
@@ -148,3 +150,21 @@ def test_agent_loop_is_a_closed_loop_whose_later_turns_prefill_only_what_they_ap
         chain = [rec for req, rec in zip(requests, result.records) if req.session == agent]
         assert all(a.start_s + (a.e2e_s or 0) <= b.start_s for a, b in zip(chain, chain[1:]))
     assert "Per turn (sessions)" in result.table()
+
+
+def test_side_by_side_sends_each_chat_workload_to_every_server_in_turn(server: ServerProcess) -> None:
+    # The same server under two names: greedy answers agree, no drafts (speculation off), every pass measured.
+    prompts = [[{"role": "user", "content": word}] for word in ("hello there", "good morning", "bye")]
+    work: dict[str, tuple[Workload, str | None]] = {"words": (prompts, None)}
+    table = side_by_side({"a": server.url, "a-b": server.url}, work, [1, 2], rounds=2, max_tokens=6)
+    assert sorted(table) == [("words", 1), ("words", 2)]
+    for (_, concurrency), by_server in table.items():
+        assert sorted(by_server) == ["a", "a-b"]
+        for results in by_server.values():
+            assert len(results) == 2  # one pass a round
+            assert all(r.errors == () and r.speed > 0 and (r.drafted, r.accepted) == (0, 0) for r in results)
+            assert all(len(r.texts) == (3 if concurrency == 1 else 2) and all(r.texts) for r in results)
+        assert [r.texts for r in by_server["a"]] == [r.texts for r in by_server["a-b"]]
+    lines = format_table(table, ["a", "a-b"]).splitlines()
+    assert lines[0].startswith("| workload | conc | a tok/s | a-b tok/s | a-b / a |")
+    assert lines[2].startswith("| words | 1 |") and lines[2].endswith("| - | a-b 0 |")

@@ -16,7 +16,7 @@ from radixserve.cache import RadixCache, RadixKey, TokenAllocator
 from radixserve.core import SamplingParams
 from radixserve.model.sampling import SamplingState
 from radixserve.model.spec_verify import verify
-from radixserve.scheduler.draft import Drafter, best_draft_len, prompt_lookup
+from radixserve.scheduler.draft import ROW_TILE, TILE_ROWS, Drafter, best_draft_len, prompt_lookup
 from radixserve.scheduler.ngram import NgramIndex
 from radixserve.scheduler.request import Request
 
@@ -142,8 +142,20 @@ def test_draft_length_pays_only_where_it_gains() -> None:
     assert best_draft_len(0.9, 8, alone) >= 4
     assert best_draft_len(0.2, 8, alone) == 0  # prose: drafting would cost more than it saves
     assert best_draft_len(0.8, 8, batch16) == 0  # a large batch already makes many tokens per step
-    assert best_draft_len(1.0, 8, batch16) == 8
+    assert best_draft_len(1.0, 7, batch16) == 7
     assert best_draft_len(0.5, 8, beside_prefill) >= 4  # the decoders wait on a prefill chunk anyway
+
+
+def test_a_draft_that_opens_a_row_tile_pays_for_it() -> None:
+    """Rows share the decode kernel's weight decode ROW_TILE at a time: a draft whose row opens a tile is priced
+    TILE_ROWS rows more."""
+    alone = Drafter(8, None).price(1, 1)
+    assert ROW_TILE == 8 and TILE_ROWS > 0
+    assert best_draft_len(1.0, 8, alone) == 7  # an eighth draft is the step's ninth row: a second tile
+    assert best_draft_len(1.0, 7, alone, first_row=1) == 6  # a request after one other: its seventh opens it
+    assert best_draft_len(1.0, 8, alone * 0.2, first_row=0) == 8  # cheap rows: the tile is worth opening
+    assert best_draft_len(1.0, 5, alone, first_row=3) == 4  # 3 + 5 = 8: the fifth draft would open it
+    assert best_draft_len(1.0, 8, alone, first_row=3) == 8  # unless enough drafts follow it in the new tile
 
 
 def test_no_probe_at_a_large_batch() -> None:
