@@ -39,6 +39,7 @@
 #include "attention_common.h"
 #include "paged_avx512.h"
 #include "shared_prefix.h"
+#include "values_int8.h"
 
 namespace radixserve {
 
