@@ -9,7 +9,8 @@
 //            a bfloat16 row is not converted at all (vdpbf16ps against q in bfloat16, two keys a
 //            register, 8 keys a step: scores_dp_rows);
 //   softmax  per row, 16 scores at a time (the same polynomial as fast_exp);
-//   values   each V row converted once, accumulated into up to 24 zmm registers (a block of rows).
+//   values   each V row converted once, accumulated into up to 24 zmm registers (a block of rows); an 8-bit
+//            pool's codes are not converted at all (values_int8.h: int16 weights dotted with them).
 // Both passes walk an item's keys as two interleaved streams: one core reads a 2k-key context out of DRAM
 // ~20% faster with two streams in flight than with one (the hardware prefetcher runs each stream only so far
 // ahead of a loop this dense in compute). The scores pass pairs key j with key half + j (each score is its own
