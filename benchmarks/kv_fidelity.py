@@ -7,7 +7,8 @@ topic, fixed text shipped with Python):
 
 - top-1: the share of positions where both pools' next-token argmax agree, teacher-forced over every
   prompt token (the prompt prefilled in chunks of ``--chunk`` tokens, each an extend on the cached part:
-  every position reads the pool, its own key and value included);
+  every position reads the pool, its own key and value included; the last ``--decode-tail`` positions one
+  decode step each instead, read by the decode kernel as a generated token is);
 - KL: the mean KL(baseline || int8) of those next-token distributions, in nats;
 - divergence: the first position where the two greedy continuations of ``--new-tokens`` tokens differ
   (``--new-tokens`` when they never do).
@@ -22,6 +23,7 @@ from pydoc_data.topics import topics
 import numpy as np
 
 from radixserve.engine import Engine
+from radixserve.model.forward import ForwardMode
 from radixserve.model.runner import StepInput
 
 CHAT = "What are three good habits for writing maintainable software? Answer briefly."
@@ -63,8 +65,15 @@ class Fidelity:
     divergence: int  # the first generated position that differs; new_tokens when none does
 
 
-def teacher_forced(engines: list[Engine], ids: list[int], chunk: int) -> tuple[float, float]:
-    """(top-1 agreement, mean KL(first || second)) over every position of ``ids``, in chunks."""
+def forced_steps(num_tokens: int, chunk: int, decode_tail: int) -> list[tuple[int, int, ForwardMode]]:
+    """(start, end, mode) of each teacher-forced forward: chunks, then the last ``decode_tail`` tokens one a step."""
+    split = max(0, num_tokens - decode_tail)
+    chunks: list[tuple[int, int, ForwardMode]] = [(a, min(split, a + chunk), "extend") for a in range(0, split, chunk)]
+    return chunks + [(p, p + 1, "decode") for p in range(split, num_tokens)]
+
+
+def teacher_forced(engines: list[Engine], ids: list[int], chunk: int, decode_tail: int = 0) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(first || second)) over every position of ``ids`` (``forced_steps``)."""
     runners = [e.executor.runner for e in engines]
     slots = []
     for engine in engines:
@@ -73,11 +82,9 @@ def teacher_forced(engines: list[Engine], ids: list[int], chunk: int) -> tuple[f
         slots.append(taken)
     agree, kl_sum = 0, 0.0
     try:
-        for start in range(0, len(ids), chunk):
-            end = min(len(ids), start + chunk)
+        for start, end, mode in forced_steps(len(ids), chunk, decode_tail):
             logits = [
-                r.forward([StepInput(ids[start:end], s[:end])], "extend", all_logits=True)
-                for r, s in zip(runners, slots)
+                r.forward([StepInput(ids[start:end], s[:end])], mode, all_logits=True) for r, s in zip(runners, slots)
             ]
             logp = [x.log_softmax(-1) for x in logits]
             agree += int((logp[0].argmax(-1) == logp[1].argmax(-1)).sum())
@@ -96,8 +103,8 @@ def first_divergence(engines: list[Engine], ids: list[int], new_tokens: int) -> 
     return next((i for i, (a, b) in enumerate(zip(*outs)) if a != b), new_tokens)
 
 
-def measure(engines: list[Engine], ids: list[int], chunk: int, new_tokens: int) -> Fidelity:
-    top1, kl = teacher_forced(engines, ids, chunk)
+def measure(engines: list[Engine], ids: list[int], chunk: int, new_tokens: int, decode_tail: int = 0) -> Fidelity:
+    top1, kl = teacher_forced(engines, ids, chunk, decode_tail)
     return Fidelity(len(ids), top1, kl, first_divergence(engines, ids, new_tokens))
 
 
@@ -113,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--document-chars", type=int, default=DOCUMENT_CHARS, help="of the long document")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk, tokens")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--decode-tail", type=int, default=0, help="last positions forced as decode steps")
     args = parser.parse_args(argv)
     engines = build(args.model_path, [args.baseline, args.candidate], 8192)
     info = engines[1].describe()
@@ -120,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'prompt':<10}{'tokens':>8}{'top-1':>8}{'mean KL':>11}{'first greedy divergence':>26}")
     rows = []
     for name, ids in prompts(engines[0], args.document_chars).items():
-        row = measure(engines, ids, args.chunk, args.new_tokens)
+        row = measure(engines, ids, args.chunk, args.new_tokens, args.decode_tail)
         rows.append(row)
         div = f"{row.divergence}" if row.divergence < args.new_tokens else f"none in {args.new_tokens}"
         print(f"{name:<10}{row.num_tokens:>8}{row.top1:>8.3f}{row.mean_kl:>11.2e}{div:>26}")

@@ -24,7 +24,9 @@ THRESHOLDS = {
     # bfloat16 against float32 parts at 9 too)
     "chat": (0.93, 0.012, 8),
     "code": (0.97, 0.005, 12),  # 168 tokens: 0.988, 2.4e-3, 27
-    "document": (0.95, 0.005, 16),  # 1,222 tokens: 0.967, 2.7e-3, none in 32
+    # 1,222 tokens: 0.967, 2.7e-3, none in 32; 12 since the decode kernel's value pass quantizes its weights (an
+    # exact three-way tie there in the bfloat16 pool's own logits; top-1 and KL of 256 decode steps unchanged)
+    "document": (0.95, 0.005, 10),
 }
 
 

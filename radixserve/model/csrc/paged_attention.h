@@ -17,7 +17,8 @@
 // scores = q K^T over the item's keys, then p = softmax and acc = p V (with AVX512, for head dims
 // 64, 96, 128 and 256 and float32, bfloat16 or int8 pools, paged_avx512.h's intrinsics). An 8-bit pool's
 // codes are read in place and widened in registers; each key's scale multiplies its score, each value's
-// its softmax weight (after the weights' sum), so no row is ever dequantized into memory. Requests that
+// its softmax weight (after the weights' sum), so no row is ever dequantized into memory; with AVX512 both
+// passes are integer dot products against the codes (q and the weights as int16: values_int8.h). Requests that
 // share a leading run of slots (SharedGroups) read it once, in shared_prefix.h's items, and only their
 // own suffix here; every partial then meets in one log-sum-exp merge.
 //
@@ -39,6 +40,7 @@
 #include "attention_common.h"
 #include "paged_avx512.h"
 #include "shared_prefix.h"
+#include "values_int8.h"
 
 namespace radixserve {
 

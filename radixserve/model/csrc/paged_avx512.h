@@ -9,7 +9,8 @@
 //            a bfloat16 row is not converted at all (vdpbf16ps against q in bfloat16, two keys a
 //            register, 8 keys a step: scores_dp_rows);
 //   softmax  per row, 16 scores at a time (the same polynomial as fast_exp);
-//   values   each V row converted once, accumulated into up to 24 zmm registers (a block of rows).
+//   values   each V row converted once, accumulated into up to 24 zmm registers (a block of rows); an 8-bit
+//            pool's codes are not converted at all (values_int8.h: int16 weights dotted with them).
 // Both passes walk an item's keys as two interleaved streams: one core reads a 2k-key context out of DRAM
 // ~20% faster with two streams in flight than with one (the hardware prefetcher runs each stream only so far
 // ahead of a loop this dense in compute). The scores pass pairs key j with key half + j (each score is its own
@@ -36,6 +37,17 @@ namespace radixserve::avx512 {
 constexpr int64_t kAhead = 32;
 
 using simd::reduce16;
+
+#if defined(__AVX512BW__)
+// acc + a . b over int16 pairs into int32 lanes, exactly: vpdpwssd, or vpmaddwd + add without AVX512-VNNI.
+inline __m512i dot_i16(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+#endif
 
 // scores[r * stride + j] = q_r . k_j for keys [0, num_keys), rows [0, rows); scores is written up to
 // num_keys rounded up to 16 (the pad holds zeros' dot products: 0).
@@ -108,11 +120,7 @@ inline __m512i key_pair(const i8* a, const i8* b, int c) {
 // acc += q . k over one register: bf16 pairs, or int16 pairs into int32 lanes (kept in a float register's bits).
 inline __m512 dot_pairs(__m512 acc, __m512i q, __m512i k, bf16*) { return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)k); }
 inline __m512 dot_pairs(__m512 acc, __m512i q, __m512i k, i8*) {
-#if defined(__AVX512VNNI__)
-  return _mm512_castsi512_ps(_mm512_dpwssd_epi32(_mm512_castps_si512(acc), q, k));
-#else
-  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(acc), _mm512_madd_epi16(q, k)));
-#endif
+  return _mm512_castsi512_ps(dot_i16(_mm512_castps_si512(acc), q, k));
 }
 inline __m512 to_float(__m512 acc, bf16*) { return acc; }
 inline __m512 to_float(__m512 acc, i8*) { return _mm512_cvtepi32_ps(_mm512_castps_si512(acc)); }
