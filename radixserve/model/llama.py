@@ -200,10 +200,10 @@ class LlamaForCausalLM(nn.Module):
             batch, self.workspace, self.attention_backend, self.cascade_attention, self.paged_extends
         )
         seq_lens = [slots.shape[0] for slots in batch.context_slots]
-        cos, sin = rotary_cos_sin(self.rotary(batch.positions, seq_lens, batch.extend_lens), self.dtype)
+        cos, sin = rotary_cos_sin(self.rotary.forward(batch.positions, seq_lens, batch.extend_lens), self.dtype)
         local = cos, sin
         if self.local_rotary is not None:
-            local = rotary_cos_sin(self.local_rotary(batch.positions, seq_lens, batch.extend_lens), self.dtype)
+            local = rotary_cos_sin(self.local_rotary.forward(batch.positions, seq_lens, batch.extend_lens), self.dtype)
         h = self.embed_tokens.forward(batch.input_ids)  # modules' forward, not __call__: see DecoderLayer.forward
         if self.config.scale_embeddings:  # gemma: the factor rounded to the hidden dtype first, as transformers
             h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
