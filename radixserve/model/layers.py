@@ -46,7 +46,8 @@ def torch_float_lanes() -> int:
 
 def fused_ops_apply(x: torch.Tensor) -> bool:
     """The fused CPU kernels take ``x`` (float32 or bfloat16, on CPU, the library built)."""
-    return USE_FUSED_OPS and x.device.type == "cpu" and x.dtype in FUSED_DTYPES and fused_ops_built()
+    # is_cpu, not device.type: it builds no torch.device (0.05 us against 0.44 us; ~90 calls a decode step)
+    return USE_FUSED_OPS and x.is_cpu and x.dtype in FUSED_DTYPES and fused_ops_built()
 
 
 def uninitialised(cls: type[M], *args: Any, **kwargs: Any) -> M:
