@@ -175,8 +175,9 @@ class KVPool:
         returns q rotated, [n, num_heads, head_dim]. float32 or bfloat16 qkv, a float32, bfloat16 or 8-bit pool (its
         rows quantized as ``write`` quantizes them), on CPU."""
         scales = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
-        q: torch.Tensor = torch.ops.radixserve.rotary_kv_write(
-            qkv, cos, sin, slots, self.k[layer], self.v[layer], num_heads, self.k[layer].shape[0], *scales
+        k = self.k[layer]
+        q: torch.Tensor = torch.ops.radixserve.rotary_kv_write.default(  # the overload: ~0.9 us less a call
+            qkv, cos, sin, slots, k, self.v[layer], num_heads, k.shape[0], *scales
         )
         return q
 

@@ -185,6 +185,9 @@ class AttentionPlan:
     cascade: bool = True
     paged_extends: bool = False  # Routes.build: every extend the extend kernel does not take reads in place
     _routes: dict[tuple[bool, int], Routes] = field(default_factory=dict, compare=False, repr=False)
+    # Per-step decisions that depend only on the step's dtypes and devices, which every layer shares: made at the
+    # first layer (``fused_write``, ``layer_routes``), then read.
+    _decided: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -199,6 +202,23 @@ class AttentionPlan:
         ``cascade``: the paged kernel reads a prefix that several requests share once for all of them.
         ``paged_extends``: the paged kernel takes every extend the bf16 extend kernel does not (split invariance)."""
         return cls(workspace, batch, backend, cascade, paged_extends)
+
+    def fused_write(self, qkv: torch.Tensor, cos: torch.Tensor, kv_pool: KVPool) -> bool:
+        """Whether the fused rotary + K/V write (KVPool.write_rotated) takes this step's qkv: cos in qkv's dtype,
+        a float or 8-bit pool, the fused ops built. Decided at the first layer: every layer's qkv, cos and pool
+        dtype are the same."""
+        fused = self._decided.get("fused_write")
+        if fused is None:
+            pool_ok = kv_pool.dtype in FUSED_DTYPES or kv_pool.quantized
+            fused = self._decided["fused_write"] = cos.dtype == qkv.dtype and pool_ok and fused_ops_apply(qkv)
+        return fused
+
+    def layer_routes(self, q: torch.Tensor, kv_pool: KVPool, window: int = 0) -> Routes:
+        """``routes`` for a layer's q: with the extend kernel where it applies to q and the pool (decided once)."""
+        applies = self._decided.get("extend_kernel")
+        if applies is None:
+            applies = self._decided["extend_kernel"] = extend_kernel_applies(q, kv_pool)
+        return self.routes(applies, window)
 
     def routes(self, extend_kernel: bool, window: int = 0) -> Routes:
         """The step's routes, with or without the extend kernel, for layers of this window (built on first
@@ -304,6 +324,7 @@ class Attention(nn.Module):
         # qwen3, gemma3: RMSNorm over each head of q and k, before rotary
         self.q_norm = make_norm(config, self.head_dim, device, dtype) if config.qk_norm else None
         self.k_norm = make_norm(config, self.head_dim, device, dtype) if config.qk_norm else None
+        self.qk_norm = config.qk_norm  # a plain attribute: the step reads it without nn.Module.__getattr__
         self.params = params or AttentionParams(
             config.layer_window(layer_id), float(config.attn_logit_softcapping or 0.0), config.attention_scale()
         )
@@ -324,11 +345,11 @@ class Attention(nn.Module):
         writes the new tokens' K/V at ``out_slots`` first. ``overwrite_residual``: the caller no longer needs
         ``residual`` (see layers.linear_add). ``tail``: rows and their plan (ForwardBatch.tail): every row's K/V
         is written, then only those rows attend and are returned ([len(rows), hidden])."""
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)  # forward, not __call__: see DecoderLayer.forward
         num_rows = x.shape[0]
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.qk_norm:
             self._norm_qk(qkv)
-        if cos.dtype == qkv.dtype and (kv_pool.dtype in FUSED_DTYPES or kv_pool.quantized) and fused_ops_apply(qkv):
+        if plan.fused_write(qkv, cos, kv_pool):
             q = kv_pool.write_rotated(self.layer_id, out_slots, qkv, cos, sin, self.num_heads)
         else:
             qk_size = self.split_sizes[0] + self.split_sizes[1]
@@ -343,7 +364,7 @@ class Attention(nn.Module):
             residual = None if residual is None else residual[rows]
         out = self._attend(q, plan, kv_pool).reshape(q.shape[0], -1)
         if residual is None:
-            attended: torch.Tensor = self.o_proj(out)
+            attended: torch.Tensor = self.o_proj.forward(out)
             return attended
         return linear_add(self.o_proj, out, residual, overwrite_residual)
 
@@ -354,8 +375,8 @@ class Attention(nn.Module):
         num_rows = qkv.shape[0]
         q = qkv[:, :q_size].reshape(num_rows, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(num_rows, self.num_kv_heads, self.head_dim)
-        qkv[:, :q_size] = self.q_norm(q).reshape(num_rows, q_size)
-        qkv[:, q_size : q_size + kv_size] = self.k_norm(k).reshape(num_rows, kv_size)
+        qkv[:, :q_size] = self.q_norm.forward(q).reshape(num_rows, q_size)
+        qkv[:, q_size : q_size + kv_size] = self.k_norm.forward(k).reshape(num_rows, kv_size)
 
     def _extend_one(
         self, q: torch.Tensor, span: ExtendSpan, workspace: GatherWorkspace, kv_pool: KVPool
@@ -366,7 +387,7 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, plan: AttentionPlan, kv_pool: KVPool) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]: each group of requests on its path, written back to its rows."""
-        routes = plan.routes(extend_kernel_applies(q, kv_pool), self.params.window)
+        routes = plan.layer_routes(q, kv_pool, self.params.window)
         layer = self.layer_id
         k_pool, v_pool = kv_pool.k[layer], kv_pool.v[layer]
         scales = (kv_pool.k_scale[layer], kv_pool.v_scale[layer]) if kv_pool.quantized else None  # read in place

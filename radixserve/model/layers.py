@@ -46,7 +46,8 @@ def torch_float_lanes() -> int:
 
 def fused_ops_apply(x: torch.Tensor) -> bool:
     """The fused CPU kernels take ``x`` (float32 or bfloat16, on CPU, the library built)."""
-    return USE_FUSED_OPS and x.device.type == "cpu" and x.dtype in FUSED_DTYPES and fused_ops_built()
+    # is_cpu, not device.type: it builds no torch.device (0.05 us against 0.44 us; ~90 calls a decode step)
+    return USE_FUSED_OPS and x.is_cpu and x.dtype in FUSED_DTYPES and fused_ops_built()
 
 
 def uninitialised(cls: type[M], *args: Any, **kwargs: Any) -> M:
@@ -80,16 +81,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., hidden]; the mean of squares is taken in float32."""
-        if self.weight.dtype == x.dtype and fused_ops_apply(x):  # one pass, the bits of the ops below
-            out: torch.Tensor = torch.ops.radixserve.rms_norm(x, self.weight, self.eps)
+        weight = self.weight  # a Parameter: nn.Module.__getattr__ finds it, once
+        if weight.dtype == x.dtype and fused_ops_apply(x):  # one pass, the bits of the ops below
+            out: torch.Tensor = torch.ops.radixserve.rms_norm.default(x, weight, self.eps)
             return out
         if x.dtype == torch.float32:  # one fused op instead of seven; the same float32 arithmetic
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return F.rms_norm(x, weight.shape, weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.float32_scale:
-            return (x32 * self.weight).to(x.dtype)
-        return self.weight * x32.to(x.dtype)
+            return (x32 * weight).to(x.dtype)
+        return weight * x32.to(x.dtype)
 
 
 def make_norm(config: ModelConfig, size: int, device: torch.device, dtype: torch.dtype) -> RMSNorm:
@@ -113,10 +115,10 @@ class GatedMLP(nn.Module):
     ) -> torch.Tensor:
         """[T, hidden] -> residual + MLP(x), [T, hidden] (``overwrite_residual``: see linear_add); MLP(x) alone
         without a residual."""
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)  # forward, not __call__: see DecoderLayer.forward
         act = swiglu(gate_up) if self.hidden_act == "silu" else geglu(gate_up)
         if residual is None:
-            out: torch.Tensor = self.down_proj(act)
+            out: torch.Tensor = self.down_proj.forward(act)
             return out
         return linear_add(self.down_proj, act, residual, overwrite_residual)
 
@@ -124,7 +126,7 @@ class GatedMLP(nn.Module):
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 * inter] (gate | up) -> silu(gate) * up, [T, inter]."""
     if gate_up.dim() == 2 and fused_ops_apply(gate_up):  # one pass, the bits of the two ops below
-        out: torch.Tensor = torch.ops.radixserve.swiglu(gate_up, torch_float_lanes())
+        out: torch.Tensor = torch.ops.radixserve.swiglu.default(gate_up, torch_float_lanes())
         return out
     gate, up = torch.split(gate_up, gate_up.shape[-1] // 2, dim=-1)
     return F.silu(gate).mul_(up)
@@ -153,7 +155,7 @@ def linear_add(
         return linear.forward_add(x, residual, overwrite_residual)
     if isinstance(linear, Int8Linear):
         return linear.forward_add(x, residual)
-    out: torch.Tensor = residual + linear(x)
+    out: torch.Tensor = residual + linear.forward(x)
     return out
 
 

@@ -249,7 +249,7 @@ def paged_attention(
     """q [T, H, D] against K/V [Hkv, N, D] read in place at ``index`` -> [T, H, D] in q's dtype (causal per request;
     ``params``: the layer's window, soft cap and scale; with a window only the keys in it are read). ``scales``: an
     8-bit pool's (k_scale, v_scale), bfloat16 [Hkv, N], with int8 K/V."""
-    out: torch.Tensor = torch.ops.radixserve.paged_attention(
+    out: torch.Tensor = torch.ops.radixserve.paged_attention.default(
         q.contiguous(),
         k_pool,
         v_pool,
@@ -286,7 +286,7 @@ def extend_attention(
     Multi-token rows (prefill chunks, a cache hit's tail) with AVX512-BF16 dot products; a row's result
     does not depend on how its prompt was split into chunks or cached (csrc/extend_attention.h), with or
     without the window and soft cap of ``params``."""
-    out: torch.Tensor = torch.ops.radixserve.extend_attention(
+    out: torch.Tensor = torch.ops.radixserve.extend_attention.default(
         q,
         k_pool,
         v_pool,

@@ -177,3 +177,23 @@ def test_grouped_matmul_decode_attention_matches_sdpa() -> None:
     mask = (torch.arange(10)[None, :] < torch.tensor([10, 4, 7])[:, None])[:, None, None, :]
     expected = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
     assert torch.allclose(grouped_matmul_attention(q, k, v, mask), expected, atol=1e-5)
+
+
+def test_a_step_calls_only_the_model_through_module_call(models: dict[str, tuple[Any, Path]]) -> None:
+    """The layers, norms, linears and embedding are run through their ``forward`` (nn.Module.__call__'s hook
+    machinery was ~215 calls a decode step): a global forward hook sees the model's own call and nothing inside."""
+    model = load_ours(models["llama_attention_bias"][1])
+    pool, allocator = make_pool(model.config)
+    ids = prompt(8)
+    context = alloc(allocator, len(ids))
+    called: list[str] = []
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: called.append(type(module).__name__)
+    )
+    try:
+        model(make_batch("extend", [(ids, context)]), pool)
+        context = torch.cat((context, alloc(allocator, 1)))
+        model(make_batch("decode", [([5], context)]), pool)
+    finally:
+        handle.remove()
+    assert called == ["LlamaForCausalLM", "LlamaForCausalLM"]
