@@ -44,10 +44,6 @@ enum class Format { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kQ5_0, kQ5_1 };
 constexpr bool has_min(Format f) {
   return f == Format::kQ4_1 || f == Format::kQ4_K || f == Format::kQ5_K || f == Format::kQ5_1;
 }
-// Q4_0 / Q4_1 lines hold 4 blocks of packed nibbles (split after the transpose); every other format's lines hold 2
-// blocks of one byte a weight (Q8_0: signed, made unsigned by a flip; the row types: their codes, decoded).
-constexpr bool nibble_lines(Format f) { return f == Format::kQ4_0 || f == Format::kQ4_1; }
-constexpr int64_t blocks_per_line(Format f) { return nibble_lines(f) ? 4 : 2; }
 
 constexpr int kLanes = 16;                   // channels per panel (one zmm of float32 or int32)
 constexpr int64_t kPanelBlock = 8 * 64;      // bytes of one block of a panel: 8 dwords x 16 channels
@@ -104,6 +100,14 @@ __attribute__((always_inline)) inline void transpose16x16(__m512i r[16]) {
   }
 }
 
+// A step of a Source's weights, 16 channels at once: the transpose of a cache line of each channel's bytes (r[j]:
+// dword j of every channel), and of up to 8 more dwords (h: a K-quant's high bits), from which Source::dword makes
+// the panel's dwords of each of the line's Source::kBlocks blocks.
+struct Line {
+  __m512i r[16];
+  __m512i h[8];
+};
+
 // Float16 scales of 16 channels (h[c] + b0, `count` <= 16 blocks) as float32 into out[b][16] for b < count.
 inline void scales_panel(const uint16_t* const* h, int64_t b0, int count, float* out) {
   const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
@@ -136,33 +140,21 @@ __attribute__((always_inline)) inline void load_lines(const uint8_t* const* rows
   transpose16x16(r);
 }
 
-// One panel: the 16 channels `src` selected (a partial panel repeats its last channel), a cache line of each
-// channel at a time (src.lines: transposed), and their scales (src.scales). Q4: weights 0..15 are the low
-// nibbles of a block's 16 bytes, 16..31 the high ones, so dword j's low nibbles are weights 4j..4j+3 and its high
-// ones 16+4j..: panel dwords j and 4 + j. Byte formats: dword j of the line's block k is panel dword j.
+// One panel: the 16 channels `src` selected (a partial panel repeats its last channel), a line of each channel at
+// a time (src.lines), each of its blocks' 8 dwords made by Source::dword, and their scales (src.scales).
 template <Format F, typename Source>
 void fill_panel(const Source& src, int64_t blocks, uint8_t* codes, float* dp, float* mp, int32_t* sp) {
-  constexpr int64_t per_line = blocks_per_line(F);
-  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512i r[16];
+  constexpr int64_t per_line = Source::kBlocks;
+  Line line;
   for (int64_t b0 = 0; b0 < blocks; b0 += per_line) {
     const int count = static_cast<int>(std::min<int64_t>(per_line, blocks - b0));
-    src.lines(b0, count, 1, r);
+    src.lines(b0, count, 1, line);
 #pragma GCC unroll 4
     for (int k = 0; k < per_line; ++k) {
       if (k >= count) break;
       __m512i* out = reinterpret_cast<__m512i*>(codes + (b0 + k) * kPanelBlock);
 #pragma GCC unroll 8
-      for (int j = 0; j < (nibble_lines(F) ? 4 : 8); ++j) {
-        if constexpr (F == Format::kQ8_0) {
-          _mm512_storeu_si512(out + j, _mm512_xor_si512(r[8 * k + j], flip));
-        } else if constexpr (!nibble_lines(F)) {
-          _mm512_storeu_si512(out + j, r[8 * k + j]);
-        } else {
-          _mm512_storeu_si512(out + j, _mm512_and_si512(r[4 * k + j], low));
-          _mm512_storeu_si512(out + 4 + j, _mm512_and_si512(_mm512_srli_epi16(r[4 * k + j], 4), low));
-        }
-      }
+      for (int j = 0; j < 8; ++j) _mm512_storeu_si512(out + j, Source::dword(line, k, j));
     }
   }
   src.scales(dp, mp, sp);
@@ -210,15 +202,14 @@ __attribute__((always_inline)) inline __m512i four_codes(const Rows& x, int r, i
 template <int R, Format F, typename Source>
 void stream_tile(const Rows& x, const Source& src, const float* dp, const float* mp, const int32_t* sp,
                  int64_t blocks, float* out, int64_t ldo) {
-  constexpr int64_t per_line = blocks_per_line(F);
-  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  constexpr int64_t per_line = Source::kBlocks;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  __m512i lines[16];
+  Line line;
   for (int64_t b0 = 0; b0 < blocks; b0 += per_line) {
     const int count = static_cast<int>(std::min<int64_t>(per_line, blocks - b0));
     // Prefetched: the line two panels on (a channel's row is a few lines: too short a stream for the hardware's).
-    src.lines(b0, count, 2, lines);
+    src.lines(b0, count, 2, line);
 #pragma GCC unroll 4
     for (int k = 0; k < per_line; ++k) {
       if (k >= count) break;
@@ -226,21 +217,12 @@ void stream_tile(const Rows& x, const Source& src, const float* dp, const float*
       __m512i dot[R], half[R];
       for (int r = 0; r < R; ++r) dot[r] = block_start<F>(x, r, b);
 #pragma GCC unroll 8
-      for (int j = 0; j < (nibble_lines(F) ? 4 : 8); ++j) {  // Q4: 4 dwords of nibble pairs; bytes: 8
-        if constexpr (!nibble_lines(F)) {
-          const __m512i w = F == Format::kQ8_0 ? _mm512_xor_si512(lines[8 * k + j], flip) : lines[8 * k + j];
-          for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], w, four_codes(x, r, b, 4 * j));
-          if constexpr (F == Format::kQ6_K)
-            if (j == 3)
-              for (int r = 0; r < R; ++r) q6_first_half(dot[r], half[r], sp + b * 2 * kLanes, x, r, b);
-        } else {
-          const __m512i lo = _mm512_and_si512(lines[4 * k + j], low);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(lines[4 * k + j], 4), low);
-          for (int r = 0; r < R; ++r) {
-            dot[r] = _mm512_dpbusd_epi32(dot[r], lo, four_codes(x, r, b, 4 * j));
-            dot[r] = _mm512_dpbusd_epi32(dot[r], hi, four_codes(x, r, b, 16 + 4 * j));
-          }
-        }
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = Source::dword(line, k, j);
+        for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], w, four_codes(x, r, b, 4 * j));
+        if constexpr (F == Format::kQ6_K)
+          if (j == 3)
+            for (int r = 0; r < R; ++r) q6_first_half(dot[r], half[r], sp + b * 2 * kLanes, x, r, b);
       }
       if constexpr (F == Format::kQ6_K)
         for (int r = 0; r < R; ++r) dot[r] = q6_both_halves(dot[r], half[r], sp + b * 2 * kLanes);
@@ -338,10 +320,21 @@ struct Channels {
     }
   }
 
+  // Q4: a line is 4 blocks of 16 bytes, weights 0..15 the low nibbles, 16..31 the high ones, so the panel's dwords
+  // j and 4 + j of block k are the low and high nibbles of dword 4k + j; Q8_0: 2 blocks, dword 8k + j, made
+  // unsigned (w + 128: the start's -128 sum(x) makes up for it).
+  static constexpr int64_t kBlocks = F == Format::kQ8_0 ? 2 : 4;
+
   // The selected channels' cache lines from block b0 on (count blocks), transposed; prefetching `panels` panels on.
-  __attribute__((always_inline)) void lines(int64_t b0, int count, int panels, __m512i r[16]) const {
+  __attribute__((always_inline)) void lines(int64_t b0, int count, int panels, Line& line) const {
     constexpr int64_t bytes = F == Format::kQ8_0 ? 32 : 16;
-    load_lines(rows, b0, count, bytes, panels * kLanes * blocks * bytes, r);
+    load_lines(rows, b0, count, bytes, panels * kLanes * blocks * bytes, line.r);
+  }
+
+  __attribute__((always_inline)) static __m512i dword(const Line& line, int k, int j) {
+    if constexpr (F == Format::kQ8_0) return _mm512_xor_si512(line.r[8 * k + j], _mm512_set1_epi8(-128));
+    const __m512i v = line.r[4 * k + j % 4];
+    return _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
   }
 
   void scales(float* dp, float* mp, int32_t*) const { fill_scales(ds, ms, F, blocks, dp, mp); }

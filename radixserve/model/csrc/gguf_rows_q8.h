@@ -7,10 +7,13 @@
 //   Q5_1         w = d q + m                     -> d, m
 // so each block's dot with int8 activations is exact integer arithmetic (block_q8_panels.h's header).
 //
-// code(row, b, l) and block_scales (portable, every build) give those values; with AVX512-VNNI RowChannels decodes
-// two blocks of 16 channels a cache-line step into the panel kernel's transposed layout (a block_q8_panels.h Source).
+// code(row, b, l) and block_scales (portable, every build) give those values; with AVX512-VNNI RowChannels reads 16
+// channels' bytes a cache line at a time, transposes them (dword j of each channel in one register), and makes the
+// panel kernel's dwords of codes there, 16 channels an instruction (a block_q8_panels.h Source). Decoding each
+// channel's codes first and transposing those took ~2x the instructions at one row.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "block_q8_panels.h"
@@ -72,85 +75,170 @@ constexpr q8::Format kFormat = T::kType == Q4_K   ? q8::Format::kQ4_K
                                : T::kType == Q5_0 ? q8::Format::kQ5_0
                                                   : q8::Format::kQ5_1;
 
-// A Q5_0 / Q5_1 block's 32 codes: the nibbles (weights 0..15 low, 16..31 high), the fifth bit where its 32 bits say.
-template <typename T>
-RADIXSERVE_ROWS_INLINE __m256i q5_codes(const uint8_t* u) {
-  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + T::kHigh + 4)), low = _mm_set1_epi8(0x0F);
-  const __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low), _mm_and_si128(qs, low));
-  return _mm256_mask_add_epi8(c, static_cast<__mmask32>(u32_at(u + T::kHigh)), c, _mm256_set1_epi8(16));
+// 16 channels' bytes from at[c] + offset transposed (r[j]: dword j of each channel): 64 bytes, or (`bytes` 32, the
+// K-quants' high bits) 32 into r[0..7].
+RADIXSERVE_ROWS_INLINE void load_transposed(const uint8_t* const* at, int64_t offset, int bytes, __m512i r[16]) {
+  for (int c = 0; c < q8::kLanes; ++c)
+    r[c] = bytes == 64 ? _mm512_loadu_si512(at[c] + offset) : _mm512_castsi256_si512(load32(at[c] + offset));
+  q8::transpose16x16(r);
 }
 
-// Blocks b0 (even) and b0 + 1 of a row as 64 code bytes (b0 + 1's zero when `two` is false: the row's last block).
+RADIXSERVE_ROWS_INLINE __m512i nibble(__m512i v, bool high) {
+  return _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
+}
+
+// c + 16 for each of 4 codes a dword whose fifth bit is set: bits `bit`.. `bit` + 3 of byte `byte` of h's dword (Q5_0
+// / Q5_1: a block's 32 fifth bits, weight i's bit i). Each dword's byte spread over its 4 bytes, then tested.
+RADIXSERVE_ROWS_INLINE __m512i add_fifth_bits(__m512i c, __m512i h, int byte, int bit) {
+  const __m512i pick = _mm512_add_epi32(_mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0),
+                                        _mm512_set1_epi32(byte * 0x01010101));
+  const __mmask64 set = _mm512_test_epi8_mask(_mm512_shuffle_epi8(h, pick), _mm512_set1_epi32(0x08040201 << bit));
+  return _mm512_mask_add_epi8(c, set, c, _mm512_set1_epi8(16));
+}
+
+// A Q5_0 / Q5_1 pair of blocks (`two`: else the first alone) of one channel packed into one register: the first's 16
+// bytes of nibbles, the second's, then their 32 fifth bits each (dwords 8, 9).
 template <typename T>
-RADIXSERVE_ROWS_INLINE __m512i pair_codes(const uint8_t* row, int64_t b0, bool two) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  if constexpr (T::kWeights == 32) {
-    const __m256i first = q5_codes<T>(row + b0 * T::kBytes);
-    const __m256i second = two ? q5_codes<T>(row + (b0 + 1) * T::kBytes) : _mm256_setzero_si256();
-    return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
-  } else if constexpr (T::kType == Q6_K) {  // blocks 2p, 2p + 1: low bytes 64 h.. (one nibble), high 32 h..
-    const uint8_t* u = row + b0 / 8 * T::kBytes;
-    const int j = static_cast<int>(b0 % 8), h = j / 4, shift = 2 * (j % 4);
-    __m512i ql = _mm512_loadu_si512(u + 64 * h);
-    if (j % 4) ql = _mm512_srli_epi16(ql, 4);
-    const __m256i qh = load32(u + 128 + 32 * h), three = _mm256_set1_epi8(3);
-    const __m256i a = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), three);
-    const __m256i b = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift + 2)), three);
-    const __m512i high = _mm512_slli_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1), 4);
-    return _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi8(0x0F)), high);
-  } else {  // K-quant blocks 2p, 2p + 1: the low and high nibbles of codes 32 p..
-    const uint8_t* u = row + b0 / 8 * T::kBytes;
-    const int j = static_cast<int>(b0 % 8);
-    const __m256i v = load32(u + T::kCodeBytes + 16 * j);
-    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    if constexpr (T::kType == Q5_K) {
-      const __m256i qh = load32(u + 16);
-      lo = _mm256_or_si256(lo, bit_to_16(qh, j));
-      hi = _mm256_or_si256(hi, bit_to_16(qh, j + 1));
-    }
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  }
+RADIXSERVE_ROWS_INLINE __m512i q5_pair(const uint8_t* u, bool two) {
+#ifdef __AVX512VBMI__
+  alignas(64) static constexpr uint8_t kIndex[64] = {
+#define RADIXSERVE_Q5_INDEX(o) o, o + 1, o + 2, o + 3
+      RADIXSERVE_Q5_INDEX(T::kHigh + 4), RADIXSERVE_Q5_INDEX(T::kHigh + 8), RADIXSERVE_Q5_INDEX(T::kHigh + 12),
+      RADIXSERVE_Q5_INDEX(T::kHigh + 16), RADIXSERVE_Q5_INDEX(T::kBytes + T::kHigh + 4),
+      RADIXSERVE_Q5_INDEX(T::kBytes + T::kHigh + 8), RADIXSERVE_Q5_INDEX(T::kBytes + T::kHigh + 12),
+      RADIXSERVE_Q5_INDEX(T::kBytes + T::kHigh + 16), RADIXSERVE_Q5_INDEX(T::kHigh),
+      RADIXSERVE_Q5_INDEX(T::kBytes + T::kHigh)};
+#undef RADIXSERVE_Q5_INDEX
+  const __mmask64 valid = two ? (uint64_t{1} << (2 * T::kBytes)) - 1 : (uint64_t{1} << T::kBytes) - 1;
+  return _mm512_permutexvar_epi8(_mm512_load_si512(kIndex), _mm512_maskz_loadu_epi8(valid, u));
+#else
+  const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + T::kHigh + 4));
+  const __m128i second = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + T::kBytes + T::kHigh + 4))
+                             : _mm_setzero_si128();
+  const __m128i high = _mm_setr_epi32(static_cast<int>(u32_at(u + T::kHigh)),
+                                      two ? static_cast<int>(u32_at(u + T::kBytes + T::kHigh)) : 0, 0, 0);
+  return _mm512_inserti32x4(_mm512_castsi256_si512(_mm256_set_m128i(second, first)), high, 2);
+#endif
 }
 
 // 16 channels of a weight's rows (a block_q8_panels.h Source): rows row_bytes apart; a channel past n1 repeats the
-// last one (its output is never stored).
+// last one (its output is never stored). A line: K-quants 4 blocks (Q4_K / Q5_K: 64 bytes of nibbles, two blocks'
+// low and high ones per 32, Q5_K's 32 bytes of high bits shifted to the line's 4 blocks; Q6_K: 64 bytes of low
+// nibbles, the 4 blocks' 2 high bits a byte in 32), Q5_0 / Q5_1 2 blocks (q5_pair).
 template <typename T>
 struct RowChannels {
+  static constexpr int64_t kBlocks = T::kWeights == 32 ? 2 : 4;
   const uint8_t* raw;
   int64_t row_bytes, blocks, n1;
   const uint8_t* rows[q8::kLanes] = {};
+  __m512i offsets = _mm512_setzero_si512();  // each channel's row from rows[0], bytes
 
   void select(int64_t n0) {
-    for (int c = 0; c < q8::kLanes; ++c) rows[c] = raw + std::min(n0 + c, n1 - 1) * row_bytes;
-  }
-
-  // Blocks b0, b0 + 1 of the 16 channels, transposed (r[j]: dword j of block b0 of each channel, r[8 + j] of
-  // b0 + 1); prefetching the same bytes `panels` panels on.
-  RADIXSERVE_ROWS_INLINE void lines(int64_t b0, int count, int panels, __m512i r[16]) const {
-    const int64_t at = T::kWeights == 32 ? b0 * T::kBytes : b0 / 8 * T::kBytes + b0 % 8 * T::kBytes / 8;
-    const int64_t ahead = panels * q8::kLanes * row_bytes;
+    alignas(64) int32_t at[q8::kLanes];
     for (int c = 0; c < q8::kLanes; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(rows[c] + at + ahead), _MM_HINT_T0);
-      r[c] = pair_codes<T>(rows[c], b0, count > 1);
+      const int64_t n = std::min(n0 + c, n1 - 1);
+      rows[c] = raw + n * row_bytes;
+      at[c] = static_cast<int32_t>((n - n0) * row_bytes);
     }
-    q8::transpose16x16(r);
+    offsets = _mm512_load_si512(at);
   }
 
-  // d (and m, and Q6_K's sc) of the 16 channels, [blocks][16] (sc [blocks][2][16]).
-  void scales(float* dp, float* mp, int32_t* sp) const {
-    for (int c = 0; c < q8::kLanes; ++c)
-      for (int64_t u = 0; u < blocks * 32 / T::kWeights; ++u) {
-        const int64_t b0 = u * T::kWeights / 32;
-        block_scales<T>(rows[c] + u * T::kBytes, [&](int j, float d, float m, int sc_a, int sc_b) {
-          const int64_t at = (b0 + j) * q8::kLanes + c;
-          dp[at] = d;
-          if (mp != nullptr) mp[at] = m;
-          if (sp != nullptr) {
-            sp[2 * (b0 + j) * q8::kLanes + c] = sc_a;
-            sp[(2 * (b0 + j) + 1) * q8::kLanes + c] = sc_b;
-          }
-        });
+  // The 4 bytes at `offset` of each channel's row, one dword a lane.
+  RADIXSERVE_ROWS_INLINE __m512i gather(int64_t offset) const {
+    return _mm512_i32gather_epi32(offsets, rows[0] + offset, 1);
+  }
+
+  // Blocks b0 .. b0 + count - 1 (b0 a multiple of kBlocks) of the 16 channels; prefetching `panels` panels on.
+  RADIXSERVE_ROWS_INLINE void lines(int64_t b0, int count, int panels, q8::Line& line) const {
+    const int64_t ahead = panels * q8::kLanes * row_bytes;
+    if constexpr (T::kWeights == 32) {
+      for (int c = 0; c < q8::kLanes; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[c] + b0 * T::kBytes + ahead), _MM_HINT_T0);
+        line.r[c] = q5_pair<T>(rows[c] + b0 * T::kBytes, count > 1);
       }
+      q8::transpose16x16(line.r);
+      return;
+    } else {
+      const int64_t unit = b0 / 8 * T::kBytes, half = b0 % 8 / 4;
+      for (int c = 0; c < q8::kLanes; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(rows[c] + unit + half * T::kBytes / 2 + ahead), _MM_HINT_T0);
+      if constexpr (T::kType == Q6_K) {
+        load_transposed(rows, unit + 64 * half, 64, line.r);
+        load_transposed(rows, unit + 128 + 32 * half, 32, line.h);
+      } else {
+        load_transposed(rows, unit + T::kCodeBytes + 64 * half, 64, line.r);
+        if constexpr (T::kType == Q5_K) {
+          __m512i h[16];
+          load_transposed(rows, unit + 16, 32, h);
+          for (int t = 0; t < 8; ++t) line.h[t] = _mm512_srli_epi16(h[t], 4 * static_cast<int>(half));
+        }
+      }
+    }
+  }
+
+  // Panel dword j (codes 4j .. 4j + 3) of block k of the line.
+  RADIXSERVE_ROWS_INLINE static __m512i dword(const q8::Line& line, int k, int j) {
+    if constexpr (T::kWeights == 32) {  // j < 4: low nibbles (weights 4j..), else high (16 + 4(j - 4)..)
+      const __m512i c = nibble(line.r[4 * k + j % 4], j >= 4);
+      return add_fifth_bits(c, line.r[8 + k], j / 2, 4 * (j % 2));
+    } else if constexpr (T::kType == Q6_K) {  // low: dword 8 (k % 2) + j, nibble k / 2; high: bits 2k of dword j
+      const __m512i low = nibble(line.r[8 * (k % 2) + j], k >= 2);
+      const __m512i h = line.h[j], mask = _mm512_set1_epi8(0x30);
+      const __m512i high = k == 3 ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 4 - 2 * k);
+      return _mm512_ternarylogic_epi32(low, high, mask, 0xF8);  // low | (high & mask)
+    } else {  // blocks 2p, 2p + 1 the low and high nibbles of dwords 8p..8p + 7; Q5_K: bit k of the shifted highs
+      const __m512i c = nibble(line.r[8 * (k / 2) + j], k % 2 == 1);
+      if constexpr (T::kType == Q4_K) return c;
+      const __mmask64 set = _mm512_test_epi8_mask(line.h[j], _mm512_set1_epi8(static_cast<char>(1 << k)));
+      return _mm512_mask_add_epi8(c, set, c, _mm512_set1_epi8(16));
+    }
+  }
+
+  // d (and m, and Q6_K's sc) of the 16 channels, [blocks][16] (sc [blocks][2][16]), gathered 16 channels at a time
+  // (a channel at a time, the scales took longer than the codes at one row): block_scales's values.
+  void scales(float* dp, float* mp, int32_t* sp) const {
+    const auto negate = [](__m512 v) {  // -v, as block_scales's (-0 for 0)
+      return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
+    };
+    const auto halves = [](__m512i v, int high) {  // float16 low / high halves of each dword, as float32
+      return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high ? _mm512_srli_epi32(v, 16) : v));
+    };
+    for (int64_t u = 0; u < blocks * 32 / T::kWeights; ++u) {
+      const int64_t base = u * T::kBytes, b0 = u * T::kWeights / 32;
+      if constexpr (T::kWeights == 32) {
+        const __m512i v = gather(base);
+        _mm512_storeu_ps(dp + b0 * q8::kLanes, halves(v, 0));
+        if constexpr (T::kType == Q5_1) _mm512_storeu_ps(mp + b0 * q8::kLanes, halves(v, 1));
+      } else if constexpr (T::kType == Q6_K) {
+        const __m512 d = halves(gather(base + 206), 1);  // bytes 208, 209 (a dword at 208 would pass the unit)
+        for (int q = 0; q < 4; ++q) {
+          const __m512i sc = gather(base + 192 + 4 * q);  // sub-blocks 4q .. 4q + 3: blocks 2q, 2q + 1
+          for (int i = 0; i < 4; ++i)
+            _mm512_storeu_si512(sp + (2 * (b0 + 2 * q) + i) * q8::kLanes,
+                                _mm512_srai_epi32(_mm512_slli_epi32(sc, 24 - 8 * i), 24));
+        }
+        for (int j = 0; j < 8; ++j) _mm512_storeu_ps(dp + (b0 + j) * q8::kLanes, d);
+      } else {  // k_scale_min's words, a lane per channel
+        const __m512i dm = gather(base), w0 = gather(base + 4), w1 = gather(base + 8), w2 = gather(base + 12);
+        const __m512i six = _mm512_set1_epi32(0x3F3F3F3F), nib = _mm512_set1_epi32(0x0F0F0F0F);
+        const __m512i two = _mm512_set1_epi32(0x03030303);
+        const __m512i sc[2] = {_mm512_and_si512(w0, six),
+                               _mm512_or_si512(_mm512_and_si512(w2, nib),
+                                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, 6), two), 4))};
+        const __m512i m[2] = {_mm512_and_si512(w1, six),
+                              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), nib),
+                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), two), 4))};
+        const __m512 d = halves(dm, 0), dmin = halves(dm, 1);
+        const __m512i byte = _mm512_set1_epi32(0xFF);
+        for (int j = 0; j < 8; ++j) {
+          const int shift = 8 * (j % 4);
+          const __m512 s = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(sc[j / 4], shift), byte));
+          const __m512 mj = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(m[j / 4], shift), byte));
+          _mm512_storeu_ps(dp + (b0 + j) * q8::kLanes, _mm512_mul_ps(d, s));  // exact, as gguf's d * sc
+          _mm512_storeu_ps(mp + (b0 + j) * q8::kLanes, negate(_mm512_mul_ps(dmin, mj)));
+        }
+      }
+    }
   }
 };
 #endif
