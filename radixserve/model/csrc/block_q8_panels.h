@@ -1,6 +1,6 @@
 // The AVX512-VNNI int8-activation linear (block_q8_linear.cpp) at any row count: one kernel for decode and
 // prefill, so a row's bits never depend on how many rows share its call (split invariance) and prefill runs at
-// integer-GEMM speed. Included by block_q8_linear.cpp; plain C++ with intrinsics.
+// integer-GEMM speed. Included by block_q8_linear.cpp and gguf_rows_q8_linear.cpp; plain C++ with intrinsics.
 //
 // The math of output (row r, channel c), for Q4_0, Q4_1 and Q8_0 weights, and (gguf_rows_q8.h) the GGUF row types
 // Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, each a block of 32 weights = unsigned codes q with a float scale (and min):
@@ -20,6 +20,11 @@
 // block is 8 vpdpbusd per 16 channels with no horizontal sum, and the panel (blocks * 512 bytes, in L1/L2) is
 // read again by every tile of rows. Up to kStreamRows rows (decode) skip the panel: each cache line of weights is
 // rearranged in registers and used at once (stream_tile), the same integers and float steps.
+//
+// Where the weights come from is a Source (Channels<F> below for Q4_0 / Q4_1 / Q8_0 blocks, gguf_rows_q8.h's
+// RowChannels for the GGUF row types): select(n0) picks 16 channels; lines(b0, count, panels, line) transposes a
+// cache line of each (kBlocks blocks), dword(line, k, j) makes block k's panel dword j from it (16 channels an
+// instruction), scales(d, m, sc) writes their [blocks][16] scales.
 //
 // SmolLM2 Q4_0's 30 layers of linears, 1 thread, AMX Xeon: 512 rows 250 ms against the previous int8 kernel's
 // 860 (which re-decoded each weight block for every tile of 8 rows and kept 8 float partial sums an output),
