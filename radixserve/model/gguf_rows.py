@@ -13,6 +13,12 @@ three matmuls by what the machine offers:
 - CPU, more rows (prefill): a cache-sized tile of output channels dequantized into x's dtype at a time, then the
   dtype's GEMM (csrc/tiled_gemm.h): bit for bit F.linear on the dequantized weight;
 - otherwise (no compiler, CUDA): gguf's dequantize, then the GEMM.
+
+With ``int8_activations`` (``--quantization q4_1``) the types with codes (INT8_ROW_TYPES) run
+csrc/gguf_rows_q8_linear.cpp instead: each activation row quantized to int8 blocks of 32 (as the Q4_0 / Q8_0 path,
+quant_blocks.py), each block's dot with the weights' codes exact integer arithmetic, as llama.cpp multiplies them
+(AVX512-VNNI: block_q8_panels.h at every row count; elsewhere a portable loop with the same math). The float types
+keep float activations.
 """
 
 from __future__ import annotations
@@ -23,11 +29,10 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model import paged_kernel
-from radixserve.model.quant_blocks import tile_columns
+from radixserve.model.quant_blocks import INT8_KERNEL_MAX_ROWS, dequantized_linear, tile_columns
 
 # The GGUF types kept as rows, and each one's (weights, bytes) per block (gguf.GGML_QUANT_SIZES).
 ROW_TYPES = {
@@ -39,6 +44,8 @@ ROW_TYPES = {
 # Q6_K and F16 still ahead at 56.
 KERNEL_MAX_ROWS = 20
 FLOAT32_KERNEL_MAX_ROWS = 48
+# The types whose rows are small integer codes with scales (and mins) per block: they can run int8 activations.
+INT8_ROW_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 
 
 def kernel_max_rows(dtype: torch.dtype) -> int:
@@ -139,36 +146,45 @@ class _RowsModule(nn.Module):
 
 
 class GGUFRowsLinear(_RowsModule):
-    """A drop-in for ``nn.Linear`` (x [T, K] -> [T, N], x's dtype) over a file's rows, float activations."""
+    """A drop-in for ``nn.Linear`` (x [T, K] -> [T, N], x's dtype) over a file's rows.
 
-    def __init__(self, rows: GGUFRows, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    ``int8_activations`` (CPU, INT8_ROW_TYPES only; the float types ignore it): each activation row quantized to
+    int8 blocks of 32 and integer block dot products (module docstring). Else float activations: every value
+    multiplied is gguf's dequantized weight."""
+
+    def __init__(
+        self, rows: GGUFRows, bias: torch.Tensor | None, dtype: torch.dtype, int8_activations: bool = False
+    ) -> None:
         super().__init__(rows, dtype)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.int8_activations = int8_activations and rows.qtype in INT8_ROW_TYPES
         # Not None: every row count through the decode kernel (model/invariance.py; the rows have no AMX kernel, so
         # "amx" runs it too), a row's bits then never depending on the other rows of the call.
         self.invariant_kernel: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or not paged_kernel.load():
-            return F.linear(x, self.rows.dequantize().to(x.dtype), self.bias)
-        if self.invariant_kernel is not None or x.shape[0] <= kernel_max_rows(x.dtype):
+            return self._torch_forward(x)
+        if self._kernel_takes(x):
             return self._kernel(x, None)
-        out: torch.Tensor = torch.ops.radixserve.gguf_rows_linear_tiled(
-            x, self.raw, self.rows.type_id, self.in_features, self.bias, tile_columns(self.in_features)
-        )
+        args = (self.raw, self.rows.type_id, self.in_features, self.bias, tile_columns(self.in_features))
+        if self.int8_activations:  # the GEMM on the int8 rows' values: the kernel's math within rounding
+            x = torch.ops.radixserve.dequantized_rows_q8(x).to(x.dtype)
+        out: torch.Tensor = torch.ops.radixserve.gguf_rows_linear_tiled(x, *args)
         return out
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor, overwrite_residual: bool = False) -> torch.Tensor:
         """residual + self(x) with the add inside the matmul, as ``BlockLinear.forward_add``: the kernel adds it to
-        each float32 sum before the one rounding to x's dtype, the tiled path inside the GEMM (addmm, as the float
-        model adds it). ``overwrite_residual``: the caller no longer needs ``residual``, so the tiled path may add
-        into it in place and return it; otherwise ``residual`` is never written."""
+        each float32 sum before the one rounding to x's dtype (int8 activations: after it, then rounds again), the
+        tiled path inside the GEMM (addmm, as the float model adds it). ``overwrite_residual``: the caller no longer
+        needs ``residual``, so the tiled path may add into it in place and return it; otherwise ``residual`` is
+        never written."""
         if x.device.type != "cpu" or not paged_kernel.load():
             out: torch.Tensor = residual + self(x)
             return out
-        if self.invariant_kernel is not None or x.shape[0] <= kernel_max_rows(x.dtype):
+        if self._kernel_takes(x):
             return self._kernel(x, residual.contiguous())
-        if self.bias is not None:
+        if self.bias is not None or self.int8_activations:
             out = residual + self(x)
             return out
         args = (self.raw, self.rows.type_id, self.in_features)
@@ -179,13 +195,25 @@ class GGUFRowsLinear(_RowsModule):
         added = torch.ops.radixserve.gguf_rows_linear_tiled(x, *args, residual, tile)
         return added
 
+    def _kernel_takes(self, x: torch.Tensor) -> bool:
+        """Whether the decode kernel runs these rows: up to its row count, or any count when split-invariant."""
+        if self.invariant_kernel is not None:
+            return True
+        return x.shape[0] <= (INT8_KERNEL_MAX_ROWS if self.int8_activations else kernel_max_rows(x.dtype))
+
     def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The decode kernel: x @ W.T + bias (+ residual) in x's dtype, summed in float32."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        out: torch.Tensor = torch.ops.radixserve.gguf_rows_linear(
-            x, self.raw, self.rows.type_id, self.in_features, bias, residual
+        op = (
+            torch.ops.radixserve.gguf_rows_linear_q8 if self.int8_activations else torch.ops.radixserve.gguf_rows_linear
         )
+        out: torch.Tensor = op(x, self.raw, self.rows.type_id, self.in_features, bias, residual)
         return out
+
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """No kernel (no compiler), or CUDA: gguf's dequantize, then the dtype's GEMM (int8 activations on CPU: the
+        kernel's math with torch ops)."""
+        return dequantized_linear(x, self.rows.dequantize().to(x.dtype), self.bias, self.int8_activations)
 
 
 class GGUFRowsEmbedding(_RowsModule):

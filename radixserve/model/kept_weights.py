@@ -25,6 +25,10 @@ from radixserve.model.gguf_rows import GGUFRows, GGUFRowsEmbedding, GGUFRowsLine
 from radixserve.model.precision import KEPT_TYPES
 from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks
 
+# The GGUF types kept as their float values: they run float activations under every quantization.
+FLOAT_TYPES = ("F16", "BF16", "F32")
+
+
 # Each fused linear of a decoder layer and the HF weights it holds, rows in this order.
 FUSED_PARTS = {
     ("self_attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -85,10 +89,11 @@ def _cat(parts: list[Kept]) -> Kept:
 def linear_of(
     data: Kept, bias: torch.Tensor | None, dtype: torch.dtype, int8_activations: bool
 ) -> BlockLinear | GGUFRowsLinear:
-    """The linear over one kept weight (rows run float activations whatever ``int8_activations``)."""
+    """The linear over one kept weight (float rows, F16 / BF16 / F32, run float activations whatever
+    ``int8_activations``)."""
     if isinstance(data, QuantBlocks):
         return BlockLinear(data, bias, dtype, int8_activations)
-    return GGUFRowsLinear(data, bias, dtype)
+    return GGUFRowsLinear(data, bias, dtype, int8_activations)
 
 
 def embedding_of(data: Kept, dtype: torch.dtype) -> nn.Module:
@@ -141,10 +146,14 @@ class TypeReport:
     converted: int
     converted_to: str  # "" when none was converted, else e.g. "float32" or "q4_1, q8_0"
     why: str
+    activations: str = "float"  # what its kept matrices multiply: "float", or "int8" (blocks of 32, q4_1)
 
 
-def weights_by_type(outcomes: Mapping[str, Outcome], types: Mapping[str, str]) -> dict[str, TypeReport]:
-    """GGUF type -> its TypeReport, over the matrices in ``outcomes`` whose type ``types`` names (HF name -> type)."""
+def weights_by_type(
+    outcomes: Mapping[str, Outcome], types: Mapping[str, str], int8_activations: bool = False
+) -> dict[str, TypeReport]:
+    """GGUF type -> its TypeReport, over the matrices in ``outcomes`` whose type ``types`` names (HF name -> type).
+    ``int8_activations``: the kept linears run int8 activations, except the float types' (F16, BF16, F32)."""
     by_type: dict[str, list[Outcome]] = {}
     for name, outcome in outcomes.items():
         if name in types:
@@ -156,14 +165,20 @@ def weights_by_type(outcomes: Mapping[str, Outcome], types: Mapping[str, str]) -
             sum(bool(o.to) for o in found),
             ", ".join(sorted({o.to for o in found if o.to})),
             "; ".join(sorted({o.why for o in found if o.why})),
+            "int8" if int8_activations and qtype not in FLOAT_TYPES else "float",
         )
         for qtype, found in sorted(by_type.items())
     }
 
 
 def describe_by_type(table: Mapping[str, TypeReport]) -> str:
-    """The quantization_detail's account: the file's weights kept per type, then those converted and why."""
-    kept = ", ".join(f"{r.kept} {qtype}" for qtype, r in table.items() if r.kept)
+    """The quantization_detail's account: the file's weights kept per type (and the activations they multiply where
+    int8), then those converted and why."""
+    kept = ", ".join(
+        f"{r.kept} {qtype}{' (int8 activations)' if r.activations == 'int8' else ''}"
+        for qtype, r in table.items()
+        if r.kept
+    )
     text = f"; the file's blocks by type: {kept}" if kept else ""
     changed = [f"{r.converted} {qtype} to {r.converted_to} ({r.why})" for qtype, r in table.items() if r.converted]
     return text + (f"; converted: {', '.join(changed)}" if changed else "")

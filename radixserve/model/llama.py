@@ -306,10 +306,11 @@ class LlamaForCausalLM(nn.Module):
         linears = list(outcomes.values())
         head, embed = self._keep_head(kept, int8_activations, float_rest, file_types, outcomes)
         types = {name: data.source for name, data in kept.items() if data.source} | dict(file_types)
-        self.weights_by_type = weights_by_type(outcomes, types)
-        rows_note = (
-            " (rows: float)" if int8_activations and any(isinstance(m, GGUFRowsLinear) for m in self.modules()) else ""
+        self.weights_by_type = weights_by_type(outcomes, types, int8_activations)
+        float_rows = sorted(
+            {m.qtype for m in self.modules() if isinstance(m, GGUFRowsLinear) and not m.int8_activations}
         )
+        rows_note = f" ({', '.join(float_rows)} rows: float)" if int8_activations and float_rows else ""
         used = sum(not o.to for o in linears)
         rest = "" if used == len(linears) else f", the rest {'dequantized to ' + to if float_rest else 'quantized'}"
         self.quantization_detail = (

@@ -53,6 +53,7 @@ SOURCES = (
     CSRC / "tiled_gemm.h",
     CSRC / "gguf_rows.h",
     CSRC / "gguf_rows_linear.cpp",
+    CSRC / "gguf_rows_q8_linear.cpp",
     CSRC / "block_amx.cpp",
     CSRC / "extend_attention.cpp",
     CSRC / "fused_ops.cpp",

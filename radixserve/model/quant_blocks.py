@@ -211,6 +211,17 @@ def int8_activation_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     return F.linear(x_hat.to(weight.dtype), weight)
 
 
+def dequantized_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, int8_activations: bool
+) -> torch.Tensor:
+    """The linear on the dequantized ``weight`` (x's dtype) with torch ops, as the kernels' math where they cannot
+    run: float activations, or (CPU) int8 ones (``int8_activation_linear``; CUDA: nothing to gain from int8 rows)."""
+    if not int8_activations or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    out = int8_activation_linear(x, weight)
+    return out if bias is None else out + bias
+
+
 class BlockLinear(_BlockModule):
     """A drop-in for ``nn.Linear`` (x [T, K] -> [T, N]) over Q4_1 or Q8_0 blocks.
 
@@ -288,11 +299,7 @@ class BlockLinear(_BlockModule):
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         """No kernel (no compiler), or CUDA: dequantize with torch ops, then the dtype's GEMM."""
-        weight = self.blocks.dequantize().to(x.dtype)
-        if not self.int8_activations or x.device.type != "cpu":  # CUDA: nothing to gain from int8 rows
-            return F.linear(x, weight, self.bias)
-        out = int8_activation_linear(x, weight)
-        return out if self.bias is None else out + self.bias
+        return dequantized_linear(x, self.blocks.dequantize().to(x.dtype), self.bias, self.int8_activations)
 
 
 class BlockEmbedding(_BlockModule):

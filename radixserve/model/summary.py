@@ -71,8 +71,12 @@ def format_summary(info: dict[str, Any]) -> str:
 
 
 def types_summary(by_type: dict[str, dict[str, Any]]) -> str:
-    """``weights_by_type`` in a line: "14 Q5_0 kept; 2 MXFP4 to bfloat16 (why)"."""
-    parts = [f"{row['kept']} {qtype} kept" for qtype, row in by_type.items() if row["kept"]]
+    """``weights_by_type`` in a line: "14 Q5_0 kept (int8 activations); 2 MXFP4 to bfloat16 (why)"."""
+    parts = [
+        f"{row['kept']} {qtype} kept" + (" (int8 activations)" if row.get("activations") == "int8" else "")
+        for qtype, row in by_type.items()
+        if row["kept"]
+    ]
     parts += [
         f"{row['converted']} {qtype} to {row['converted_to']} ({row['why']})"
         for qtype, row in by_type.items()

@@ -177,7 +177,7 @@ def test_server_info_reports_each_type_and_the_files_bytes() -> None:
     info = Engine.create(model_path=str(gguf_path("llama3")), max_total_tokens=64, dtype="float32").describe()
     assert info["resolved_quantization"] == "q4_1-exact"
     assert info["weights_by_type"] == {
-        "F16": {"matrices": 15, "kept": 15, "converted": 0, "converted_to": "", "why": ""}
+        "F16": {"matrices": 15, "kept": 15, "converted": 0, "converted_to": "", "why": "", "activations": "float"}
     }
     assert info["file_tensor_bytes"] == GGUFFile(gguf_path("llama3")).tensor_bytes()
     assert info["weight_bytes_ratio"] == round(info["weight_bytes"] / info["file_tensor_bytes"], 4)

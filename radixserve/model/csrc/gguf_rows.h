@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "bf16.h"
 #include "block_common.h"
@@ -402,6 +403,27 @@ inline auto dispatch(int64_t type, const F& f) {
     case BF16: return f(Float<BF16>{});
     default: return f(Float<F32>{});
   }
+}
+
+// One weight [N, K] as the file's rows of units.
+struct RowWeights {
+  const uint8_t* raw;
+  int64_t row_bytes;
+  int64_t in_features;
+};
+
+// raw: uint8 [N, bytes of a row of in_features weights of qtype], contiguous, on CPU.
+inline RowWeights check_raw(const at::Tensor& raw, int64_t qtype, int64_t in_features) {
+  const auto [weights, bytes] = dispatch(qtype, [](auto t) {
+    return std::pair<int64_t, int64_t>{decltype(t)::kWeights, decltype(t)::kBytes};
+  });
+  TORCH_CHECK(in_features > 0 && in_features % weights == 0, "qtype ", qtype, " stores rows of whole units of ",
+              weights, " weights, not ", in_features);
+  const int64_t row_bytes = in_features / weights * bytes;
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.size(1) == row_bytes, "raw: uint8 [N, ",
+              row_bytes, "] for rows of ", in_features, " weights of qtype ", qtype, ", got ", raw.sizes());
+  TORCH_CHECK(raw.is_contiguous() && raw.device().is_cpu(), "raw: contiguous, on CPU");
+  return {raw.data_ptr<uint8_t>(), row_bytes, in_features};
 }
 
 }  // namespace radixserve::gguf_rows
