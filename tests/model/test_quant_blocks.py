@@ -232,9 +232,11 @@ def test_q4_1_holds_a_fraction_of_the_weight_bytes_and_says_what_it_kept(q4_gguf
     assert model.quantization_detail.startswith("q4_1: 14 of 14 linear weights kept")
     model = gguf_model(mixed_gguf, "q4_1")
     # Per layer the file holds q, v, o, gate, down as Q4_1, k and up as F32: every part is kept (F32 as its
-    # rows), q|k|v and gate|up as one linear of their parts (kept_weights.PartsLinear).
+    # rows), q|k|v and gate|up as one linear of their parts (kept_weights.PartsLinear). q4_1 multiplies int8
+    # activations on the quantized types only: F32 rows keep float ones.
     assert model.quantization_detail.startswith("q4_1: 14 of 14 linear weights kept")
-    assert model.quantization_detail.endswith("the file's blocks by type: 4 F32, 10 Q4_1, 1 Q8_0")
+    blocks = "4 F32, 10 Q4_1 (int8 activations), 1 Q8_0 (int8 activations)"
+    assert model.quantization_detail.endswith(f"the file's blocks by type: {blocks}")
     assert model.lm_head is not None and model.lm_head.qs is model.embed_tokens.qs  # tied: one copy of the blocks
 
 
