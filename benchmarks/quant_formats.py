@@ -94,7 +94,7 @@ def measure_file(path: str, thread_counts: list[int], args: argparse.Namespace) 
         "weights": weight_bytes(engine.loaded.model),
         "quantization": str(info["resolved_quantization"]),
     }
-    print(f"{Path(path).name}: {info['resolved_quantization']}: {info['quantization_detail']}")
+    print(f"{Path(path).name}: {info['quantization_detail']}")  # the detail starts with the method's name
     return [{**best[threads], **held} for threads in thread_counts]
 
 
