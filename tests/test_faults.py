@@ -114,3 +114,15 @@ def test_a_detokenizer_error_for_one_request(tiny_model_dir: Path, clean: list[l
 
     engine, outs = run_with(tiny_model_dir, patch, {**PARAMS, "stop": ["never-generated"]})
     check_contained(engine, outs, clean, "UnicodeDecodeError")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_rows_flags_exactly_the_rows_with_nan_or_inf(dtype: torch.dtype) -> None:
+    logits = torch.randn(6, 300).to(dtype)
+    logits[1, 7] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3, 299] = float("-inf")
+    logits[4, :] = float("inf")  # every entry inf: max == min, still flagged
+    logits[5, 1], logits[5, 2] = torch.finfo(dtype).max, torch.finfo(dtype).min  # huge but finite: fine
+    assert step_module.finite_rows(logits) == [True, False, False, False, False, True]
+    assert step_module.finite_rows(logits) == torch.isfinite(logits).all(dim=-1).tolist()
