@@ -7,7 +7,7 @@ streamed, ``ignore_eos``, greedy), each server started cold for every cell and g
 - radixserve on each ``--model-path`` (e.g. the Q4_0 file and the Q4_K_M file), at its defaults plus
   ``--radixserve-args``;
 - ``llama-server`` (``--llama-server`` or ``$LLAMA_SERVER``) on ``--llama-model`` (its fastest x86 format is
-  Q4_0, which it repacks at load): ``-m FILE -t T -tb T -c 32768 -np 16 -kvu`` (16 slots sharing one
+  Q4_0, which it repacks at load): ``-m FILE -t T -tb T -c 65536 -np 16 -kvu`` (16 slots sharing one
   32k-token context, as BENCHMARKS §8 ran it), plus ``--llama-args``.
 
 Workloads (BENCHMARKS §8): ``shared``, 32 requests of one 2,048-token shared prefix + an 80-token question,
@@ -67,7 +67,7 @@ def unshared(shape: Shape) -> list[TraceRequest]:
 
 DEFAULT = Shape()
 WORKLOADS: dict[str, Callable[[Shape], list[TraceRequest]]] = {"shared": shared, "no-sharing": unshared}
-LLAMA_CONTEXT = 32768  # tokens shared by llama-server's 16 slots (-kvu): 16 x ~2.1k of the shared workload
+LLAMA_CONTEXT = 65536  # tokens shared by llama-server's 16 slots (-kvu): 16 x ~2.2k of the shared workload need > 32k
 
 
 class Peer(NamedTuple):
