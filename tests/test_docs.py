@@ -36,3 +36,15 @@ def test_the_layout_page_lists_every_module() -> None:
 
 def test_every_module_on_the_layout_page_exists() -> None:
     assert sorted(listed_paths() - tree_paths()) == []
+
+
+def test_every_server_flag_is_in_the_flag_reference() -> None:
+    """``radixserve serve``'s flags (the parser's own option strings) each have a row in docs/server/flags.md."""
+    from radixserve.server.args import build_parser
+
+    reference = (ROOT / "docs" / "server" / "flags.md").read_text()
+    flags = {
+        option for action in build_parser()._actions for option in action.option_strings if option.startswith("--")
+    }
+    missing = sorted(flag for flag in flags - {"--help"} if not re.search(rf"`{re.escape(flag)}[` =]", reference))
+    assert len(flags) > 40 and missing == []
