@@ -41,6 +41,14 @@ DOC = (
     "In 1998 a climbing tour opened, and more than four million people have climbed the arch since then. "
     "The bridge was designed by John Bradfield, who oversaw the project from its first survey to its opening."
 )
+# The file first, in a fence, then the edit: the embedded model's greedy answers reproduce more of the file
+# (difflib ratio against it, names spans / ranges / segments / periods: 0.63 / 0.57 / 0.82 / 0.87) than asked
+# "Rewrite this code, renaming `intervals` to ... Output only the code." with the file after the request (0.38 /
+# 0.48 / 0.76 / 0.38: since the split-invariance changes it rewrites one function for spans and ranges).
+CODE_EDIT = (
+    "Rewrite the whole file above with every `intervals` renamed to `{name}`. "
+    "Reply with the full file in one code block."
+)
 QUESTIONS = ["How long is the arch?", "Who designed the bridge?", "How many vehicles cross it?", "When did it open?"]
 AGENT_SYSTEM = "You are a weather assistant. Call the get_weather tool for the city the user asks about."
 # The call's JSON is held to this schema (structured output) and is nowhere in the prompt: drafts of its shape
@@ -76,10 +84,7 @@ def workloads() -> dict[str, Workload]:
         return [{"role": "user", "content": text}]
 
     return {
-        "code-edit": [
-            user(f"Rewrite this code, renaming `intervals` to `{name}`. Output only the code.\n\n{CODE}")
-            for name in ("spans", "ranges")
-        ],
+        "code-edit": [user(f"```python\n{CODE}```\n\n{CODE_EDIT.format(name=name)}") for name in ("spans", "ranges")],
         "rag-quote": [user(f"{DOC}\n\nQuote the sentence that answers: {q}") for q in QUESTIONS[:2]],
         "agent": [
             [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": f"Weather in {city}?"}]
