@@ -45,12 +45,14 @@ from radixserve.cache.core.candidates import CandidateHeap, Ranked
 
 T = TypeVar("T", bound=Ranked)
 
-NUM_CLASSES = 6
+HIT_CLASSES = 5  # reused 0, 1, 2-3, 4-7, ... times: this many buckets, the last open-ended
+NUM_CLASSES = 2 * HIT_CLASSES
 
 
 def leaf_class(node: Ranked) -> int:
-    """Reused 0, 1, 2+ times (x 2), at the top level (+0) or below a cached prefix (+1)."""
-    return min(node.hit_count, 2) * 2 + (node.depth > 0)
+    """Reused 0, 1, 2-3, ... times (the hit count's bit length, capped; x 2), at the top level (+0) or below a
+    cached prefix (+1)."""
+    return min(node.hit_count.bit_length(), HIT_CLASSES - 1) * 2 + (node.depth > 0)
 
 
 def _oldest(node: Ranked) -> tuple[float]:
@@ -196,6 +198,8 @@ class WhenCandidates(Generic[T]):
         ghost = self._ghosts.pop(ghost_key, None)
         if ghost is not None:
             self.ghost_len -= ghost[2]
+            row = self.counts[ghost[0]]  # its eviction counted it as never read again: it was, after all
+            row[self.NUM_BINS] = max(row[self.NUM_BINS] - 1.0, 0.0)
             self._observe(ghost[0], max(now - ghost[1], 0.0))
 
     def _remember(self, key: Hashable, cls: int, start: float, length: int) -> None:
@@ -204,10 +208,9 @@ class WhenCandidates(Generic[T]):
             self.ghost_len -= old[2]
         self._ghosts[key] = (cls, start, length)
         self.ghost_len += length
+        self._observe(cls, math.inf)  # never read again, until its ghost is (``note_miss`` moves it to its gap)
         while self.ghost_len > self.GHOST_REACH * self.capacity_len and len(self._ghosts) > 1:
-            cls_old, _, tokens = self._ghosts.popitem(last=False)[1]
-            self.ghost_len -= tokens
-            self._observe(cls_old, math.inf)
+            self.ghost_len -= self._ghosts.popitem(last=False)[1][2]
 
     def _observe(self, cls: int, gap: float) -> None:
         row = self.counts[cls]

@@ -90,12 +90,14 @@ def adaptive_victim(leaves: list[TreeNode], shifts: tuple[float, float, float], 
 
 
 def when_victim(leaves: list[TreeNode], table: Any, scored: bool, now: float) -> TreeNode:
-    """The leaf ``when`` evicts: of each class's (reuses 0 / 1 / 2+, top level or below) least and most recently
-    used leaf, the lowest P(read within the horizon) for its class and age bin (half octaves from 2**-6, 56 bins),
-    the least recent on a tie; all P are 0 before a pool's worth was evicted (LRU)."""
+    """The leaf ``when`` evicts: of each class's (reuses 0 / 1 / 2-3 / 4-7 / 8+, top level or below) least and
+    most recently used leaf, the lowest P(read within the horizon) for its class and age bin (half octaves from
+    2**-6, 56 bins), the least recent on a tie; all P are 0 before a pool's worth was evicted (LRU)."""
 
     def cls(n: TreeNode) -> int:
-        return 2 * min(n.hit_count, 2) + (slow_depth(n) > 0)
+        reuses = n.hit_count
+        bucket = 0 if reuses == 0 else 1 if reuses == 1 else 2 if reuses < 4 else 3 if reuses < 8 else 4
+        return 2 * bucket + (slow_depth(n) > 0)
 
     def age_bin(age: float) -> int:
         return 0 if age <= 0 else min(max(math.floor(2 * (math.log2(age) + 6)), 0), 55)
@@ -319,14 +321,14 @@ class RadixMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.policy == "when")
     @rule(
-        levels=st.lists(st.sampled_from([0.0, 0.3, 1.0]), min_size=12, max_size=12),
-        cuts=st.lists(st.integers(0, 56), min_size=6, max_size=6),
+        levels=st.lists(st.sampled_from([0.0, 0.3, 1.0]), min_size=20, max_size=20),
+        cuts=st.lists(st.integers(0, 56), min_size=10, max_size=10),
     )
     def learn_table(self, levels: list[float], cuts: list[int]) -> None:
         """Stand in for what the gaps would have taught: any table (per class one level below an age, another
         above) must keep the order exact."""
         table = self.cache.candidates.table  # type: ignore[attr-defined]
-        for c in range(6):
+        for c in range(10):
             table[c, : cuts[c]], table[c, cuts[c] :] = levels[2 * c], levels[2 * c + 1]
 
     @rule(data=st.data())

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
+import pytest
+
 from benchmarks.traces import load_scaled_trace
 from radixserve.cache import RadixCache, RadixKey
 from radixserve.cache.learned.when import NUM_CLASSES, WhenCandidates, leaf_class
@@ -66,7 +68,7 @@ def test_a_leaf_near_its_typical_gap_outlives_a_fresh_one() -> None:
     assert cands.table[0][cands._bin(80.0)] > 0.5 > 0.01 > cands.table[0][cands._bin(1.0)]
 
 
-def test_gaps_come_from_accesses_ghosts_and_forgotten_ghosts() -> None:
+def test_gaps_come_from_accesses_and_ghosts_an_eviction_counts_as_never_until_its_ghost_is_read() -> None:
     cands = candidates(capacity_len=4)
     before = cands.counts.copy()
     a = Leaf(1.0)
@@ -75,16 +77,20 @@ def test_gaps_come_from_accesses_ghosts_and_forgotten_ghosts() -> None:
     cands.refresh(a)
     assert cands.counts[0, cands._bin(8.0)] == before[0, cands._bin(8.0)] + 1
     cands.note_lookup(None, 9.0)
-    assert cands.pop() is a  # its ghost remembers class 0 and a gap started at 9
-    cands.note_miss(("ghost", a.id), 13.0)  # read back 4 s later
+    assert cands.pop() is a  # evicted: never read again, as far as anyone knows; its gap started at 9
+    assert cands.counts[0, -1] == before[0, -1] + 1
+    cands.note_miss(("ghost", a.id), 13.0)  # read back 4 s later: the never becomes a 4 s gap
     assert cands.counts[0, cands._bin(4.0)] == before[0, cands._bin(4.0)] + 1
-    for t in range(6):  # more ghosts than GHOST_REACH pools hold: the oldest are forgotten, counted as never
+    assert cands.counts[0, -1] == max(before[0, -1] + 1 - 1, 0.0)
+    for t in range(6):  # more ghosts than GHOST_REACH pools hold: the oldest are forgotten (still never)
         leaf = Leaf(20.0 + t, hit_count=2, depth=1)
         cands.add(leaf)
         cands.note_lookup(None, 30.0)
         assert cands.pop() is leaf
-    never = cands.counts[leaf_class(leaf), -1] - before[leaf_class(leaf), -1]
-    assert never == 2 and cands.ghost_len == 16  # GHOST_REACH (4) pools of 4 tokens: four 4-token ghosts
+    assert cands.counts[leaf_class(leaf), -1] - before[leaf_class(leaf), -1] == pytest.approx(6)
+    assert cands.ghost_len == 16  # GHOST_REACH (4) pools of 4 tokens: four 4-token ghosts
+    cands.note_miss(("ghost", leaf.id - 5), 40.0)  # a forgotten ghost teaches nothing
+    assert cands.counts[leaf_class(leaf), -1] - before[leaf_class(leaf), -1] == pytest.approx(6)
     cands.check()
 
 
