@@ -19,6 +19,7 @@ BENCHMARKS = {
     "responsiveness": "responsiveness",
     "simulate": "simulate",
     "policy-table": "eviction_heldout",
+    "when-signal": "when_signal",
     "serve": "serve",
     "four-way": "four_way",
     "soak": "soak",

@@ -1,4 +1,4 @@
-"""The online eviction policies (adaptive, learned, minisim) against the fixed ones, from one ``bench simulate`` run.
+"""The online eviction policies (adaptive, learned, minisim, when) against the fixed ones,, from one simulate run.
 
 Per capacity (page size 1), for each online policy in the run: its hit rate, the best fixed policy's (and
 which), the difference, how much of the LRU-to-Belady gap adaptive closes, and
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 DEFAULT_RULE_POINTS = 0.5
-ONLINE = ("adaptive", "learned", "minisim")  # policies that learn from the traffic: never "fixed" rivals
+ONLINE = ("adaptive", "learned", "minisim", "when")  # policies that learn from the traffic: never "fixed" rivals
 
 
 class Row(Protocol):

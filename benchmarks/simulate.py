@@ -27,7 +27,7 @@ import argparse
 import json
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -125,11 +125,13 @@ def replay(
     index: FutureIndex | None = None,
     working_set: int | None = None,
     trace_clock: bool = False,
+    factory: Callable[[list[float]], BasePrefixCache] | None = None,
 ) -> SimResult:
     """One cache over ``requests``; ``trace_clock``: the requests' timestamps are the cache's clock (a
-    production trace: time-aware policies see its real gaps), else the request index."""
+    production trace: time-aware policies see its real gaps), else the request index. ``factory``: builds the
+    cache instead of ``make_cache`` (given the clock list; when_signal.py's instrumented LRU)."""
     clock: list[float] = [0, 0]
-    cache = make_cache(cache_name, capacity, clock, index)
+    cache = make_cache(cache_name, capacity, clock, index) if factory is None else factory(clock)
     window: deque[CacheReq] = deque()
     prompt_tokens = cached_tokens = rejected = 0
     elapsed = 0.0

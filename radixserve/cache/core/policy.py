@@ -28,6 +28,7 @@ from radixserve.cache.adaptive.candidates import AdaptiveCandidates
 from radixserve.cache.core.candidates import CandidateHeap, CandidateSet, Rank
 from radixserve.cache.learned.candidates import LearnedCandidates
 from radixserve.cache.learned.dueling import DuelingCandidates
+from radixserve.cache.learned.when import WhenCandidates
 
 __all__ = ["EVICTION_POLICIES", "CandidateHooks", "EvictionStrategy", "NodeStats", "Rank", "create_eviction_strategy"]
 
@@ -187,6 +188,18 @@ class MiniSimStrategy(EvictionStrategy):
         return DuelingCandidates(ranks, tie_break, hooks.capacity_len)
 
 
+class WhenStrategy(EvictionStrategy):
+    """The leaf least likely to be read again within the pool's horizon (how long its contents last), by its
+    class (reused 0 / 1 / 2+ times, top level or below) and its age, from reuse gaps learned online
+    (cache/learned/when.py); LRU until a pool's worth was evicted."""
+
+    def rank(self, node: NodeStats) -> Rank:
+        return (node.last_access_time,)  # within a class's oldest end; the candidate set compares classes and ends
+
+    def candidate_set(self, tie_break: Callable[[Any], int], hooks: CandidateHooks) -> CandidateSet[Any]:
+        return WhenCandidates(tie_break, hooks.ghost_key, hooks.node_len, hooks.capacity_len)
+
+
 EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
     "lru": LRUStrategy,
     "mru": MRUStrategy,
@@ -198,6 +211,7 @@ EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
     "adaptive": AdaptiveStrategy,
     "learned": LearnedStrategy,
     "minisim": MiniSimStrategy,
+    "when": WhenStrategy,
 }
 
 

@@ -9,6 +9,7 @@ would almost never do that and would miss the real bugs).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -88,6 +89,32 @@ def adaptive_victim(leaves: list[TreeNode], shifts: tuple[float, float, float], 
     return top
 
 
+def when_victim(leaves: list[TreeNode], table: Any, scored: bool, now: float) -> TreeNode:
+    """The leaf ``when`` evicts: of each class's (reuses 0 / 1 / 2-3 / 4-7 / 8+, top level or below) least and
+    most recently used leaf, the lowest P(read within the horizon) for its class and age bin (half octaves from
+    2**-6, 56 bins), the least recent on a tie; all P are 0 before a pool's worth was evicted (LRU)."""
+
+    def cls(n: TreeNode) -> int:
+        reuses = n.hit_count
+        bucket = 0 if reuses == 0 else 1 if reuses == 1 else 2 if reuses < 4 else 3 if reuses < 8 else 4
+        return 2 * bucket + (slow_depth(n) > 0)
+
+    def age_bin(age: float) -> int:
+        return 0 if age <= 0 else min(max(math.floor(2 * (math.log2(age) + 6)), 0), 55)
+
+    ends = []
+    for c in {cls(n) for n in leaves}:
+        group = [n for n in leaves if cls(n) == c]
+        ends.append(min(group, key=lambda n: (n.last_access_time, n.id)))
+        ends.append(min(group, key=lambda n: (-n.last_access_time, n.id)))
+
+    def score(n: TreeNode) -> tuple[float, float, int]:
+        p = float(table[cls(n)][age_bin(now - n.last_access_time)]) if scored else 0.0
+        return (p, n.last_access_time, n.id)
+
+    return min(ends, key=score)
+
+
 def key_strategy(page_size: int) -> st.SearchStrategy[tuple[str | None, list[int]]]:
     # Chunks 0 and 1 agree on all but their last token: divergence inside a page.
     base = list(range(1, page_size + 1))
@@ -113,6 +140,8 @@ class RadixMachine(RuleBasedStateMachine):
         self.priority: dict[PageKey, int] = {}
         self.live: list[CacheReq] = []
         self.expected_victims: list[PageKey] | None = None
+        if self.policy == "when":  # its table changes only in the learn_table rule: the brute force can follow
+            self.cache.candidates.frozen = True  # type: ignore[attr-defined]
         self.real_evict = self.cache.evict
         self.cache.evict = self.checked_evict  # type: ignore[method-assign]
 
@@ -182,8 +211,15 @@ class RadixMachine(RuleBasedStateMachine):
         alive = {n.id: len(n.children) for n in nodes}
         leaves = [n for n in nodes if n.lock_ref == 0 and not n.children]
         order, freed = [], 0
+        window = [n for _, n in learned.evictions] if self.policy == "when" else []  # type: ignore[attr-defined]
         while leaves and freed < num_tokens:
-            if shifts:
+            if self.policy == "when":  # scored once the last evictions hold a pool's worth of tokens
+                scored = sum(window) >= self.allocator.size
+                victim = when_victim(leaves, learned.table, scored, learned.now)  # type: ignore[attr-defined]
+                window.append(len(victim.key))
+                while sum(window) - window[0] >= self.allocator.size:
+                    window.pop(0)
+            elif shifts:
                 victim = adaptive_victim(leaves, shifts, learned.num_classes)  # type: ignore[attr-defined]
             elif self.policy == "learned":
                 victim = learned_victim(leaves, learned.share, learned.top_share)  # type: ignore[attr-defined]
@@ -282,6 +318,18 @@ class RadixMachine(RuleBasedStateMachine):
     def choose(self, name: str) -> None:
         """Stand in for what the shadows would have chosen: a switch of order keeps every leaf a candidate."""
         self.cache.candidates.choose(name)  # type: ignore[attr-defined]
+
+    @precondition(lambda self: self.policy == "when")
+    @rule(
+        levels=st.lists(st.sampled_from([0.0, 0.3, 1.0]), min_size=20, max_size=20),
+        cuts=st.lists(st.integers(0, 56), min_size=10, max_size=10),
+    )
+    def learn_table(self, levels: list[float], cuts: list[int]) -> None:
+        """Stand in for what the gaps would have taught: any table (per class one level below an age, another
+        above) must keep the order exact."""
+        table = self.cache.candidates.table  # type: ignore[attr-defined]
+        for c in range(10):
+            table[c, : cuts[c]], table[c, cuts[c] :] = levels[2 * c], levels[2 * c + 1]
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:
