@@ -1,5 +1,6 @@
-// The scores pass of paged_avx512.h over an 8-bit pool with vpdpbusd (AVX512-VNNI): q . code for 64 dims of a key in
-// one instruction, against paged_avx512.h's int16 pairs (vpdpwssd: four instructions and a widening a key).
+// The scores pass of paged_avx512.h over an 8-bit pool with vpdpbusd (AVX512-VNNI): q . code for 64 dims of a key
+// in one instruction (on average), against paged_avx512.h's int16 pairs (vpdpwssd: two instructions and two
+// widenings a key).
 //
 //   q       row r quantized to int8 with one scale (max|q_r| / 127) and its codes' sum; each 16-byte block of the
 //           row broadcast to the four 128-bit lanes of a register (vpdpbusd's signed side);
