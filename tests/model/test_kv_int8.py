@@ -2,10 +2,12 @@
 
 The kernels read int8 codes and fold each row's scale into its score (K) and its softmax weight (V); the
 references here run float32 SDPA on the same pool dequantized (codes * scale), so the kernels must match
-them to float32 rounding and the paged kernel's two int16 quantizations (q against the key codes: 2^-15 of a
-row's max; the softmax weights against the value codes: 2^-15 of the largest in each 16-key block) or to bf16
-rounding (the extend kernel, which packs code * scale in bf16). Then what the engine promises within one KV dtype:
-a cache hit and a mixed step give the same bits as a cold prefill and the steps apart.
+them to float32 rounding and the paged kernel's two quantizations (q against the key codes: int8, 2^-8 of a
+row's max, with AVX512-VNNI, else int16; the softmax weights against the value codes: int16, 2^-15 of the
+largest in each 16-key block) or to bf16 rounding (the extend kernel, which packs code * scale in bf16). Query
+rows that are int8 codes already lose nothing to the first: there the paged kernel meets the reference to 1e-4.
+Then what the engine promises within one KV dtype: a cache hit and a mixed step give the same bits as a cold
+prefill and the steps apart.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from tests.model.tiny import alloc, build_hf_model, load_ours, make_batch, make_
 
 needs_paged = pytest.mark.skipif(not paged_kernel.load(), reason="no C++ compiler: the paged kernel cannot build")
 needs_extend = pytest.mark.skipif(not extend_kernel_usable(), reason="the CPU lacks AVX512-BF16 (or no compiler)")
+
+
+# Of the largest output: the paged kernel's suffix rows against dequantized SDPA with q quantized to int8 per row
+# (scores_int8.h). The kernel's arithmetic beyond that rounding is pinned at 1e-4 by the int8-exact rows' test.
+Q_INT8_TOLERANCE = 2.5e-2
 
 
 def int8_pool(num_slots: int, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, seed: int = 0) -> KVPool:
@@ -110,9 +117,8 @@ def test_paged_kernel_reads_the_8bit_pool_as_its_dequantized_values(page_size: i
             got = paged_attention(q, pool.k[0], pool.v[0], PagedIndex.build(contexts, lens), scales=scales(pool))
         finally:
             torch.set_num_threads(1)
-        # q and the softmax weights are quantized to int16 (2^-15 of a row's max, of a 16-key block's largest);
-        # bf16: the output's own rounding
-        assert_close(got, expected, 1e-4 if q_dtype == torch.float32 else 4e-3)
+        # q quantized to int8 (measured <= 4.0e-3 on these random rows: softmaxes far sharper than a model's)
+        assert_close(got, expected, Q_INT8_TOLERANCE)
 
 
 @needs_paged
@@ -124,7 +130,7 @@ def test_cascade_and_other_head_dims_read_the_8bit_pool(head_dim: int) -> None:
     index = PagedIndex.build(contexts, lens)
     assert index.shared.lens.size >= 2  # the shared-prefix pass runs
     got = paged_attention(q, pool.k[0], pool.v[0], index, scales=scales(pool))
-    assert_close(got, reference(q, *dequantized(pool), contexts, lens), 1e-4)  # int16 q and weights, as above
+    assert_close(got, reference(q, *dequantized(pool), contexts, lens), Q_INT8_TOLERANCE)  # measured <= 1.2e-2
 
 
 @needs_paged
@@ -142,9 +148,26 @@ def test_an_8bit_row_has_the_same_bits_wherever_its_extend_starts(head_dim: int)
         return paged_attention(q[start:stop], pool.k[0], pool.v[0], index, scales=scales(pool))
 
     whole = run(0, 40)
-    assert_close(whole, reference(q, *dequantized(pool), [slots], [40]), 1e-4)
+    assert_close(whole, reference(q, *dequantized(pool), [slots], [40]), Q_INT8_TOLERANCE)  # measured <= 1.5e-2
     for cuts in ([0, 13, 40], [0, 5, 21, 22, 40], list(range(41))):
         assert torch.equal(torch.cat([run(a, b) for a, b in zip(cuts, cuts[1:])]), whole)
+
+
+@needs_paged
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_8bit_scores_of_int8_exact_rows_lose_nothing(head_dim: int) -> None:
+    """Query rows that are int8 codes times one factor (each row's largest exactly 127 of them) pass the scores
+    pass's int8 quantization unchanged: q . code is then exact in int32 (vpdpbusd on codes + 128, less 128 x the
+    row's code sum), so the kernel meets dequantized SDPA as closely as the int16 weights allow, on decode rows,
+    extend tiles, scattered pages and contexts ending anywhere in a 16-key block."""
+    contexts, lens, num_slots = layout(16, seed=9)
+    pool = int8_pool(num_slots, head_dim=head_dim, seed=9)
+    generator = torch.Generator().manual_seed(9)
+    codes = torch.randint(-127, 128, (sum(lens), HEADS, head_dim), generator=generator)
+    codes[..., 3] = 127
+    q = codes.float() * (torch.rand(sum(lens), HEADS, 1, generator=generator) + 0.1)
+    got = paged_attention(q, pool.k[0], pool.v[0], PagedIndex.build(contexts, lens, cascade=False), scales=scales(pool))
+    assert_close(got, reference(q, *dequantized(pool), contexts, lens), 1e-4)
 
 
 @needs_paged

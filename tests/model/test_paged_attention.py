@@ -162,6 +162,25 @@ def test_rows_written_by_their_items_equal_the_merged_ones(dtype: torch.dtype) -
     assert torch.equal(with_shared[:rows], alone)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_rows_are_the_float32_path_rounded(threads: int) -> None:
+    """A bfloat16 q is read and its output rounded by the kernel itself (no conversion around the call): the same
+    bits as the float32 path on the same q, rounded to bfloat16, with rows written by their items, merged after
+    splits (2 threads) and next to a shared prefix (``layout``'s two requests share one)."""
+    contexts, lens, num_slots = layout(16, seed=8)
+    generator = torch.Generator().manual_seed(8)
+    k, v = torch.randn(2, KV_HEADS, num_slots, HEAD_DIM, generator=generator).to(torch.bfloat16)
+    q = torch.randn(sum(lens), HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16)
+    torch.set_num_threads(threads)
+    try:
+        for index in (PagedIndex.build(contexts, lens), PagedIndex.build(contexts, lens, cascade=False)):
+            got = paged_attention(q, k, v, index)
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, paged_attention(q.float(), k, v, index).to(torch.bfloat16))
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_paged_kernel_rejects_indices_that_do_not_cover_the_batch() -> None:
     k = v = torch.zeros(KV_HEADS, 8, HEAD_DIM)
     q = torch.zeros(2, HEADS, HEAD_DIM)

@@ -1,5 +1,6 @@
 // torch binding of paged_attention.h: torch.ops.radixserve.paged_attention (CPU).
-// q and out travel as float32 (q is small: the new tokens); the pool keeps its own dtype. An 8-bit pool
+// q and out travel in q's dtype where it is bfloat16 (the kernel widens q and rounds its output rows itself: no
+// conversion around the call), else as float32; the pool keeps its own dtype. An 8-bit pool
 // (int8 k, v) comes with its scales (bfloat16 [Hkv, N]: k_scale, v_scale).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -51,6 +52,7 @@ const uint16_t* checked_scales(const at::Tensor& codes, const c10::optional<at::
 const radixserve::bf16* as_bf16(const at::Tensor& t) {
   return reinterpret_cast<const radixserve::bf16*>(t.data_ptr<c10::BFloat16>());
 }
+radixserve::bf16* as_bf16_mut(at::Tensor& t) { return reinterpret_cast<radixserve::bf16*>(t.data_ptr<c10::BFloat16>()); }
 
 at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                               const at::Tensor& q_starts, const at::Tensor& ctx_starts, const at::Tensor& group_members,
@@ -70,33 +72,38 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at
   const int64_t* cs = ctx_starts.data_ptr<int64_t>();
   TORCH_CHECK(qs[batch] == q.size(0) && cs[batch] == slots.numel(), "q_starts / ctx_starts do not cover q / slots");
   const radixserve::SharedGroups groups = checked_groups(group_members, group_starts, group_lens, qs, cs, batch);
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   const radixserve::Shape s{q.size(1),     k.size(0),    q.size(2),
                             k.size(1),     q.size(1) / k.size(0), float(scale),
                             window,        float(softcap),        checked_scales(k, k_scale, "k_scale"),
                             checked_scales(v, v_scale, "v_scale")};
-  auto parallel = [](int64_t n, auto fn) { at::parallel_for(0, n, 1, fn); };
-  const int64_t* sl = slots.data_ptr<int64_t>();
+  // A bfloat16 q is read and its output written in bfloat16 by the kernel; any other dtype goes through float32.
+  const at::ScalarType io = q.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+  const at::Tensor qc = q.to(io).contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(io));
+  const auto run = [&](const auto* kp, const auto* vp) {
+    auto parallel = [](int64_t n, auto fn) { at::parallel_for(0, n, 1, fn); };
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    if (io == at::kBFloat16)
+      radixserve::paged_attention(as_bf16(qc), kp, vp, sl, qs, cs, batch, num_splits, groups, s, as_bf16_mut(out),
+                                  parallel);
+    else
+      radixserve::paged_attention(qc.data_ptr<float>(), kp, vp, sl, qs, cs, batch, num_splits, groups, s,
+                                  out.data_ptr<float>(), parallel);
+  };
   if (k.scalar_type() == at::kFloat) {
-    radixserve::paged_attention<float>(qf.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), sl, qs, cs,
-                                       batch, num_splits, groups, s, out.data_ptr<float>(), parallel);
+    run(k.data_ptr<float>(), v.data_ptr<float>());
   } else if (k.scalar_type() == at::kBFloat16) {
     static_assert(sizeof(c10::BFloat16) == sizeof(radixserve::bf16), "bfloat16 is 16 bits");
-    radixserve::paged_attention<radixserve::bf16>(qf.data_ptr<float>(), as_bf16(k), as_bf16(v), sl, qs, cs, batch,
-                                                  num_splits, groups, s, out.data_ptr<float>(), parallel);
+    run(as_bf16(k), as_bf16(v));
   } else if (k.scalar_type() == at::kHalf) {
-    radixserve::paged_attention<c10::Half>(qf.data_ptr<float>(), k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(),
-                                           sl, qs, cs, batch, num_splits, groups, s, out.data_ptr<float>(), parallel);
+    run(k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>());
   } else if (k.scalar_type() == at::kChar) {
-    const auto* kc = reinterpret_cast<const radixserve::i8*>(k.data_ptr<int8_t>());
-    const auto* vc = reinterpret_cast<const radixserve::i8*>(v.data_ptr<int8_t>());
-    radixserve::paged_attention<radixserve::i8>(qf.data_ptr<float>(), kc, vc, sl, qs, cs, batch, num_splits, groups,
-                                                s, out.data_ptr<float>(), parallel);
+    run(reinterpret_cast<const radixserve::i8*>(k.data_ptr<int8_t>()),
+        reinterpret_cast<const radixserve::i8*>(v.data_ptr<int8_t>()));
   } else {
     TORCH_CHECK(false, "paged_attention: pool dtype must be float32, bfloat16, float16 or int8");
   }
-  return out.to(q.scalar_type());
+  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 // (0-based) sees context 0 .. prefix_len + t, where prefix_len = ctx_len - extend_len; so one
 // kernel serves decode, extend on a cached prefix and mixed batches.
 //
-//   q      [T, H, D]     out [T, H, D] (both float32 here; the binding converts)
+//   q      [T, H, D]     out [T, H, D] (both float32, or both bfloat16: converted in the kernel)
 //   k, v   [Hkv, N, D]   one layer of the pool (heads first: a slot's head row is contiguous)
 //
 // Work items are (request, K/V head, tile of query tokens, split of the context). The query
@@ -18,7 +18,8 @@
 // 64, 96, 128 and 256 and float32, bfloat16 or int8 pools, paged_avx512.h's intrinsics). An 8-bit pool's
 // codes are read in place and widened in registers; each key's scale multiplies its score, each value's
 // its softmax weight (after the weights' sum), so no row is ever dequantized into memory; with AVX512 both
-// passes are integer dot products against the codes (q and the weights as int16: values_int8.h). Requests that
+// passes are integer dot products against the codes (q as int8 with AVX512-VNNI, scores_int8.h, else int16; the
+// weights as int16, values_int8.h). Requests that
 // share a leading run of slots (SharedGroups) read it once, in shared_prefix.h's items, and only their
 // own suffix here; every partial then meets in one log-sum-exp merge.
 //
@@ -39,6 +40,7 @@
 
 #include "attention_common.h"
 #include "paged_avx512.h"
+#include "scores_int8.h"
 #include "shared_prefix.h"
 #include "values_int8.h"
 
@@ -102,8 +104,9 @@ void values_pass(const float* p, int64_t rows, const int64_t* seen, const kv_t* 
 
 // Per-thread scratch the items reuse: a decode item is a few microseconds, too short to allocate.
 struct ItemScratch {
-  std::vector<float> q, scores, key_scales;
+  std::vector<float> q, scores, key_scales, weight_scales;
   std::vector<int64_t> first, seen;
+  std::vector<int16_t> weights;  // an 8-bit pool's softmax weights as int16 codes (values_int8.h)
 };
 
 // Row r of an item sees its keys [first[r], seen[r]) (item-relative): sc = softmax's p over them
@@ -129,8 +132,48 @@ inline ItemScratch& item_scratch() {
   return scratch;
 }
 
-template <int64_t DIM, typename kv_t>
-void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t* k, const kv_t* v,
+// An item's rows: row r sees its keys [first[r], seen[r]) of num_keys; scores rows are stride floats apart.
+struct ItemRows {
+  int64_t rows, stride, num_keys;
+  const int64_t *first, *seen;
+};
+
+#if defined(__AVX512BW__)
+// run_item_dim over an 8-bit pool, head dims a multiple of 64: scores (scores_int8.h with AVX512-VNNI: the key
+// scales applied in the pass; else the int16 pass, then the key scales), the soft cap, then each row's softmax
+// weights, value scales folded in, straight to int16 codes (values_int8.h), and the value pass on the codes.
+template <int NC>
+void run_item_int8(const ItemRows& ir, const Shape& s, int64_t hkv, const float* qf, const i8* k, const i8* v,
+                   const int64_t* slots, ItemScratch& buf, float* acc, float* row_max, float* row_sum) {
+  const int64_t rows = ir.rows, stride = ir.stride, num_keys = ir.num_keys;
+  float *scores = buf.scores.data(), *scales = buf.key_scales.data();  // key_scales: stride floats
+  const auto gather = [&](const uint16_t* scale) {
+    gather_scales(scale + hkv * s.num_slots, slots, num_keys, scales);
+    std::fill(scales + num_keys, scales + stride, 0.f);
+  };
+  gather(s.k_scale);
+#if defined(__AVX512VNNI__)
+  avx512::scores_pass_int8<NC>(qf, rows, k, slots, num_keys, scales, stride, scores);
+#else
+  avx512::scores_pass<NC>(qf, rows, k, slots, num_keys, stride, scores);
+  scale_rows(scores, rows, stride, scales, num_keys);
+#endif
+  gather(s.v_scale);
+  buf.weights.resize(rows * stride);
+  buf.weight_scales.resize(rows * stride / avx512::kWeightBlock);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = scores + r * stride;
+    if (s.softcap > 0.f) avx512::soft_cap16(row, ir.seen[r], 1.f / s.softcap, s.softcap);
+    avx512::softmax_weights_row(row, ir.first[r], ir.seen[r], stride, scales, row_max + r, row_sum + r,
+                                buf.weights.data() + r * stride,
+                                buf.weight_scales.data() + r * stride / avx512::kWeightBlock);
+  }
+  avx512::values_pass_codes<NC>(buf.weights.data(), buf.weight_scales.data(), rows, ir.seen, stride, v, slots, acc);
+}
+#endif
+
+template <int64_t DIM, typename kv_t, typename q_t>
+void run_item_dim(const WorkItem& w, const Shape& s, const q_t* q, const kv_t* k, const kv_t* v,
                   const int64_t* slots, int64_t prefix_len, float* acc, float* row_max, float* row_sum) {
   const int64_t rows = (w.t1 - w.t0) * s.group, dim = s.dim;
   const int64_t last = std::min(w.key1, prefix_len + w.t1);  // no row of the tile sees beyond
@@ -145,7 +188,7 @@ void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t*
   int64_t *first = buf.first.data(), *seen = buf.seen.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = w.t0 + r / s.group, h = w.hkv * s.group + r % s.group, limit = prefix_len + t + 1;
-    for (int64_t i = 0; i < dim; ++i) qf[r * dim + i] = q[(t * s.num_heads + h) * dim + i] * s.scale;
+    for (int64_t i = 0; i < dim; ++i) qf[r * dim + i] = load(q, (t * s.num_heads + h) * dim + i) * s.scale;
     seen[r] = std::clamp<int64_t>(limit - w.key0, 0, num_keys);
     first[r] = std::clamp<int64_t>(first_visible(limit, s.window) - w.key0, 0, seen[r]);
   }
@@ -154,7 +197,7 @@ void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t*
   // An 8-bit pool: scores of the codes times each key's scale (before the cap and the softmax), then the
   // softmax weights times each value's scale (after their sum): code rows are read as they lie, never dequantized.
   constexpr bool int8 = std::is_same_v<kv_t, i8>;
-  buf.key_scales.resize(int8 ? num_keys : 0);
+  buf.key_scales.resize(int8 ? stride : 0);
   float* key_scales = buf.key_scales.data();
   const auto fold_scales = [&](const uint16_t* scale) {
     if constexpr (int8) {
@@ -165,6 +208,13 @@ void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t*
 #if defined(__AVX512F__)
   if constexpr (DIM > 0 && DIM % 16 == 0 &&
                 (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, bf16> || std::is_same_v<kv_t, i8>)) {
+#if defined(__AVX512BW__)
+    if constexpr (int8 && DIM % 64 == 0) {
+      const ItemRows ir{rows, stride, num_keys, first, seen};
+      run_item_int8<DIM / 16>(ir, s, w.hkv, qf, k + head, v + head, item_slots, buf, acc, row_max, row_sum);
+      return;
+    }
+#endif
     avx512::scores_pass<DIM / 16>(qf, rows, k + head, item_slots, num_keys, stride, scores);
     fold_scales(s.k_scale);
     for (int64_t r = 0; r < rows; ++r) {
@@ -183,8 +233,8 @@ void run_item_dim(const WorkItem& w, const Shape& s, const float* q, const kv_t*
   values_pass<DIM>(scores, rows, seen, v + head, item_slots, num_keys, dim, stride, acc);
 }
 
-template <typename kv_t>
-void run_item(const WorkItem& w, const Shape& s, const float* q, const kv_t* k, const kv_t* v, const int64_t* slots,
+template <typename kv_t, typename q_t>
+void run_item(const WorkItem& w, const Shape& s, const q_t* q, const kv_t* k, const kv_t* v, const int64_t* slots,
               int64_t prefix_len, float* acc, float* row_max, float* row_sum) {
   if (s.dim == 64)
     run_item_dim<64>(w, s, q, k, v, slots, prefix_len, acc, row_max, row_sum);
@@ -346,22 +396,30 @@ inline Plan make_plan(const int64_t* q_starts, const int64_t* ctx_starts, int64_
   return plan;
 }
 
-// The whole batch; parallel_for(n, fn) runs fn(begin, end) over [0, n) on the caller's threads.
+// Output rows as float32, or bfloat16 (rounded to nearest even, as torch's conversion): a bfloat16 model's q
+// and output travel in its own dtype, with no conversion of either around the call.
+inline void store_rows(float* dst, const float* src, int64_t n) { std::copy(src, src + n, dst); }
+inline void store_rows(bf16* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i].bits = float_to_bf16(src[i]);
+}
+
+// The whole batch; parallel_for(n, fn) runs fn(begin, end) over [0, n) on the caller's threads. q and out are
+// float32 or bfloat16 (io_t): the kernel widens q as it scales it and rounds each output row as it writes it.
 // Items are taken from a shared counter rather than the ranges handed out: a shared-prefix item
 // costs many suffix items, and a static split would leave a thread idle.
 // Where no request's keys are split among items (no split, no shared prefix: a batch-16 decode
 // at 1 or 2 threads) each output row has exactly one partial, and the items write their rows
 // themselves, in parallel, instead of one thread merging all of them after the items: that merge
 // was serial work in every layer's call while the other threads waited. Same bits either way.
-template <typename kv_t, typename ParallelFor>
-void paged_attention(const float* q, const kv_t* k, const kv_t* v, const int64_t* slots, const int64_t* q_starts,
+template <typename kv_t, typename io_t, typename ParallelFor>
+void paged_attention(const io_t* q, const kv_t* k, const kv_t* v, const int64_t* slots, const int64_t* q_starts,
                      const int64_t* ctx_starts, int64_t batch, int64_t num_splits, const SharedGroups& groups,
-                     const Shape& s, float* out, ParallelFor parallel_for) {
+                     const Shape& s, io_t* out, ParallelFor parallel_for) {
   const Plan plan = make_plan(q_starts, ctx_starts, batch, num_splits, groups, s);
-  const int64_t n = plan.size(), num_rows = plan.offsets[n];
+  const int64_t n = plan.size(), num_rows = plan.offsets[n], dim = s.dim;
   const bool direct = plan.shared.empty() &&
                       std::none_of(plan.items.begin(), plan.items.end(), [](const WorkItem& w) { return w.split > 0; });
-  std::vector<float> acc(num_rows * s.dim), row_max(num_rows), row_sum(num_rows);
+  std::vector<float> acc(num_rows * dim), row_max(num_rows), row_sum(num_rows);
   std::atomic<int64_t> next{0};
   parallel_for(n, [&](int64_t, int64_t) {
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
@@ -370,24 +428,32 @@ void paged_attention(const float* q, const kv_t* k, const kv_t* v, const int64_t
         const SharedItem& w = plan.shared[i];
         const int64_t lead = groups.members[groups.starts[w.group]];
         run_shared_item(w, s, q, plan.tokens.data() + plan.token_starts[w.group], k, v, slots + ctx_starts[lead],
-                        acc.data() + o * s.dim, row_max.data() + o, row_sum.data() + o);
+                        acc.data() + o * dim, row_max.data() + o, row_sum.data() + o);
         continue;
       }
       const WorkItem& w = plan.item(i);
       const int64_t prefix_len = ctx_starts[w.b + 1] - ctx_starts[w.b] - (q_starts[w.b + 1] - q_starts[w.b]);
-      run_item(w, s, q + q_starts[w.b] * s.num_heads * s.dim, k, v, slots + ctx_starts[w.b], prefix_len,
-               acc.data() + o * s.dim, row_max.data() + o, row_sum.data() + o);
-      for (int64_t r = o; direct && r < plan.offsets[i + 1]; ++r)
-        PartialMerge::write_single(out + plan.target(i, r - o, q_starts, s) * s.dim, s.dim, acc.data() + r * s.dim,
-                                   row_max[r], row_sum[r]);
+      run_item(w, s, q + q_starts[w.b] * s.num_heads * dim, k, v, slots + ctx_starts[w.b], prefix_len,
+               acc.data() + o * dim, row_max.data() + o, row_sum.data() + o);
+      for (int64_t r = o; direct && r < plan.offsets[i + 1]; ++r) {
+        float row[256];  // the op checks dim <= 256
+        io_t* dst = out + plan.target(i, r - o, q_starts, s) * dim;
+        float* into = std::is_same_v<io_t, float> ? reinterpret_cast<float*>(dst) : row;
+        PartialMerge::write_single(into, dim, acc.data() + r * dim, row_max[r], row_sum[r]);
+        if constexpr (!std::is_same_v<io_t, float>) store_rows(dst, row, dim);
+      }
     }
   });
   if (direct) return;
-  PartialMerge merge(out, q_starts[batch] * s.num_heads, s.dim);
+  const int64_t out_rows = q_starts[batch] * s.num_heads;
+  std::vector<float> merged(std::is_same_v<io_t, float> ? 0 : out_rows * dim);
+  float* into = std::is_same_v<io_t, float> ? reinterpret_cast<float*>(out) : merged.data();
+  PartialMerge merge(into, out_rows, dim);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t o = plan.offsets[i]; o < plan.offsets[i + 1]; ++o)
-      merge.fold(plan.target(i, o - plan.offsets[i], q_starts, s), acc.data() + o * s.dim, row_max[o], row_sum[o]);
+      merge.fold(plan.target(i, o - plan.offsets[i], q_starts, s), acc.data() + o * dim, row_max[o], row_sum[o]);
   merge.finish();
+  if constexpr (!std::is_same_v<io_t, float>) store_rows(out, into, out_rows * dim);
 }
 
 }  // namespace radixserve

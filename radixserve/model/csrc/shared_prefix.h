@@ -154,8 +154,8 @@ inline void shared_softmax(float* st, int64_t n, int64_t lanes, float* row_max, 
 // One item: rows (toks[tok0 .. tok1) x the K/V head's query heads) against prefix keys [key0, key1).
 // Writes acc [rows][D], row_max and row_sum [rows]; row r is token toks[tok0 + r / group],
 // head hkv * group + r % group. Needs D % kStep == 0 (the planner checks).
-template <typename kv_t>
-void run_shared_item(const SharedItem& w, const Shape& s, const float* q, const int64_t* toks, const kv_t* k,
+template <typename kv_t, typename q_t>
+void run_shared_item(const SharedItem& w, const Shape& s, const q_t* q, const int64_t* toks, const kv_t* k,
                      const kv_t* v, const int64_t* prefix_slots, float* acc, float* row_max, float* row_sum) {
   const int64_t dim = s.dim, rows = (w.tok1 - w.tok0) * s.group, nvt = (rows + kLanes - 1) / kLanes;
   const int64_t lanes = nvt * kLanes, num_keys = w.key1 - w.key0;
@@ -163,7 +163,7 @@ void run_shared_item(const SharedItem& w, const Shape& s, const float* q, const 
   std::vector<float> tile(kSharedTile * dim), lane_max(lanes), lane_sum(lanes);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = toks[w.tok0 + r / s.group], h = w.hkv * s.group + r % s.group;
-    for (int64_t i = 0; i < dim; ++i) qt[i * lanes + r] = q[(t * s.num_heads + h) * dim + i] * s.scale;
+    for (int64_t i = 0; i < dim; ++i) qt[i * lanes + r] = load(q, (t * s.num_heads + h) * dim + i) * s.scale;
   }
   const int64_t head = w.hkv * s.num_slots * dim;
   const auto head_scale = [&](const uint16_t* scale) { return scale ? scale + w.hkv * s.num_slots : nullptr; };

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "paged_avx512.h"
@@ -108,31 +109,65 @@ void values_group(const int16_t* w, const float* scales, int64_t stride, const i
   }
 }
 
-// paged_avx512.h's values_pass for an 8-bit pool: rows in blocks of up to 3 (3 x 4 int32 and 3 x 4 float
-// accumulators), each column group of 64 dims in turn (a group reads its own cache line of each key).
+// Row r's softmax weights straight to int16 codes: w = exp(sc - max) over keys [first, seen) (0 elsewhere, up to
+// padded, a multiple of 16), times v_scales (0 past the item's keys), quantized per block of 16 as quantize_weights
+// does; (max, sum of the weights before the value scales) through m and l. The same operations as softmax_row, the
+// scales' multiply and quantize_weights in turn, in one pass (the same bits).
+inline void softmax_weights_row(const float* sc, int64_t first, int64_t seen, int64_t padded, const float* v_scales,
+                                float* m, float* l, int16_t* w, float* scales) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = first / 16 * 16; j < seen; j += 16)
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, lanes_in(j, first, seen), sc + j));
+  const float row_max = _mm512_reduce_max_ps(mx);
+  const __m512 mv = _mm512_set1_ps(row_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < padded; j += kWeightBlock) {
+    const __m512 p = _mm512_maskz_mov_ps(lanes_in(j, first, seen), exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mv)));
+    sum = _mm512_add_ps(sum, p);
+    const __m512 x = _mm512_mul_ps(p, _mm512_loadu_ps(v_scales + j));
+    const float top = _mm512_reduce_max_ps(x);
+    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(top > 0.f ? 32767.f / top : 0.f)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), _mm512_cvtepi32_epi16(codes));
+    scales[j / kWeightBlock] = top / 32767.f;
+  }
+  *m = row_max;
+  *l = _mm512_reduce_add_ps(sum);
+}
+
+// acc[r] = sum_j p[r][j] v_j from the weights' codes w [rows][stride] and their block scales [rows][stride / 16]:
+// rows in blocks of up to 3 (3 x 4 int32 and 3 x 4 float accumulators), each column group of 64 dims in turn (a
+// group reads its own cache line of each key).
+template <int NC>
+void values_pass_codes(const int16_t* w, const float* scales, int64_t rows, const int64_t* seen, int64_t stride,
+                       const i8* v, const int64_t* slots, float* acc) {
+  static_assert(NC % 4 == 0, "64-dim column groups");
+  constexpr int64_t dim = NC * 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += 3) {
+    const int64_t nr = std::min<int64_t>(3, rows - r0), keys = *std::max_element(seen + r0, seen + r0 + nr);
+    const int16_t* wr = w + r0 * stride;
+    const float* sr = scales + r0 * stride / kWeightBlock;
+    for (int64_t g = 0; g < NC / 4; ++g) {
+      float* out = acc + r0 * dim;
+      if (nr == 1) values_group<1>(wr, sr, stride, v, slots, keys, dim, g, out);
+      else if (nr == 2) values_group<2>(wr, sr, stride, v, slots, keys, dim, g, out);
+      else values_group<3>(wr, sr, stride, v, slots, keys, dim, g, out);
+    }
+  }
+}
+
+// paged_avx512.h's values_pass for an 8-bit pool: p's weights quantized (quantize_weights), then values_pass_codes.
 template <int NC>
 void values_pass(const float* p, int64_t rows, const int64_t* seen, int64_t stride, const i8* v,
                  const int64_t* slots, float* acc) {
   if constexpr (NC % 4 != 0) {
     values_pass<NC, i8>(p, rows, seen, stride, v, slots, acc);
   } else {
-    constexpr int64_t dim = NC * 16;
     static thread_local std::vector<int16_t> w;
     static thread_local std::vector<float> scales;
     w.resize(rows * stride);
     scales.resize(rows * stride / kWeightBlock);
     quantize_weights(p, rows, stride, w.data(), scales.data());
-    for (int64_t r0 = 0; r0 < rows; r0 += 3) {
-      const int64_t nr = std::min<int64_t>(3, rows - r0), keys = *std::max_element(seen + r0, seen + r0 + nr);
-      const int16_t* wr = w.data() + r0 * stride;
-      const float* sr = scales.data() + r0 * stride / kWeightBlock;
-      for (int64_t g = 0; g < NC / 4; ++g) {
-        float* out = acc + r0 * dim;
-        if (nr == 1) values_group<1>(wr, sr, stride, v, slots, keys, dim, g, out);
-        else if (nr == 2) values_group<2>(wr, sr, stride, v, slots, keys, dim, g, out);
-        else values_group<3>(wr, sr, stride, v, slots, keys, dim, g, out);
-      }
-    }
+    values_pass_codes<NC>(w.data(), scales.data(), rows, seen, stride, v, slots, acc);
   }
 }
 
