@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from radixserve.model import paged_kernel
+from radixserve.model.huge_pages import in_huge_pages
 from radixserve.model.quant_blocks import INT8_KERNEL_MAX_ROWS, dequantized_linear, tile_columns
 
 # The GGUF types kept as rows, and each one's (weights, bytes) per block (gguf.GGML_QUANT_SIZES).
@@ -138,7 +139,9 @@ class _RowsModule(nn.Module):
         self.qtype = rows.qtype
         self.out_features, self.in_features = rows.shape
         self.raw: torch.Tensor
-        self.register_buffer("raw", rows.raw)
+        # Decode streams the quantized rows every token: in huge pages (huge_pages.py). Float rows may be a view of
+        # a tensor that stays (model/invariance.py reads a float model's weights in place): left where they are.
+        self.register_buffer("raw", in_huge_pages(rows.raw) if rows.qtype in INT8_ROW_TYPES else rows.raw)
 
     @property
     def rows(self) -> GGUFRows:
@@ -158,6 +161,7 @@ class GGUFRowsLinear(_RowsModule):
         super().__init__(rows, dtype)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.int8_activations = int8_activations and rows.qtype in INT8_ROW_TYPES
+        self.type_id = rows.type_id  # read once, not through a GGUFRows (validated) made per call
         # Not None: every row count through the decode kernel (model/invariance.py; the rows have no AMX kernel, so
         # "amx" runs it too), a row's bits then never depending on the other rows of the call.
         self.invariant_kernel: str | None = None
@@ -167,7 +171,7 @@ class GGUFRowsLinear(_RowsModule):
             return self._torch_forward(x)
         if self._kernel_takes(x):
             return self._kernel(x, None)
-        args = (self.raw, self.rows.type_id, self.in_features, self.bias, tile_columns(self.in_features))
+        args = (self.raw, self.type_id, self.in_features, self.bias, tile_columns(self.in_features))
         if self.int8_activations:  # the GEMM on the int8 rows' values: the kernel's math within rounding
             x = torch.ops.radixserve.dequantized_rows_q8(x).to(x.dtype)
         out: torch.Tensor = torch.ops.radixserve.gguf_rows_linear_tiled(x, *args)
@@ -187,7 +191,7 @@ class GGUFRowsLinear(_RowsModule):
         if self.bias is not None or self.int8_activations:
             out = residual + self(x)
             return out
-        args = (self.raw, self.rows.type_id, self.in_features)
+        args = (self.raw, self.type_id, self.in_features)
         tile = tile_columns(self.in_features)
         if overwrite_residual and residual.is_contiguous() and residual.dtype == x.dtype:
             added: torch.Tensor = torch.ops.radixserve.gguf_rows_linear_tiled_add_(residual, x, *args, tile)
@@ -204,10 +208,9 @@ class GGUFRowsLinear(_RowsModule):
     def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The decode kernel: x @ W.T + bias (+ residual) in x's dtype, summed in float32."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        op = (
-            torch.ops.radixserve.gguf_rows_linear_q8 if self.int8_activations else torch.ops.radixserve.gguf_rows_linear
-        )
-        out: torch.Tensor = op(x, self.raw, self.rows.type_id, self.in_features, bias, residual)
+        ops = torch.ops.radixserve
+        op = ops.gguf_rows_linear_q8.default if self.int8_activations else ops.gguf_rows_linear.default
+        out: torch.Tensor = op(x, self.raw, self.type_id, self.in_features, bias, residual)
         return out
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:

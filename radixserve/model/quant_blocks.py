@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model import paged_kernel
+from radixserve.model.huge_pages import in_huge_pages
 
 BLOCK = 32
 # Up to these rows our block kernels, more: dequantized tiles + the GEMM. Measured on SmolLM2's 30 layers of
@@ -185,9 +186,10 @@ class _BlockModule(nn.Module):
         self.qs: torch.Tensor
         self.d: torch.Tensor
         self.m: torch.Tensor | None
-        self.register_buffer("qs", blocks.qs)
-        self.register_buffer("d", blocks.d)
-        self.register_buffer("m", blocks.m)
+        # In huge pages (huge_pages.py): decode streams them every token.
+        self.register_buffer("qs", in_huge_pages(blocks.qs))
+        self.register_buffer("d", in_huge_pages(blocks.d))
+        self.register_buffer("m", None if blocks.m is None else in_huge_pages(blocks.m))
 
     @property
     def blocks(self) -> QuantBlocks:
@@ -290,10 +292,11 @@ class BlockLinear(_BlockModule):
 
     def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The decode kernel: x @ W.T + bias (+ residual) in x's dtype, summed in float32 (see forward_add)."""
-        op = torch.ops.radixserve.block_linear_q8 if self.int8_activations else torch.ops.radixserve.block_linear
+        ops = torch.ops.radixserve  # each op's overload itself (.default): no overload resolution per call
+        op = ops.block_linear_q8.default if self.int8_activations else ops.block_linear.default
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.invariant_kernel == "amx" and x.dtype == torch.bfloat16 and not self.int8_activations:
-            op = torch.ops.radixserve.block_linear_amx
+            op = ops.block_linear_amx.default
         out: torch.Tensor = op(x, self.qs, self.d, self.m, bias, residual)
         return out
 
@@ -306,4 +309,6 @@ class BlockEmbedding(_BlockModule):
     """A drop-in for ``nn.Embedding`` over blocks: a lookup dequantizes only the rows it reads."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.blocks.select(ids).dequantize().to(self.dtype)
+        # dequantize_fast: one kernel call, the values of dequantize's ~6 torch ops (a decode step looks up one row)
+        rows = self.blocks.select(ids.reshape(-1)).dequantize_fast()
+        return rows.view(*ids.shape, self.in_features).to(self.dtype)

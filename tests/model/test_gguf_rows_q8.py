@@ -65,6 +65,18 @@ def test_kernel_is_the_int8_math_and_a_rows_bits_its_own(qtype: str) -> None:
             assert same_bits(kernel(x[r : r + 1], rows), got[r : r + 1]), (m, r)
 
 
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_an_odd_block_count_ends_on_a_line_of_one_block(qtype: str) -> None:
+    """A Q5_0 / Q5_1 line holds two blocks' codes and scales: a row of 5 blocks ends on a line of one, its other
+    half zeros, alone (1-4 rows read the scales from the lines) and in a batch (more rows: from the panels)."""
+    rows = random_rows(qtype, 21, 160, seed=9)
+    x = torch.randn(7, 160, generator=torch.Generator().manual_seed(9))
+    got = kernel(x, rows)
+    assert relative_error(got, x, rows) <= BOUND[qtype]
+    for r in range(7):
+        assert same_bits(kernel(x[r : r + 1], rows), got[r : r + 1]), r
+
+
 @pytest.mark.parametrize("qtype", INT8_ROW_TYPES)
 def test_a_rows_bits_do_not_depend_on_the_threads(qtype: str) -> None:
     rows = random_rows(qtype, 100, width(qtype), seed=4)

@@ -24,7 +24,8 @@
 // Where the weights come from is a Source (Channels<F> below for Q4_0 / Q4_1 / Q8_0 blocks, gguf_rows_q8.h's
 // RowChannels for the GGUF row types): select(n0) picks 16 channels; lines(b0, count, panels, line) transposes a
 // cache line of each (kBlocks blocks), dword(line, k, j) makes block k's panel dword j from it (16 channels an
-// instruction), scales(d, m, sc) writes their [blocks][16] scales.
+// instruction), scales(d, m, sc) writes their [blocks][16] scales; where kLineScales, line_d(line, k) and
+// line_m(line, k) give block k's from the line itself (the few-row kernel then skips scales).
 //
 // SmolLM2 Q4_0's 30 layers of linears, 1 thread, AMX Xeon: 512 rows 250 ms against the previous int8 kernel's
 // 860 (which re-decoded each weight block for every tile of 8 rows and kept 8 float partial sums an output),
@@ -58,6 +59,16 @@ constexpr int kStreamRows = 4;               // up to these rows, weights are re
 constexpr int panels_for(int rows) { return rows <= 2 ? 4 : 2; }  // panels per tile: accumulators R x C <= 12
 // Q6_K holds a second integer per output (its first half's scaled dot) while the second half sums: 4 rows a tile.
 constexpr int row_tile(Format f) { return f == Format::kQ6_K ? 4 : kRowTile; }
+
+// The weights a few-row call streams are prefetched kPrefetchPanels panels ahead into L2 (T1), not L1 (T0), whose
+// few miss buffers each prefetch held for the whole trip. SmolLM2 Q8_0's linears, a decode step's worth of one-row
+// calls (bare ops, 1 thread, thread time, load ~5): main's T0 two panels on 15.0 ms, this (and the Q8_0 / Q4
+// scales' prefetch in Channels::scales) 14.8; a wall-clock sweep at load ~4 read 24.2 (T0, 2), 23.5 (T0, 4), 17.4
+// (T1, 4), 18.0 (T1, 8), 17.7 (T2, 4), 45.5 (none). Q4_K_M's (its Q5_0 arithmetic the bound) within noise.
+constexpr int kPrefetchPanels = 4;
+__attribute__((always_inline)) inline void prefetch(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+}
 
 // Activation rows as int8 blocks (block_q8_rows.h's Q8Rows, as pointers): scales s, s * sum(codes) (the min
 // term) and the integer start of each block's dot (Q4_0: -8 sum; Q5_0: -16 sum; Q8_0: -128 sum; Q6_K: -32 sum of
@@ -139,7 +150,7 @@ __attribute__((always_inline)) inline void load_lines(const uint8_t* const* rows
                                                      int64_t ahead, __m512i r[16]) {
   const __mmask16 valid = static_cast<__mmask16>((1u << (count * bytes / 4)) - 1);
   for (int c = 0; c < kLanes; ++c) {
-    _mm_prefetch(reinterpret_cast<const char*>(rows[c] + b0 * bytes) + ahead, _MM_HINT_T0);
+    prefetch(rows[c] + b0 * bytes + ahead);
     r[c] = _mm512_maskz_loadu_epi32(valid, rows[c] + b0 * bytes);
   }
   transpose16x16(r);
@@ -168,12 +179,17 @@ void fill_panel(const Source& src, int64_t blocks, uint8_t* codes, float* dp, fl
 // The float steps of block b for row r (see the header): acc = fma(float(dot), d * s, acc), then Q4_1's
 // fma(m, s * sum, acc) where the format has a min; d (and m) 16 channels' scales of the block.
 template <Format F>
-__attribute__((always_inline)) inline __m512 add_block(__m512 acc, __m512i dot, __m512 d, const float* m,
-                                                       const Rows& x, int r, int64_t b) {
+__attribute__((always_inline)) inline __m512 add_block(__m512 acc, __m512i dot, __m512 d, __m512 m, const Rows& x,
+                                                       int r, int64_t b) {
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x.scales[r * x.ld + b])), acc);
-  if constexpr (has_min(F))
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(m), _mm512_set1_ps(x.sums[r * x.ld + b]), acc);
+  if constexpr (has_min(F)) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sums[r * x.ld + b]), acc);
   return acc;
+}
+
+// 16 channels' mins of a block (zeros for the formats without one: never read).
+template <Format F>
+__attribute__((always_inline)) inline __m512 load_mins(const float* m) {
+  return has_min(F) ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
 }
 
 // The integer start of block b's dot for row r, in every lane.
@@ -213,8 +229,8 @@ void stream_tile(const Rows& x, const Source& src, const float* dp, const float*
   Line line;
   for (int64_t b0 = 0; b0 < blocks; b0 += per_line) {
     const int count = static_cast<int>(std::min<int64_t>(per_line, blocks - b0));
-    // Prefetched: the line two panels on (a channel's row is a few lines: too short a stream for the hardware's).
-    src.lines(b0, count, 2, line);
+    // Prefetched: the line kPrefetchPanels on (a channel's row is a few lines: too short a stream for the hardware's).
+    src.lines(b0, count, kPrefetchPanels, line);
 #pragma GCC unroll 4
     for (int k = 0; k < per_line; ++k) {
       if (k >= count) break;
@@ -231,8 +247,14 @@ void stream_tile(const Rows& x, const Source& src, const float* dp, const float*
       }
       if constexpr (F == Format::kQ6_K)
         for (int r = 0; r < R; ++r) dot[r] = q6_both_halves(dot[r], half[r], sp + b * 2 * kLanes);
-      const __m512 d = _mm512_loadu_ps(dp + b * kLanes);
-      const float* m = has_min(F) ? mp + b * kLanes : nullptr;
+      __m512 d, m;
+      if constexpr (Source::kLineScales) {
+        d = Source::line_d(line, k);
+        m = has_min(F) ? Source::line_m(line, k) : _mm512_setzero_ps();
+      } else {
+        d = _mm512_loadu_ps(dp + b * kLanes);
+        m = load_mins<F>(has_min(F) ? mp + b * kLanes : nullptr);
+      }
       for (int r = 0; r < R; ++r) acc[r] = add_block<F>(acc[r], dot[r], d, m, x, r, b);
     }
   }
@@ -273,7 +295,7 @@ void tile(const Rows& x, const Panels& w, float* out, int64_t ldo) {
           dot[r][c] = q6_both_halves(dot[r][c], half[r][c], w.sc + 2 * (c * floats_stride + b * kLanes));
     for (int c = 0; c < C; ++c) {
       const __m512 d = _mm512_loadu_ps(w.d + c * floats_stride + b * kLanes);
-      const float* m = has_min(F) ? w.m + c * floats_stride + b * kLanes : nullptr;
+      const __m512 m = load_mins<F>(has_min(F) ? w.m + c * floats_stride + b * kLanes : nullptr);
       for (int r = 0; r < R; ++r) acc[r][c] = add_block<F>(acc[r][c], dot[r][c], d, m, x, r, b);
     }
   }
@@ -329,6 +351,9 @@ struct Channels {
   // j and 4 + j of block k are the low and high nibbles of dword 4k + j; Q8_0: 2 blocks, dword 8k + j, made
   // unsigned (w + 128: the start's -128 sum(x) makes up for it).
   static constexpr int64_t kBlocks = F == Format::kQ8_0 ? 2 : 4;
+  static constexpr bool kLineScales = false;  // scales() converts them (a line holds codes only)
+  static __m512 line_d(const Line&, int) { return _mm512_setzero_ps(); }
+  static __m512 line_m(const Line&, int) { return _mm512_setzero_ps(); }
 
   // The selected channels' cache lines from block b0 on (count blocks), transposed; prefetching `panels` panels on.
   __attribute__((always_inline)) void lines(int64_t b0, int count, int panels, Line& line) const {
@@ -342,7 +367,16 @@ struct Channels {
     return _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
   }
 
-  void scales(float* dp, float* mp, int32_t*) const { fill_scales(ds, ms, F, blocks, dp, mp); }
+  // Also prefetches the scales (and mins) of the panel kPrefetchPanels on: a stream apart from the codes, whose
+  // misses stalled each panel's start (the wall-clock sweep above at T0, 2 panels: 29.5 -> 24.2 ms).
+  void scales(float* dp, float* mp, int32_t*) const {
+    const int64_t ahead = 2 * kPrefetchPanels * kLanes * blocks, bytes = 2 * kLanes * blocks;  // bytes of float16
+    for (int64_t at = 0; at < bytes; at += 64) {
+      prefetch(reinterpret_cast<const uint8_t*>(ds[0]) + ahead + at);  // a prefetch past the end never faults
+      if (F == Format::kQ4_1) prefetch(reinterpret_cast<const uint8_t*>(ms[0]) + ahead + at);
+    }
+    fill_scales(ds, ms, F, blocks, dp, mp);
+  }
 };
 
 template <Format F, typename Source>
@@ -375,7 +409,7 @@ void stream_channels(const Rows& x, int64_t rows, Source& src, int64_t n0, const
   float sums[kStreamRows * kLanes];
   for (int64_t c0 = n0; c0 < src.n1; c0 += kLanes) {
     src.select(c0);
-    src.scales(s.dp(0, src.blocks), s.mp(0, src.blocks), s.sp(0, src.blocks));
+    if constexpr (!Source::kLineScales) src.scales(s.dp(0, src.blocks), s.mp(0, src.blocks), s.sp(0, src.blocks));
     run_stream_tile<F>(static_cast<int>(rows), x, src, s.dp(0, src.blocks), s.mp(0, src.blocks),
                        s.sp(0, src.blocks), src.blocks, sums, kLanes);
     for (int r = 0; r < rows; ++r) store(r, c0, std::min<int64_t>(kLanes, src.n1 - c0), sums + r * kLanes);
