@@ -53,7 +53,7 @@ def test_each_cell_a_cold_server_and_the_ratio_to_the_peer(capsys: pytest.Captur
             )
     started = (tmp_path / "llama-server.log").read_text().splitlines()
     assert len(started) == 2  # one cold start per cell
-    assert all(line.startswith(f"-m {path} -t 1 -tb 1 -c 32768 -np 16 -kvu --port ") for line in started), started
+    assert all(line.startswith(f"-m {path} -t 1 -tb 1 -c 65536 -np 16 -kvu --port ") for line in started), started
 
 
 def peer_rps(table: list[dict[str, str]], ours: dict[str, str]) -> float:
