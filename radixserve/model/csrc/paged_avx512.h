@@ -263,13 +263,18 @@ inline __mmask16 lanes_in(int64_t j0, int64_t first, int64_t seen) {
   return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
 }
 
-// sc[j] = exp(sc[j] - max) for first <= j < seen, 0 for the other j < padded (a multiple of 16);
-// returns (max, sum) of the row through *m and *l.
-inline void softmax_row(float* sc, int64_t first, int64_t seen, int64_t padded, float* m, float* l) {
+// The largest sc[j] for first <= j < seen (the softmax passes' shift).
+inline float masked_row_max(const float* sc, int64_t first, int64_t seen) {
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = first / 16 * 16; j < seen; j += 16)
     mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, lanes_in(j, first, seen), sc + j));
-  const float row_max = _mm512_reduce_max_ps(mx);
+  return _mm512_reduce_max_ps(mx);
+}
+
+// sc[j] = exp(sc[j] - max) for first <= j < seen, 0 for the other j < padded (a multiple of 16);
+// returns (max, sum) of the row through *m and *l.
+inline void softmax_row(float* sc, int64_t first, int64_t seen, int64_t padded, float* m, float* l) {
+  const float row_max = masked_row_max(sc, first, seen);
   const __m512 mv = _mm512_set1_ps(row_max);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < padded; j += 16) {

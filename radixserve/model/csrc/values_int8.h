@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "paged_avx512.h"
@@ -115,10 +114,7 @@ void values_group(const int16_t* w, const float* scales, int64_t stride, const i
 // scales' multiply and quantize_weights in turn, in one pass (the same bits).
 inline void softmax_weights_row(const float* sc, int64_t first, int64_t seen, int64_t padded, const float* v_scales,
                                 float* m, float* l, int16_t* w, float* scales) {
-  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = first / 16 * 16; j < seen; j += 16)
-    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, lanes_in(j, first, seen), sc + j));
-  const float row_max = _mm512_reduce_max_ps(mx);
+  const float row_max = masked_row_max(sc, first, seen);
   const __m512 mv = _mm512_set1_ps(row_max);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < padded; j += kWeightBlock) {
