@@ -13,7 +13,8 @@ aggregate output tok/s (large batches must not lose).
 Single-stream figures are decode tok/s: a request's output tokens after its first, over the time from its
 first token to its last (prefill excluded); x16 is every output token over the batch's wall time. Beside the
 times, a figure load cannot move: decode forwards per output token (1.0 without drafts; each verify step is one
-forward however many tokens it takes).
+forward however many tokens it takes), and its bound for drafts from context (``context_bound``): the fewest
+forwards any drafter of up to ``--num-draft-tokens`` tokens could reach by copying from what the cache holds.
 """
 
 from __future__ import annotations
@@ -44,6 +45,47 @@ def forwards_per_token(reqs: list[Request]) -> float:
     tokens = sum(len(r.output_ids) - 1 for r in reqs)
     accepted = sum(r.spec.num_accepted_tokens for r in reqs if r.spec is not None)
     return (tokens - accepted) / tokens if tokens else 1.0
+
+
+def context_bound(sequences: list[tuple[list[int], list[int]]], max_draft: int, min_match: int = 2) -> float:
+    """Decode forwards per output token if every step drafted the longest run (<= ``max_draft``) of the true
+    answer that follows some earlier occurrence of the answer's last ``min_match`` tokens (the drafter's shortest
+    n-gram) in the cached text: the (prompt, answer) pairs before it, its own prompt and its answer so far. A
+    bound for any drafter that copies from context (a tree of every candidate, each verified for free)."""
+    texts: list[list[int]] = []
+    after: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # n-gram -> (text, position after it)
+
+    def index(text: int, start: int) -> None:
+        seq = texts[text]
+        for end in range(max(start, min_match), len(seq) + 1):
+            after.setdefault(tuple(seq[end - min_match : end]), []).append((text, end))
+
+    forwards = tokens = 0
+    for prompt, answer in sequences:
+        texts.append(list(prompt) + list(answer[:1]))  # the first token comes from the prefill
+        index(len(texts) - 1, 0)
+        done = 1
+        while done < len(answer):
+            want = answer[done : done + max_draft]
+            key = tuple(texts[-1][-min_match:])
+            run = max((_common(texts[t][end : end + len(want)], want) for t, end in after.get(key, [])), default=0)
+            step = min(run + 1, len(answer) - done)  # the accepted drafts and the verify step's own token
+            texts[-1].extend(answer[done : done + step])
+            index(len(texts) - 1, len(texts[-1]) - step + 1)
+            done += step
+            forwards += 1
+        tokens += len(answer) - 1
+    return forwards / tokens if tokens else 1.0
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """Length of the common start of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def run_sequential(engine: Engine, prompts: Workload, max_new_tokens: int, schema: str | None = None) -> Result:
@@ -84,9 +126,9 @@ def drafters(engine: Engine, num: int) -> dict[str, Drafter | None]:
 
 def measure(
     engine: Engine, configs: dict[str, Drafter | None], run: Callable[[], Result]
-) -> dict[str, tuple[float, float]]:
-    """Each configuration once on a cold cache (order as given); (tok/s, forwards per token) by configuration.
-    Greedy answers agree."""
+) -> tuple[dict[str, tuple[float, float]], list[list[int]]]:
+    """Each configuration once on a cold cache (order as given); (tok/s, forwards per token) by configuration,
+    and the answers (greedy: they agree)."""
     speeds, answers = {}, {}
     for name, drafter in configs.items():
         engine.scheduler.drafter = drafter
@@ -97,7 +139,7 @@ def measure(
     for name, out in answers.items():
         if out != first:
             raise AssertionError(f"greedy answers differ with drafts ({name}): speculative decoding changed an answer")
-    return speeds
+    return speeds, first
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     configs = drafters(engine, args.num_draft_tokens)
     table: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    bounds: dict[str, float] = {}
     for round_ in range(args.rounds):
         for name, prompts in workloads().items():
             if args.workloads is not None and name not in args.workloads:
@@ -124,28 +167,34 @@ def main(argv: list[str] | None = None) -> None:
             chosen = configs if name == "agent" else {k: configs[k] for k in ("off", "both")}
             order = dict(list(chosen.items())[round_ % len(chosen) :] + list(chosen.items())[: round_ % len(chosen)])
             schema = SCHEMAS.get(name)
-            speeds = measure(engine, order, partial(run_sequential, engine, prompts, args.max_new_tokens, schema))
+            speeds, answers = measure(
+                engine, order, partial(run_sequential, engine, prompts, args.max_new_tokens, schema)
+            )
+            ids = [engine.tokenizer.apply_chat_template(m) for m in prompts]
+            bounds[name] = context_bound(list(zip(ids, answers)), args.num_draft_tokens)
             for config, speed in speeds.items():
                 table.setdefault(name, {}).setdefault(config, []).append(speed)
         if args.workloads is None or "prose-x16" in args.workloads:
             batch = repeated(workloads()["prose"], 16)  # 16 requests at once
             both = {k: configs[k] for k in (("off", "both") if round_ % 2 == 0 else ("both", "off"))}
-            speeds = measure(engine, both, partial(run_batch, engine, batch, args.max_new_tokens // 2))
+            speeds, _ = measure(engine, both, partial(run_batch, engine, batch, args.max_new_tokens // 2))
             for config, speed in speeds.items():
                 table.setdefault("prose-x16", {}).setdefault(config, []).append(speed)
         print(f"round {round_ + 1}/{args.rounds} done", flush=True)
-    print_table(table)
+    print_table(table, bounds)
     engine.close()
 
 
-def print_table(table: dict[str, dict[str, list[tuple[float, float]]]]) -> None:
-    """Medians over rounds: tok/s, and (in brackets) decode forwards per output token."""
-    print("| workload | off tok/s | both tok/s | both / off | tree tok/s | prompt tok/s |")
-    print("|---|---:|---:|---:|---:|---:|")
+def print_table(table: dict[str, dict[str, list[tuple[float, float]]]], bounds: dict[str, float]) -> None:
+    """Medians over rounds: tok/s, and (in brackets) decode forwards per output token; the bound on forwards
+    per token for drafts from context (one request at a time only)."""
+    print("| workload | off tok/s | both tok/s | both / off | tree tok/s | prompt tok/s | bound |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, by_config in table.items():
         speed = {config: statistics.median(v[0] for v in values) for config, values in by_config.items()}
         forwards = {config: statistics.median(v[1] for v in values) for config, values in by_config.items()}
         cells = {c: f"{speed[c]:.1f} ({forwards[c]:.2f})" for c in speed}
         ratio = speed["both"] / speed["off"]
         extra = " | ".join(cells.get(c, "") for c in ("tree", "prompt"))
-        print(f"| {name} | {cells['off']} | {cells['both']} | {ratio:.2f}x | {extra} |")
+        bound = f"{bounds[name]:.2f}" if name in bounds else ""
+        print(f"| {name} | {cells['off']} | {cells['both']} | {ratio:.2f}x | {extra} | {bound} |")
