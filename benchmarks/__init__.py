@@ -20,6 +20,7 @@ BENCHMARKS = {
     "simulate": "simulate",
     "policy-table": "eviction_heldout",
     "when-signal": "when_signal",
+    "insertion": "insertion",
     "serve": "serve",
     "four-way": "four_way",
     "soak": "soak",

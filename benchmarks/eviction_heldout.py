@@ -17,26 +17,49 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from benchmarks.families import FAMILIES, HELD_OUT_SEEDS, TUNING_SEEDS, draw
 from benchmarks.policy_table import ONLINE
-from benchmarks.simulate import SimResult, read_trace, simulate
+from benchmarks.simulate import SimResult, read_trace, replay, simulate
 from benchmarks.traces import working_set_tokens
 from benchmarks.workloads import TraceRequest
+from radixserve.cache.core.policy import EvictionStrategy
+from radixserve.cache.core.radix import RadixCache
+from radixserve.memory import TokenAllocator
 
 FIXED = ("lru", "lfu", "slru")
 
 
 def run(
-    requests: Sequence[TraceRequest], policies: Sequence[str], fractions: Sequence[float], bound: bool, repeat: int
+    requests: Sequence[TraceRequest],
+    policies: Sequence[str],
+    fractions: Sequence[float],
+    bound: bool,
+    repeat: int,
+    extra: Mapping[str, Callable[[], EvictionStrategy]] | None = None,
 ) -> dict[float, dict[str, SimResult]]:
-    """Every policy (and Belady) at every capacity, on the trace clock: {fraction: {policy: result}}."""
+    """Every policy (and Belady) at every capacity, on the trace clock: {fraction: {policy: result}}.
+
+    ``extra``: strategies outside the registry (name -> a fresh one per replay), replayed the same way."""
     working_set = working_set_tokens(requests)
     caches = [f"radix-{p}-p1" for p in policies] + (["belady"] if bound else [])
     capacities = [max(int(f * working_set), 16) for f in fractions]
     results = simulate(requests, caches, capacities, repeat=repeat, trace_clock=True)
+    for name, make in (extra or {}).items():
+        for capacity in capacities:
+
+            def factory(
+                clock: list[float], make: Callable[[], EvictionStrategy] = make, size: int = capacity
+            ) -> RadixCache:
+                return RadixCache(TokenAllocator(size), 1, make(), clock=lambda: float(clock[1]))
+
+            runs = [
+                replay(requests, name, capacity, working_set=working_set, trace_clock=True, factory=factory)
+                for _ in range(max(repeat, 1))
+            ]
+            results.append(min(runs, key=lambda r: r.cache_seconds))
     table: dict[float, dict[str, SimResult]] = {f: {} for f in fractions}
     for r in results:
         fraction = fractions[capacities.index(r.capacity)]
@@ -44,14 +67,17 @@ def run(
     return table
 
 
-def trace_table(label: str, table: dict[float, dict[str, SimResult]], policies: Sequence[str]) -> list[str]:
+def trace_table(
+    label: str, table: dict[float, dict[str, SimResult]], policies: Sequence[str], online: Sequence[str] = ONLINE
+) -> list[str]:
+    """One line per capacity: every policy's hit rate, then each ``online`` one against the best fixed policy."""
     lines = []
     for fraction, rows in table.items():
         fixed = max((rows[p] for p in FIXED if p in rows), key=lambda r: r.hit_rate)
         lru, bound = rows.get("lru"), rows.get("belady")
         cells = " ".join(f"{rows[p].hit_rate:>8.2%}" for p in [*policies, "belady"] if p in rows)
         notes = []
-        for p in (p for p in ONLINE if p in rows):
+        for p in (p for p in online if p in rows):
             r = rows[p]
             closed = ""
             if lru is not None and bound is not None and bound.hit_rate > lru.hit_rate:
@@ -64,15 +90,19 @@ def trace_table(label: str, table: dict[float, dict[str, SimResult]], policies: 
 
 
 def family_table(
-    families: Sequence[str], seeds: Sequence[int], fractions: Sequence[float], policies: Sequence[str]
+    families: Sequence[str],
+    seeds: Sequence[int],
+    fractions: Sequence[float],
+    policies: Sequence[str],
+    extra: Mapping[str, Callable[[], EvictionStrategy]] | None = None,
 ) -> list[str]:
     lines = []
-    online = [p for p in ONLINE if p in policies]
+    online = [p for p in ONLINE if p in policies] + list(extra or {})
     for family in families:
         margins: dict[tuple[float, str], list[tuple[float, int]]] = {}
         for seed in seeds:
             _, requests = draw(family, seed)
-            for fraction, rows in run(requests, policies, fractions, False, 1).items():
+            for fraction, rows in run(requests, policies, fractions, False, 1, extra).items():
                 best = max(rows[p].hit_rate for p in FIXED if p in rows)
                 for p in online:
                     margins.setdefault((fraction, p), []).append(((rows[p].hit_rate - best) * 100, seed))

@@ -1,0 +1,70 @@
+"""``radixserve bench insertion``: thrash-resistant insertion on production traces, and the premise it rests on.
+
+Issue 36's hypothesis: at 5-10% capacity most reuse distances exceed the pool, so LRU thrashes, and a policy that
+keeps a *stable subset* gets hits in proportion to capacity over reuse distance without predicting anything (the
+case for LIP / BIP / DIP, Qureshi et al., ISCA '07, and RRIP, Jaleel et al., ISCA '10). Per trace:
+
+1. the premise, without a tree (``stack_curve.py``): LRU's hit-rate curve over the block stream and the best
+   stable subset's s x LRU(C / s); thrashing would show as a subset beating LRU;
+2. the insertion policies of ``insertion_policies.py`` beside the registered ones and Belady, replayed as
+   ``bench policy-table`` does (page 1, concurrency 16, the trace clock, capacity a share of the slice's working
+   set): hit rate, points against the best fixed policy, the share of the LRU-to-Belady gap closed, µs of cache
+   CPU per request against LRU's in the same replay (least of ``--repeat``);
+
+then the randomised families (``families.py``), each insertion policy's worst seed against that seed's best fixed
+policy. Tune on ``--time-slice first-half --seeds tuning``, report on the defaults (second halves, held-out seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from benchmarks.eviction_heldout import family_table, run, trace_table
+from benchmarks.families import FAMILIES, HELD_OUT_SEEDS, TUNING_SEEDS
+from benchmarks.insertion_policies import INSERTION
+from benchmarks.simulate import read_trace
+from benchmarks.stack_curve import stack_curve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixserve bench insertion", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--traces", default="", help="comma-separated mooncake:PATH (or PATH) traces")
+    parser.add_argument("--time-slice", default="second-half", choices=("all", "first-half", "second-half"))
+    parser.add_argument("--block-tokens", type=int, default=32, help="mooncake:PATH: tokens a 512-token block becomes")
+    parser.add_argument("--fractions", default="0.05,0.1,0.25", help="capacities: shares of the working set")
+    parser.add_argument("--curve-fractions", default="0.025,0.05,0.075,0.1,0.15,0.25,0.5")
+    parser.add_argument("--policies", default="lru,lfu,slru,adaptive,when", help="registered policies beside")
+    parser.add_argument("--insertion", default=",".join(INSERTION), help="insertion policies (insertion_policies)")
+    parser.add_argument("--repeat", type=int, default=1, help="replays per trace cache; the least CPU time is kept")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="randomised families ('' for none)")
+    parser.add_argument("--seeds", default="held-out", help="held-out, tuning, or comma-separated seeds")
+    parser.add_argument("--family-fractions", default="0.1,0.25")
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    policies = [p for p in args.policies.split(",") if p]
+    extra = {name: INSERTION[name] for name in args.insertion.split(",") if name}
+    for spec in (s for s in args.traces.split(",") if s):
+        requests = read_trace(spec, 512, args.block_tokens, None, args.time_slice)
+        label = Path(spec.removeprefix("mooncake:")).stem
+        print(f"\n{label}, {args.time_slice}: the premise (block stream, no tree): LRU against a stable subset")
+        print("\n".join(stack_curve(requests, [float(f) for f in args.curve_fractions.split(",")], args.block_tokens)))
+        print(f"\n{label}: hit rate of prompt tokens")
+        print(f"{'trace':<22} {'cap':>5} " + " ".join(f"{p:>8}" for p in [*policies, *extra, "belady"]))
+        table = run(requests, policies, [float(f) for f in args.fractions.split(",")], True, args.repeat, extra)
+        print("\n".join(trace_table(label, table, [*policies, *extra], list(extra))), flush=True)
+    families = [f for f in args.families.split(",") if f]
+    if families:
+        named = {"held-out": HELD_OUT_SEEDS, "tuning": TUNING_SEEDS}
+        seeds = named.get(args.seeds) or tuple(int(s) for s in args.seeds.split(","))
+        fractions = [float(f) for f in args.family_fractions.split(",")]
+        print(f"\nrandomised families, {len(seeds)} seeds each: points against the best fixed policy of each seed")
+        print("\n".join(family_table(families, seeds, fractions, policies, extra)), flush=True)
+    print(f"\n{time.perf_counter() - start:.0f} s")
