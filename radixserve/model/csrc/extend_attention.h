@@ -372,21 +372,6 @@ inline uint32_t* aligned(std::vector<uint32_t>& v) {
   return reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
 }
 
-// Lane j = the maximum of v[j]'s 16 lanes (simd::reduce16's transposition; max is exact in any order).
-inline __m512 reduce16_max(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int j = 0; j < 8; ++j)
-    w[j] = _mm512_max_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44), _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
-  for (int j = 0; j < 4; ++j)
-    x[j] = _mm512_max_ps(_mm512_shuffle_f32x4(w[j], w[j + 4], 0x88), _mm512_shuffle_f32x4(w[j], w[j + 4], 0xDD));
-  for (int j = 0; j < 2; ++j) {
-    const __m512d a = _mm512_castps_pd(x[j]), b = _mm512_castps_pd(x[j + 2]);
-    y[j] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 z = _mm512_max_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), z);
-}
-
 // Online softmax over one key tile for rows [0, rows): scores -> P (bf16 pairs), m, l, alpha.
 // m is kept in raw score units; c = scale * log2(e) turns a score into base-2 softmax units.
 // Rows go 16 at a time, in two passes: each row's maximum (the diagonal tile's masked keys left out), then
@@ -422,7 +407,7 @@ void softmax_tile(const float* s, const float* maxes, uint32_t* p, int64_t rows,
       }
     }
     const __m512 m_old = _mm512_mask_loadu_ps(neg_inf, lanes, w.m.data() + r0);
-    const __m512 m_new = _mm512_max_ps(m_old, reduce16_max(v));
+    const __m512 m_new = _mm512_max_ps(m_old, simd::reduce16_max(v));
     alignas(64) float m_row[16];
     _mm512_store_ps(m_row, m_new);
     for (int64_t j = 0; j < 16; ++j) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "paged_avx512.h"
+#include "simd_reduce.h"
 
 namespace radixserve::avx512 {
 
@@ -111,20 +112,39 @@ void values_group(const int16_t* w, const float* scales, int64_t stride, const i
 // Row r's softmax weights straight to int16 codes: w = exp(sc - max) over keys [first, seen) (0 elsewhere, up to
 // padded, a multiple of 16), times v_scales (0 past the item's keys), quantized per block of 16 as quantize_weights
 // does; (max, sum of the weights before the value scales) through m and l. The same operations as softmax_row, the
-// scales' multiply and quantize_weights in turn, in one pass (the same bits).
+// scales' multiply and quantize_weights in turn, in one pass (the same bits). Blocks go 16 at a time: their
+// largest weights in one transposed reduction (simd::reduce16_max: exact, as max is in any order) and both
+// divisions by them in one vector each (IEEE division: the scalar's bits), instead of a horizontal max and two
+// scalar divisions per block; this pass reads no memory, so what it computes is not hidden behind the pool's bytes.
 inline void softmax_weights_row(const float* sc, int64_t first, int64_t seen, int64_t padded, const float* v_scales,
                                 float* m, float* l, int16_t* w, float* scales) {
   const float row_max = masked_row_max(sc, first, seen);
-  const __m512 mv = _mm512_set1_ps(row_max);
+  const __m512 mv = _mm512_set1_ps(row_max), most = _mm512_set1_ps(32767.f);
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < padded; j += kWeightBlock) {
-    const __m512 p = _mm512_maskz_mov_ps(lanes_in(j, first, seen), exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mv)));
-    sum = _mm512_add_ps(sum, p);
-    const __m512 x = _mm512_mul_ps(p, _mm512_loadu_ps(v_scales + j));
-    const float top = _mm512_reduce_max_ps(x);
-    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(top > 0.f ? 32767.f / top : 0.f)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), _mm512_cvtepi32_epi16(codes));
-    scales[j / kWeightBlock] = top / 32767.f;
+  for (int64_t j0 = 0; j0 < padded; j0 += 16 * kWeightBlock) {
+    const int64_t blocks = std::min<int64_t>(16, (padded - j0) / kWeightBlock);
+    __m512 x[16];
+#pragma GCC unroll 16
+    for (int64_t b = 0; b < 16; ++b) {
+      const int64_t j = j0 + b * kWeightBlock;
+      if (b >= blocks) {
+        x[b] = _mm512_setzero_ps();
+        continue;
+      }
+      const __m512 p = _mm512_maskz_mov_ps(lanes_in(j, first, seen), exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mv)));
+      sum = _mm512_add_ps(sum, p);
+      x[b] = _mm512_mul_ps(p, _mm512_loadu_ps(v_scales + j));
+    }
+    const __m512 top = simd::reduce16_max(x);
+    const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(top, _mm512_setzero_ps(), _CMP_GT_OQ), most, top);
+    _mm512_mask_storeu_ps(scales + j0 / kWeightBlock, static_cast<__mmask16>((1u << blocks) - 1u),
+                          _mm512_div_ps(top, most));
+#pragma GCC unroll 16
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 by = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(b)), inv);
+      const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(x[b], by));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j0 + b * kWeightBlock), _mm512_cvtepi32_epi16(codes));
+    }
   }
   *m = row_max;
   *l = _mm512_reduce_add_ps(sum);
