@@ -13,7 +13,8 @@ round), in one process:
 - ``auto+q4_1+kv-bf16``: q4_1 with a bfloat16 KV pool;
 - ``auto+kv-bf16``: the defaults with ``--kv-cache-dtype bfloat16`` (half the K/V bytes per token);
 - ``auto+kv-int8``: the defaults with ``--kv-cache-dtype int8`` (int8 codes + a bfloat16 scale per token
-  and head: 0.52x bfloat16's bytes); ``auto+q4_1-exact+kv-int8``: the same on the GGUF's own blocks;
+  and head: 0.52x bfloat16's bytes); ``auto+q4_1-exact+kv-int8``, ``auto+q4_1+kv-int8``: the same on the GGUF's
+  own blocks, float or int8 activations;
 - ``auto-no-cascade``: the defaults with the paged kernel's shared-prefix pass off (each request
   reads a shared prefix on its own, as before cascade attention).
 
@@ -56,6 +57,7 @@ COLUMNS: dict[str, dict[str, str]] = {
     "auto+kv-bf16": {"kv_cache_dtype": "bfloat16"},
     "auto+kv-int8": {"kv_cache_dtype": "int8"},
     "auto+q4_1-exact+kv-int8": {"quantization": "q4_1-exact", "kv_cache_dtype": "int8"},
+    "auto+q4_1+kv-int8": {"quantization": "q4_1", "kv_cache_dtype": "int8"},
     "auto-no-cascade": {"cascade_attention": "off"},
 }
 SHARED_TAIL_LEN = 64  # shared-prefix rows: the tokens after the shared prefix each request has alone
