@@ -66,9 +66,11 @@ class TreeNode:
         # Where the parent keeps it (``key.child_key``), set when it is linked: deleting it and its ghost
         # key (the adaptive policy's, on every eviction and new leaf) need no recomputation.
         self.child_key: Hashable = None
-        # A conversation's turn: the finished requests whose insert ended on the path above this node (a new
-        # leaf continues the ones that ended where it hangs), and ``ends``, those that ended on this node.
-        self.turn: int = parent.turn + parent.ends if parent is not None else 0
+        # A conversation's turn: the finished requests whose insert ended on the path above this node, and
+        # ``ends``, those that ended on this node. A new node continues the turns that ended where it hangs when
+        # it is the parent's first or second branch (beside a predecessor's cut-off partial page); a third is
+        # another conversation on a shared head (a system prompt), whatever ended there.
+        self.turn: int = 0 if parent is None else parent.turn + (parent.ends if len(parent.children) <= 1 else 0)
         self.ends: int = 0
 
     def __repr__(self) -> str:

@@ -162,7 +162,8 @@ def test_hit_count_counts_reuse_and_split_inherits_it() -> None:
 
 def test_turn_counts_the_finished_requests_a_leaf_continues_not_the_ones_beside_it() -> None:
     """Each turn re-reads all but its predecessor's partial last page: turns 0, 1, 2; a second conversation on
-    the same system prompt starts at turn 0; a running request's chunk ends no turn."""
+    the same system prompt starts at turn 0, so does a third branch below a turn; a running request's chunk ends
+    no turn."""
     cache = make_cache()
     system, turn0, turn1, turn2 = tokens(64), tokens(100), tokens(60), tokens(30)
     serve(cache, system + turn0 + tokens(5))
@@ -178,7 +179,10 @@ def test_turn_counts_the_finished_requests_a_leaf_continues_not_the_ones_beside_
     serve(cache, other)  # cuts the first conversation's head in its first half: the system prompt ends no turn
     assert cache.match_prefix(RadixKey(other)).last_node.turn == 0
     assert cache.match_prefix(RadixKey(system)).last_node.ends == 0
-    running = system + turn0 + tokens(40)
+    retry = system + turn0 + tokens(20)  # a third branch below turn 0 (beside turn 1 and the partial page)
+    serve(cache, retry)
+    assert cache.match_prefix(RadixKey(retry)).last_node.turn == 0
+    running = other + tokens(40)
     req = start(cache, running)
     cache.cache_unfinished_req(req)  # a chunk of a running request
     chunk = cache.match_prefix(RadixKey(running)).last_node
