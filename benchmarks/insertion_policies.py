@@ -11,6 +11,9 @@ fresh leaf enters:
   et al., ISCA '10);
 - ``DuelingMiddle``: that delay a share k of the pool's oldest age, k fixed or chosen by set dueling (DRRIP).
 
+The ``open-*`` variants shift only a conversation's fresh first turn (``TreeNode.turn`` 0); ``TurnOdds`` learns
+each fresh leaf's odds of being read from its turn and where it ends, and shifts it by them.
+
 None met issue 36's targets (docs/benchmarks/index.md), so they live beside the benchmarks, not in the package.
 """
 
@@ -273,8 +276,7 @@ class TurnOdds(Generic[T]):
 
     def discard(self, member: T) -> None:
         self._heap.discard(member)
-        if member not in self._heap:
-            self._shift.pop(member, None)
+        self._shift.pop(member, None)  # locked or a parent now: if it comes back, it enters as new
 
     def refresh(self, member: T) -> None:
         entry = self._shift.get(member)
