@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks.eviction_heldout import run
-from benchmarks.insertion_policies import INSERTION, LeafBIP
+from benchmarks.insertion_policies import INSERTION, LeafBIP, TurnOdds, TurnOddsInsertion
 from benchmarks.simulate import SimResult, read_trace, replay
 from benchmarks.stack_curve import block_names, stack_distances
 from benchmarks.workloads import TraceRequest
@@ -18,6 +18,7 @@ from radixserve.cache import RadixKey
 from radixserve.cache.core.policy import EvictionStrategy
 from radixserve.cache.core.radix import RadixCache
 from radixserve.memory import TokenAllocator
+from tests.cache.helpers import serve
 
 SLICE = Path(__file__).parent / "data" / "mooncake_conversation_head200.jsonl"
 
@@ -54,6 +55,31 @@ def test_leaf_bip_evicts_fresh_leaves_newest_first_then_by_recency() -> None:
     while cache.evict(1):
         order.append(int(cache.allocator.free_size()))
     assert order == [64 - 8, 64 - 4, 64]  # leaf 3 (newest fresh), leaf 2, then the read leaf 1
+    cache.check_invariants()
+
+
+def test_turn_odds_learns_which_turns_are_read_and_shifts_the_fresh_leaves_by_them() -> None:
+    """Openings evicted unread, second turns read: a fresh opening goes before an older fresh second turn, which
+    LRU would evict first; a ghost read back turns a miss into a read."""
+    now = [0.0]
+    cache = RadixCache(TokenAllocator(64), 1, TurnOddsInsertion(1.0, "turn"), clock=lambda: now[0])
+    odds = cache.candidates
+    assert isinstance(odds, TurnOdds)
+    odds.counts = {(0, 0): [0.0, 50.0], (1, 0): [50.0, 0.0]}
+    odds.pool_age = 10.0
+    first = [7] * 4
+    serve(cache, first)  # an opening, t = 0
+    now[0] = 1.0
+    serve(cache, [*first[:3], 8, 8])  # continues the opening (all but its last page): a second turn, t = 1
+    assert odds.counts[(0, 0)][0] == 1.0  # the opening's head was read (the split)
+    now[0] = 2.0
+    serve(cache, [9] * 4)  # a new opening, t = 2
+    assert cache.evict(1) == 1 and cache.evict(1) == 4  # the dead partial page, then the new opening
+    assert cache.cached_len(RadixKey([*first[:3], 8, 8])) == 5  # the older second turn stays
+    misses = odds.counts[(0, 0)][1]
+    cache.match_prefix(RadixKey([9] * 4))  # the evicted opening is asked for again: a read after all
+    assert odds.counts[(0, 0)][1] == misses - 1
+    odds.check()
     cache.check_invariants()
 
 

@@ -47,6 +47,8 @@ class TreeNode:
         "priority",
         "depth",
         "child_key",
+        "turn",
+        "ends",
     )
 
     def __init__(self, node_id: int, key: RadixKey, value: IndexArray, parent: TreeNode | None, now: float) -> None:
@@ -64,6 +66,12 @@ class TreeNode:
         # Where the parent keeps it (``key.child_key``), set when it is linked: deleting it and its ghost
         # key (the adaptive policy's, on every eviction and new leaf) need no recomputation.
         self.child_key: Hashable = None
+        # A conversation's turn: the finished requests whose insert ended on the path above this node, and
+        # ``ends``, those that ended on this node. A new node continues the turns that ended where it hangs when
+        # it is the parent's first or second branch (beside a predecessor's cut-off partial page); a third is
+        # another conversation on a shared head (a system prompt), whatever ended there.
+        self.turn: int = 0 if parent is None else parent.turn + (parent.ends if len(parent.children) <= 1 else 0)
+        self.ends: int = 0
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -182,8 +190,10 @@ class RadixCache(BasePrefixCache[TreeNode]):
             if head < len(rest):  # a shared head ends here: one leaf per namespace
                 node = self._add_leaf(node, rest[:head].pure(), value[:head], priority, now)
                 rest, value = rest[head:], value[head:]
-            self._add_leaf(node, rest.pure(), value, priority, now)
+            node = self._add_leaf(node, rest.pure(), value, priority, now)
             self._inserted(key, indices, matched_len)
+        if count_hit and node is not self.root:  # a finished request's turn ended here
+            node.ends += 1
         return matched_len
 
     # ---- eviction ---------------------------------------------------------------------------
@@ -315,6 +325,9 @@ class RadixCache(BasePrefixCache[TreeNode]):
         new.lock_ref, new.hit_count, new.priority = child.lock_ref, child.hit_count, child.priority
         new.last_access_time, new.creation_time = child.last_access_time, child.creation_time
         new.depth = child.depth
+        # The upper part keeps the turns that ended on ``child`` when the cut is in its second half: a next turn
+        # re-reads all but the last partial page of its predecessor, a sibling shares only a head (a system prompt).
+        new.turn, new.ends = child.turn, child.ends if 2 * split_len >= len(child.key) else 0
         new.child_key = child.child_key  # the same first page
         parent.children[new.child_key] = new
         child.key = child.key[split_len:]

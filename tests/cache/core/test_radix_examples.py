@@ -160,6 +160,38 @@ def test_hit_count_counts_reuse_and_split_inherits_it() -> None:
     assert cache.match_prefix(RadixKey([1, 2, 3, 4])).last_node.hit_count == 1
 
 
+def test_turn_counts_the_finished_requests_a_leaf_continues_not_the_ones_beside_it() -> None:
+    """Each turn re-reads all but its predecessor's partial last page: turns 0, 1, 2; a second conversation on
+    the same system prompt starts at turn 0, so does a third branch below a turn; a running request's chunk ends
+    no turn."""
+    cache = make_cache()
+    system, turn0, turn1, turn2 = tokens(64), tokens(100), tokens(60), tokens(30)
+    serve(cache, system + turn0 + tokens(5))
+    serve(cache, system + turn0 + turn1 + tokens(7))
+    serve(cache, system + turn0 + turn1 + turn2)
+    node = cache.match_prefix(RadixKey(system + turn0 + turn1 + turn2)).last_node
+    turns = []
+    while node is not cache.root:
+        turns.append((len(node.key), node.turn, node.ends))
+        node = node.parent
+    assert turns[::-1] == [(164, 0, 1), (60, 1, 1), (30, 2, 1)]  # the cut-off partial pages kept their ends too
+    other = system + tokens(90)
+    serve(cache, other)  # cuts the first conversation's head in its first half: the system prompt ends no turn
+    assert cache.match_prefix(RadixKey(other)).last_node.turn == 0
+    assert cache.match_prefix(RadixKey(system)).last_node.ends == 0
+    retry = system + turn0 + tokens(20)  # a third branch below turn 0 (beside turn 1 and the partial page)
+    serve(cache, retry)
+    assert cache.match_prefix(RadixKey(retry)).last_node.turn == 0
+    running = other + tokens(40)
+    req = start(cache, running)
+    cache.cache_unfinished_req(req)  # a chunk of a running request
+    chunk = cache.match_prefix(RadixKey(running)).last_node
+    assert (chunk.turn, chunk.ends) == (1, 0)
+    cache.cache_finished_req(req)
+    assert chunk.ends == 1
+    cache.check_invariants()
+
+
 def test_lfu_keeps_the_popular_leaf_where_lru_would_not() -> None:
     for policy, survivor in (("lru", [5, 6]), ("lfu", [1, 2])):
         cache = make_cache(64, policy=policy)
