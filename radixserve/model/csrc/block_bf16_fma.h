@@ -123,6 +123,7 @@ void fma_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, cons
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   alignas(64) float scales[C][16];
   const __m512 zero = _mm512_setzero_ps();
+  static_assert(R * C <= 32, "a tile of up to 32 accumulators");
   for (int64_t g = 0; g < blocks; g += 16) {
     const int64_t count = std::min<int64_t>(16, blocks - g);
     const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
@@ -155,18 +156,15 @@ void fma_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, cons
       }
     }
   }
-  // Row r at sums + r * kChunk (the walk's chunk), reduced 16 accumulators at a time (simd::reduce16: the bits of
-  // each register's _mm512_reduce_add_ps, as every kernel here reduces).
-  constexpr int kAll = R * C;
-  alignas(64) float all[(kAll + 15) / 16 * 16];
-  for (int i0 = 0; i0 < kAll; i0 += 16) {
-    __m512 v[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) v[i] = i0 + i < kAll ? acc[(i0 + i) / C][(i0 + i) % C] : zero;
-    _mm512_store_ps(all + i0, simd::reduce16(v));
+  // Row r at sums + r * kChunk (the walk's chunk): reduce_tile over up to 16 accumulators at a time (its
+  // compile-time indices keep them in registers; a loop over them put every update through the stack).
+  if constexpr (R * C <= 16) {
+    reduce_tile(acc, sums, kChunk);
+  } else {
+    constexpr int kHead = 16 / C;
+    reduce_tile(reinterpret_cast<const __m512(&)[kHead][C]>(acc[0]), sums, kChunk);
+    reduce_tile(reinterpret_cast<const __m512(&)[R - kHead][C]>(acc[kHead]), sums + kHead * kChunk, kChunk);
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sums[r * kChunk + c] = all[r * C + c];
 }
 
 // Channels per tile by rows: the accumulators, the decoded weights and a row's x fit the 32 registers.

@@ -500,12 +500,16 @@ template <bool Q4>
 void linear_channels_fma(const float* x, int64_t rows, const float* xsum, const BlockWeights& w, int64_t n0,
                          int64_t n1, const radixserve::Epilogue& out) {
   const int64_t ldx = w.blocks * kBlock, ldxs = padded16(w.blocks);
+  // Tiles of even size (11 rows: 6 + 5, not 10 + 1: a tile of one row decodes every block for itself).
+  const int64_t tiles = (rows + bf16_fma::kRowTile - 1) / bf16_fma::kRowTile, row_tile = (rows + tiles - 1) / tiles;
   radixserve::walk_decode_tiles<bf16_fma::kRowTile, kChunk>(
-      rows, n0, n1, out, [&](int64_t r0, int tile, int64_t n, int64_t c1, float* sums) {
+      rows, n0, n1, out,
+      [&](int64_t r0, int tile, int64_t n, int64_t c1, float* sums) {
         return fma_rows<Q4>(tile, n + bf16_fma::fma_channels(tile) > c1, x + r0 * ldx, ldx, xsum + r0 * ldxs, ldxs,
                             w.qs + n * w.qs_row_bytes, w.qs_row_bytes, w.d + n * w.blocks,
                             Q4 && w.m != nullptr ? w.m + n * w.blocks : nullptr, w.blocks, sums);
-      });
+      },
+      row_tile);
 }
 
 // Whether a bfloat16 call runs block_bf16_fma.h's kernel: 2..kFmaMaxRows rows, no channel scales (int8
