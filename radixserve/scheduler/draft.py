@@ -10,9 +10,9 @@ Never slower: a verify row costs ``ROW_COST`` of a one-row decode step (CPU rows
 the embedded SmolLM2, bfloat16, 1 thread, 300 tokens of context: 1, 2, 4, 6, 8 drafts cost 1.12-1.15x,
 1.19-1.29x, 1.64-1.74x, 1.95-2.11x, 2.35-2.54x a decode step; before block_bf16_fma.h 1.22-1.37x, 1.30-1.39x,
 1.75-1.77x, 2.10-2.21x, 2.82-3.03x). Each request keeps an estimate of how likely its next draft token is
-accepted (``alpha``, recent steps weigh most) and drafts the k that maximises expected accepted tokens minus their price (k rows at
-the step's own tokens-per-cost, so drafting stops where a large batch already makes many tokens per step);
-none where nothing gains, then it waits (longer each time) before a one-token probe (at small batches only).
+accepted (``alpha``, recent steps weigh most) and drafts the k that maximises expected accepted tokens minus
+their price (k rows at the step's own tokens-per-cost, so drafting stops where a large batch already makes many
+tokens per step); none where nothing gains, then it waits (longer each time) before a one-token probe (at small batches only).
 """
 
 from __future__ import annotations
