@@ -12,7 +12,8 @@ the embedded SmolLM2, bfloat16, 1 thread, 300 tokens of context: 1, 2, 4, 6, 8 d
 1.75-1.77x, 2.10-2.21x, 2.82-3.03x). Each request keeps an estimate of how likely its next draft token is
 accepted (``alpha``, recent steps weigh most) and drafts the k that maximises expected accepted tokens minus
 their price (k rows at the step's own tokens-per-cost, so drafting stops where a large batch already makes many
-tokens per step); none where nothing gains, then it waits (longer each time) before a one-token probe (at small batches only).
+tokens per step); none where nothing gains, then it waits (longer each time) before a one-token probe (at small
+batches only).
 """
 
 from __future__ import annotations
