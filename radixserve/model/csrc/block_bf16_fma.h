@@ -7,7 +7,7 @@
 // the same bits wherever no input or intermediate is denormal. On the Xeons here vdpbf16ps issues once per two
 // cycles and an FMA twice per cycle, so a Q4 block's x . (128 + q) then d * that (3 FMAs) runs ~1.7x the rate
 // of vdpbf16ps + FMA, and a Q8_0 block (2 FMAs) ~2x; the weights' decode into float32 pairs is shared by a
-// tile of up to 16 rows.
+// tile of up to 10 rows (balanced: 11 rows run as 6 + 5).
 //
 // When the FMAs' bits are the instruction's:
 //  - activations: every nonzero |x| in [2^-88, 2^88) (fma_rows_in_range): every product x * w and every partial
