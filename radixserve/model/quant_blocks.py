@@ -15,7 +15,8 @@ one kernel runs every row count, so a row's result depends on that row only and 
 cache hits change nothing.
 Three matmuls, by what the machine offers:
 
-- CPU, up to 16 rows (decode; 48 with int8 activations): our kernel (csrc/block_linear.cpp) reads the blocks;
+- CPU, up to 16 rows (decode; 48 with int8 activations): our kernel (csrc/block_linear.cpp) reads the blocks
+  (bfloat16 calls of 2-32 rows, a verify forward's: csrc/block_bf16_fma.h, the same bits in float32 FMAs);
 - CPU, more rows (prefill): csrc/block_gemm.cpp dequantizes a cache-sized tile of output channels at a
   time and runs the dtype's GEMM on it (never a whole float weight per call);
 - otherwise (no compiler, CUDA): dequantize with torch ops, then the GEMM.

@@ -7,11 +7,13 @@ prefix is taken (``Scheduler.process``). Of the two sources the longer matching 
 a tie: its continuations include earlier answers).
 
 Never slower: a verify row costs ``ROW_COST`` of a one-row decode step (CPU rows are not free: measured on
-the embedded SmolLM2, bfloat16, 1 thread, 500 tokens of context: 1, 2, 4, 8 drafts cost 1.33x, 1.45x, 1.93x,
-3.37x a decode step). Each request keeps an estimate of how likely its next draft token is accepted (``alpha``,
-recent steps weigh most) and drafts the k that maximises expected accepted tokens minus their price (k rows at
-the step's own tokens-per-cost, so drafting stops where a large batch already makes many tokens per step);
-none where nothing gains, then it waits (longer each time) before a one-token probe (at small batches only).
+the embedded SmolLM2, bfloat16, 1 thread, 300 tokens of context: 1, 2, 4, 6, 8 drafts cost 1.12-1.15x,
+1.19-1.29x, 1.64-1.74x, 1.95-2.11x, 2.35-2.54x a decode step; before block_bf16_fma.h 1.22-1.37x, 1.30-1.39x,
+1.75-1.77x, 2.10-2.21x, 2.82-3.03x). Each request keeps an estimate of how likely its next draft token is
+accepted (``alpha``, recent steps weigh most) and drafts the k that maximises expected accepted tokens minus
+their price (k rows at the step's own tokens-per-cost, so drafting stops where a large batch already makes many
+tokens per step); none where nothing gains, then it waits (longer each time) before a one-token probe (at small
+batches only).
 """
 
 from __future__ import annotations
@@ -23,18 +25,21 @@ from radixserve.scheduler.ngram import NGRAM_SIZES, NgramIndex
 from radixserve.scheduler.request import Request, SpecState
 
 SPEC_SOURCES = ("both", "tree", "prompt")
-ROW_COST = 0.4  # a verify row's cost, in one-row decode steps (see above; rounded up: a loss costs more than a miss)
-# The CPU decode kernels share one decode of a weight block among up to ROW_TILE rows (kRowTile in
-# csrc/block_linear.cpp, block_q8_linear.cpp, gguf_rows_linear.cpp): a row that opens a new tile decodes every
-# weight again. Measured (SmolLM2 Q4_1, bf16, 1 thread, 300 tokens of context): 7 drafts (8 rows) 2.34x a decode
-# step, 8 drafts (9 rows) 2.96x: the ninth row costs about what TILE_ROWS more rows do.
+ROW_COST = (
+    0.2  # a verify row's cost, in one-row decode steps (above: 0.12-0.19; rounded up: a loss costs more than a miss)
+)
+# Several CPU decode kernels share one decode of a weight block among up to ROW_TILE rows (kRowTile in
+# csrc/gguf_rows_linear.cpp, and csrc/block_linear.cpp's before block_bf16_fma.h): a row that opens a new tile
+# decodes every weight again (SmolLM2 Q4_1 there: 7 drafts 2.34x a decode step, 8 drafts 2.96x). The default
+# bfloat16 Q4 / Q8_0 path has no such step any more (block_bf16_fma.h balances its tiles of up to 10 rows: 7 and 8
+# drafts 2.34x and 2.51x); TILE_ROWS is the middle ground between the two.
 ROW_TILE = 8
-TILE_ROWS = 2.0
+TILE_ROWS = 1.0
 DECAY = 0.7  # per verify step: how much of the acceptance history is kept
 MAX_COOLDOWN_STEPS = 32  # the longest a request waits before probing again after drafting stopped paying
 # No probe where a row costs more than this many tokens (from 5 decodes on): there a probe's row costs a share of
-# every decode's step (batch 16: ~6% for one row), and drafting resumes only if the estimate says it pays.
-MAX_PROBE_PRICE = 0.75
+# every decode's step (batch 16: ~5% for one row), and drafting resumes only if the estimate says it pays.
+MAX_PROBE_PRICE = 0.5
 
 
 class Drafter:

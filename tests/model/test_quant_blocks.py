@@ -88,6 +88,51 @@ def test_bfloat16_rows_past_a_tile_are_each_row_alone(fmt: str, rows: int) -> No
     assert ((got.double() - expected).abs() / scale).max().item() <= 1e-2
 
 
+def awkward_bfloat16_rows(rows: int, in_features: int, seed: int) -> torch.Tensor:
+    """bfloat16 rows that test a dot product's rounding: random magnitudes over 2^-20..2^20, zeros and -0, pairs
+    (x[2i], x[2i + 1]) that cancel, values at the edges of the FMA kernel's range (2^-88, just under 2^88)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=generator) * 2.0 ** torch.randint(
+        -20, 21, (rows, in_features), generator=generator
+    )
+    x[:, 1::2][: rows // 2] = -x[:, 0::2][: rows // 2]
+    x[:, 3::17] = 0.0
+    x[:, 5::19] = -0.0
+    x[0, 7], x[-1, 9] = 2.0**-88, -(2.0**87) * 1.5
+    return x.bfloat16()
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_bfloat16_rows_have_one_set_of_bits_at_every_row_count(fmt: str) -> None:
+    """Two or more bfloat16 rows run float32 FMAs where one row runs vdpbf16ps (block_bf16_fma.h: the same bits
+    wherever nothing is denormal): every row of 1..40-row calls (one row, tiles of up to 10 and their remainders,
+    past the FMA kernel's 32 rows) and at 1 and 2 threads equals that row alone, on rows that stress the
+    rounding; a row with a value outside the FMA kernel's range sends its call to the instruction, same bits."""
+    blocks = random_blocks("q4_1" if fmt == "q4_0" else fmt, 37, 576, seed=5)
+    m = None if fmt != "q4_1" else blocks.m
+    x = awkward_bfloat16_rows(40, 576, seed=6)
+
+    def kernel(rows_of_x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.radixserve.block_linear(rows_of_x, blocks.qs, blocks.d, m, None, None, None)
+        return out
+
+    alone = torch.cat([kernel(x[r : r + 1]) for r in range(len(x))])
+    threads = torch.get_num_threads()
+    try:
+        for count in (2, 3, 4, 5, 8, 9, 10, 11, 17, 32, 40):
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                assert torch.equal(kernel(x[:count]).view(torch.int16), alone[:count].view(torch.int16)), (count, n)
+    finally:
+        torch.set_num_threads(threads)
+    tiny = x[:9].clone()
+    tiny[4, 0] = 2.0**-100  # below the range: the whole call runs vdpbf16ps
+    assert torch.equal(kernel(tiny)[5:].view(torch.int16), alone[5:9].view(torch.int16))
+    if "avx512_bf16" in Path("/proc/cpuinfo").read_text():
+        assert torch.ops.radixserve.block_linear_bf16_fma()  # the FMAs were checked to be this CPU's vdpbf16ps
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 15, 16])

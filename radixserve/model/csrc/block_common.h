@@ -227,14 +227,16 @@ inline bool check_blocks(const at::Tensor& qs, const at::Tensor& d, const std::o
 // The decode kernels' walk over their output: chunks of kChunk channels (whose weights stay in cache across the
 // row tiles), tiles of up to kRowTile rows, and within a tile as many channels per call as
 // `tile(r0, rows, n, c1, sums)` computed (it returns that count and leaves row r's sums at sums + r * kChunk, in
-// the chunk's buffer); then the tile's rows are stored a row at a time (Epilogue::store_row).
+// the chunk's buffer); then the tile's rows are stored a row at a time (Epilogue::store_row). ``row_tile``
+// (<= kRowTile): the rows of a full tile, where a kernel balances its tiles.
 template <int kRowTile, int64_t kChunk, typename Tile>
-void walk_decode_tiles(int64_t rows, int64_t n0, int64_t n1, const Epilogue& out, const Tile& tile) {
+void walk_decode_tiles(int64_t rows, int64_t n0, int64_t n1, const Epilogue& out, const Tile& tile,
+                       int64_t row_tile = kRowTile) {
   float chunk[kRowTile][kChunk];
   for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
     const int64_t c1 = std::min(n1, c0 + kChunk);
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int tile_rows = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+    for (int64_t r0 = 0; r0 < rows; r0 += row_tile) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(row_tile, rows - r0));
       for (int64_t n = c0; n < c1;) n += tile(r0, tile_rows, n, c1, &chunk[0][n - c0]);
       for (int r = 0; r < tile_rows; ++r) out.store_row(r0 + r, c0, c1 - c0, chunk[r]);
     }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "block_common.h"
+#include "block_bf16_fma.h"
 
 namespace {
 
@@ -456,6 +457,70 @@ void linear_channels_decoded(const at::Tensor& x, const float* xsum, const float
 }
 #endif
 
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+namespace bf16_fma = radixserve::bf16_fma;
+
+// Rows in one tile of block_bf16_fma.h's kernel up to this many (a verify forward's 1 + 8 rows, batches of a
+// few requests); more rows (prefill) keep the decoded-chunk path.
+constexpr int64_t kFmaMaxRows = 32;
+
+// Q8_0 block b as its bfloat16 weights (q8_weights_bf16) in float32 pair halves.
+inline void q8_pairs(const uint8_t* qs, int64_t b, float scale, __m512& we, __m512& wo) {
+  const __m512i w = (__m512i)q8_weights_bf16(qs, b, scale);
+  we = bf16_fma::even_half(w);
+  wo = bf16_fma::odd_half(w);
+}
+
+// rows (1..bf16_fma::kRowTile) against channels n..n + fma_channels(rows) (or just n when `single`).
+template <bool Q4>
+int fma_rows(int rows, bool single, const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* qs,
+             int64_t ldq, const at::Half* d, const at::Half* m, int64_t blocks, float* sums) {
+  const auto q4 = [](const uint8_t* q, int64_t b, float, __m512& we, __m512& wo) { bf16_fma::q4_pairs(q, b, we, wo); };
+  const auto weights = [&](const uint8_t* q, int64_t b, float scale, __m512& we, __m512& wo) {
+    if constexpr (Q4) q4(q, b, scale, we, wo);
+    else q8_pairs(q, b, scale, we, wo);
+  };
+  switch (rows) {
+#define RADIXSERVE_TILE(R)                                                                                     \
+  case R:                                                                                                      \
+    if (single || bf16_fma::fma_channels(R) == 1)                                                             \
+      return bf16_fma::fma_tile<R, 1, Q4>(x, ldx, xsum, ldxs, qs, ldq, d, m, blocks, sums, weights, code_mins16), 1; \
+    bf16_fma::fma_tile<R, bf16_fma::fma_channels(R), Q4>(x, ldx, xsum, ldxs, qs, ldq, d, m, blocks, sums, weights,  \
+                                                         code_mins16);                                         \
+    return bf16_fma::fma_channels(R);
+    RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4) RADIXSERVE_TILE(5)
+    RADIXSERVE_TILE(6) RADIXSERVE_TILE(7) RADIXSERVE_TILE(8) RADIXSERVE_TILE(9)
+    default: RADIXSERVE_TILE(bf16_fma::kRowTile)
+#undef RADIXSERVE_TILE
+  }
+}
+
+// Output channels n0..n1 of every row, x as bf16_fma::split_rows made it ([rows][blocks][32] float32).
+template <bool Q4>
+void linear_channels_fma(const float* x, int64_t rows, const float* xsum, const BlockWeights& w, int64_t n0,
+                         int64_t n1, const radixserve::Epilogue& out) {
+  const int64_t ldx = w.blocks * kBlock, ldxs = padded16(w.blocks);
+  // Tiles of even size (11 rows: 6 + 5, not 10 + 1: a tile of one row decodes every block for itself).
+  const int64_t tiles = (rows + bf16_fma::kRowTile - 1) / bf16_fma::kRowTile, row_tile = (rows + tiles - 1) / tiles;
+  radixserve::walk_decode_tiles<bf16_fma::kRowTile, kChunk>(
+      rows, n0, n1, out,
+      [&](int64_t r0, int tile, int64_t n, int64_t c1, float* sums) {
+        return fma_rows<Q4>(tile, n + bf16_fma::fma_channels(tile) > c1, x + r0 * ldx, ldx, xsum + r0 * ldxs, ldxs,
+                            w.qs + n * w.qs_row_bytes, w.qs_row_bytes, w.d + n * w.blocks,
+                            Q4 && w.m != nullptr ? w.m + n * w.blocks : nullptr, w.blocks, sums);
+      },
+      row_tile);
+}
+
+// Whether a bfloat16 call runs block_bf16_fma.h's kernel: 2..kFmaMaxRows rows, no channel scales (int8
+// weight-only), a CPU whose vdpbf16ps the FMAs reproduce, and x in the range where they do.
+inline bool fma_path(const at::Tensor& x, const float* wscale) {
+  const int64_t rows = x.size(0);
+  return rows >= 2 && rows <= kFmaMaxRows && wscale == nullptr && bf16_fma::fma_emulates_dpbf16() &&
+         bf16_fma::fma_rows_in_range(static_cast<const uint16_t*>(x.data_ptr()), x.numel());
+}
+#endif
+
 // Q4's min term: each block's sum of x (float32, or bfloat16 when BF16) in float32, [rows, padded16(blocks)],
 // once per call and in the same order for every row.
 template <bool BF16>
@@ -479,6 +544,19 @@ void linear(const at::Tensor& x, const BlockWeights& w, bool q4, const float* ws
             const radixserve::Epilogue& epilogue) {
   const int64_t rows = x.size(0);
   const std::vector<float> xsum = q4 ? block_sums<BF16>(x, w.blocks) : std::vector<float>();
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+  if constexpr (BF16) {
+    if (fma_path(x, wscale)) {
+      std::vector<float> split(x.numel());
+      bf16_fma::split_rows(static_cast<const uint16_t*>(x.data_ptr()), x.numel(), split.data());
+      at::parallel_for(0, epilogue.out_features, 16, [&](int64_t n0, int64_t n1) {
+        if (q4) linear_channels_fma<true>(split.data(), rows, xsum.data(), w, n0, n1, epilogue);
+        else linear_channels_fma<false>(split.data(), rows, xsum.data(), w, n0, n1, epilogue);
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, epilogue.out_features, 16, [&](int64_t n0, int64_t n1) {
 #ifdef RADIXSERVE_BLOCK_AVX512BF16
     if constexpr (BF16) {
@@ -554,14 +632,26 @@ at::Tensor block_linear_op(const at::Tensor& x, const at::Tensor& qs, const at::
   return out;
 }
 
+// Whether bfloat16 calls of 2 or more rows may run block_bf16_fma.h's kernel: AVX512-BF16, and its FMAs checked to
+// be this CPU's vdpbf16ps.
+bool block_linear_bf16_fma() {
+#ifdef RADIXSERVE_BLOCK_AVX512BF16
+  return radixserve::bf16_fma::fma_emulates_dpbf16();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def(
       "block_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias=None, Tensor? residual=None, "
       "Tensor? scales=None, bool round_before_residual=False) -> Tensor");
+  m.def("block_linear_bf16_fma() -> bool", &block_linear_bf16_fma);
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("block_linear", &block_linear_op);
 }
+
