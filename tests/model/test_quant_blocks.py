@@ -15,7 +15,14 @@ from radixserve.model import paged_kernel
 from radixserve.model.gguf_loader import load_gguf, load_gguf_blocks
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.quant import BLOCK_QUANTIZATIONS, weight_bytes
-from radixserve.model.quant_blocks import FORMATS, KERNEL_MAX_ROWS, BlockEmbedding, BlockLinear, QuantBlocks
+from radixserve.model.quant_blocks import (
+    FORMATS,
+    KERNEL_MAX_ROWS,
+    BlockEmbedding,
+    BlockLinear,
+    QuantBlocks,
+    choose_bf16_rows_path,
+)
 from tests.model.tiny import alloc, load_ours, make_batch, make_pool
 
 needs_kernel = pytest.mark.skipif(not paged_kernel.load(), reason="no C++ compiler: the block kernel cannot build")
@@ -106,9 +113,11 @@ def awkward_bfloat16_rows(rows: int, in_features: int, seed: int) -> torch.Tenso
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
 def test_bfloat16_rows_have_one_set_of_bits_at_every_row_count(fmt: str) -> None:
     """Two or more bfloat16 rows run float32 FMAs where one row runs vdpbf16ps (block_bf16_fma.h: the same bits
-    wherever nothing is denormal): every row of 1..40-row calls (one row, tiles of up to 10 and their remainders,
-    past the FMA kernel's 32 rows) and at 1 and 2 threads equals that row alone, on rows that stress the
-    rounding; a row with a value outside the FMA kernel's range sends its call to the instruction, same bits."""
+    wherever nothing is denormal), turned on here wherever they reproduce this CPU's instruction (by default
+    choose_bf16_rows_path keeps them where they are also faster): every row of 1..40-row calls (one row, tiles
+    of up to 10 and their remainders, past the FMA kernel's 32 rows) and at 1 and 2 threads equals that row
+    alone, on rows that stress the rounding; a row with a value outside the FMA kernel's range sends its call
+    to the instruction, same bits."""
     blocks = random_blocks("q4_1" if fmt == "q4_0" else fmt, 37, 576, seed=5)
     m = None if fmt != "q4_1" else blocks.m
     x = awkward_bfloat16_rows(40, 576, seed=6)
@@ -119,18 +128,19 @@ def test_bfloat16_rows_have_one_set_of_bits_at_every_row_count(fmt: str) -> None
 
     alone = torch.cat([kernel(x[r : r + 1]) for r in range(len(x))])
     threads = torch.get_num_threads()
+    torch.ops.radixserve.block_linear_bf16_fma(True)
     try:
         for count in (2, 3, 4, 5, 8, 9, 10, 11, 17, 32, 40):
             for n in (1, 2):
                 torch.set_num_threads(n)
                 assert torch.equal(kernel(x[:count]).view(torch.int16), alone[:count].view(torch.int16)), (count, n)
+        tiny = x[:9].clone()
+        tiny[4, 0] = 2.0**-100  # below the range: the whole call runs vdpbf16ps
+        assert torch.equal(kernel(tiny)[5:].view(torch.int16), alone[5:9].view(torch.int16))
     finally:
         torch.set_num_threads(threads)
-    tiny = x[:9].clone()
-    tiny[4, 0] = 2.0**-100  # below the range: the whole call runs vdpbf16ps
-    assert torch.equal(kernel(tiny)[5:].view(torch.int16), alone[5:9].view(torch.int16))
-    if "avx512_bf16" in Path("/proc/cpuinfo").read_text():
-        assert torch.ops.radixserve.block_linear_bf16_fma()  # the FMAs were checked to be this CPU's vdpbf16ps
+        assert not torch.ops.radixserve.block_linear_bf16_fma(False)
+        torch.ops.radixserve.block_linear_bf16_fma(choose_bf16_rows_path())  # as this process measured
 
 
 @needs_kernel
@@ -318,3 +328,17 @@ def test_engine_reports_the_resolved_quantization(tiny_model_dir: Path) -> None:
     assert info["quantization"] == "q4_1"
     assert info["quantization_detail"].startswith("q4_1: 0 of ")  # an HF float folder: everything quantized
     assert np.isfinite(info["weight_bytes"])
+
+
+@needs_kernel
+def test_the_rows_path_is_chosen_by_timing_and_can_be_turned_off() -> None:
+    """choose_bf16_rows_path keeps the FMAs or the instruction (timed once; the same bits either way) and says
+    which; the op turns the FMAs off and on again where they reproduce the CPU's vdpbf16ps."""
+    chosen = choose_bf16_rows_path()
+    try:
+        assert not torch.ops.radixserve.block_linear_bf16_fma(False)
+        reproduces = torch.ops.radixserve.block_linear_bf16_fma(True)
+        assert reproduces or not chosen  # chosen only where the op can run them
+    finally:
+        torch.ops.radixserve.block_linear_bf16_fma(chosen)
+    assert torch.ops.radixserve.block_linear_bf16_fma() == chosen

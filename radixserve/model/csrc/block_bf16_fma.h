@@ -15,6 +15,7 @@
 //    times a code), so nothing is denormal, and nothing overflows; otherwise the call runs the instruction;
 //  - the CPU's vdpbf16ps rounds as described (fma_emulates_dpbf16: checked once on crafted pairs, cancellation
 //    included; a CPU that rounds otherwise keeps the instruction for every call).
+// Whether they are faster depends on the core (the instruction's issue rate): fma_choice, set from a timing.
 // Q4 starts each block's pair sum from +0, as vdpbf16ps on a zeroed accumulator: fma(x1, w1, +0) turns a -0
 // product into +0 as the instruction's first add does.
 #pragma once
@@ -23,6 +24,7 @@
 
 #if defined(RADIXSERVE_BLOCK_AVX512BF16)
 
+#include <atomic>
 #include <random>
 
 namespace radixserve::bf16_fma {
@@ -69,6 +71,12 @@ inline bool fma_emulates_dpbf16() {
   }();
   return same;
 }
+
+// Whether bfloat16 calls of 2 or more rows run the FMAs where they reproduce the instruction: 1 (the default) or 0
+// (the instruction for every call). quant_blocks.py times both once and keeps the faster: the bits are the same.
+inline std::atomic<int> fma_choice{1};
+
+inline bool fma_enabled() { return fma_choice.load(std::memory_order_relaxed) != 0 && fma_emulates_dpbf16(); }
 
 // Whether every value of x (bfloat16 [rows, K]) is 0 or of magnitude in [2^-88, 2^88): biased exponents 39..214.
 inline bool fma_rows_in_range(const uint16_t* x, int64_t count) {

@@ -513,10 +513,11 @@ void linear_channels_fma(const float* x, int64_t rows, const float* xsum, const 
 }
 
 // Whether a bfloat16 call runs block_bf16_fma.h's kernel: 2..kFmaMaxRows rows, no channel scales (int8
-// weight-only), a CPU whose vdpbf16ps the FMAs reproduce, and x in the range where they do.
+// weight-only), a CPU whose vdpbf16ps the FMAs reproduce (and not turned off: bf16_fma::fma_enabled), and x in
+// the range where they reproduce it.
 inline bool fma_path(const at::Tensor& x, const float* wscale) {
   const int64_t rows = x.size(0);
-  return rows >= 2 && rows <= kFmaMaxRows && wscale == nullptr && bf16_fma::fma_emulates_dpbf16() &&
+  return rows >= 2 && rows <= kFmaMaxRows && wscale == nullptr && bf16_fma::fma_enabled() &&
          bf16_fma::fma_rows_in_range(static_cast<const uint16_t*>(x.data_ptr()), x.numel());
 }
 #endif
@@ -632,11 +633,13 @@ at::Tensor block_linear_op(const at::Tensor& x, const at::Tensor& qs, const at::
   return out;
 }
 
-// Whether bfloat16 calls of 2 or more rows may run block_bf16_fma.h's kernel: AVX512-BF16, and its FMAs checked to
-// be this CPU's vdpbf16ps.
-bool block_linear_bf16_fma() {
+// Whether bfloat16 calls of 2 or more rows run block_bf16_fma.h's kernel: AVX512-BF16, its FMAs checked to be
+// this CPU's vdpbf16ps, and not turned off. ``use``: turn them on (true, the default) or off (quant_blocks.py
+// times both; the bits are the same).
+bool block_linear_bf16_fma(std::optional<bool> use) {
 #ifdef RADIXSERVE_BLOCK_AVX512BF16
-  return radixserve::bf16_fma::fma_emulates_dpbf16();
+  if (use.has_value()) radixserve::bf16_fma::fma_choice.store(*use ? 1 : 0);
+  return radixserve::bf16_fma::fma_enabled();
 #else
   return false;
 #endif
@@ -648,7 +651,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def(
       "block_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias=None, Tensor? residual=None, "
       "Tensor? scales=None, bool round_before_residual=False) -> Tensor");
-  m.def("block_linear_bf16_fma() -> bool", &block_linear_bf16_fma);
+  m.def("block_linear_bf16_fma(bool? use=None) -> bool", &block_linear_bf16_fma);
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
