@@ -121,11 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve bench policy-table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--policies", default=",".join([*FIXED, *ONLINE]))
+    return add_replay_arguments(parser)
+
+
+def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The traces, capacities, families and seeds a held-out replay runs on (``policy-table``, ``insertion``)."""
     parser.add_argument("--traces", default="", help="comma-separated mooncake:PATH (or PATH) traces")
     parser.add_argument("--time-slice", default="second-half", choices=("all", "first-half", "second-half"))
     parser.add_argument("--block-tokens", type=int, default=32, help="mooncake:PATH: tokens a 512-token block becomes")
     parser.add_argument("--fractions", default="0.05,0.1,0.25", help="trace capacities: shares of the working set")
-    parser.add_argument("--policies", default=",".join([*FIXED, *ONLINE]))
     parser.add_argument("--repeat", type=int, default=1, help="replays per trace cache; the least CPU time is kept")
     parser.add_argument("--families", default=",".join(FAMILIES), help="randomised families ('' for none)")
     parser.add_argument("--seeds", default="held-out", help="held-out, tuning, or comma-separated seeds")

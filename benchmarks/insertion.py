@@ -21,8 +21,8 @@ import argparse
 import time
 from pathlib import Path
 
-from benchmarks.eviction_heldout import family_table, run, trace_table
-from benchmarks.families import FAMILIES, HELD_OUT_SEEDS, TUNING_SEEDS
+from benchmarks.eviction_heldout import add_replay_arguments, family_table, run, trace_table
+from benchmarks.families import HELD_OUT_SEEDS, TUNING_SEEDS
 from benchmarks.insertion_policies import INSERTION
 from benchmarks.simulate import read_trace
 from benchmarks.stack_curve import stack_curve
@@ -32,18 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve bench insertion", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--traces", default="", help="comma-separated mooncake:PATH (or PATH) traces")
-    parser.add_argument("--time-slice", default="second-half", choices=("all", "first-half", "second-half"))
-    parser.add_argument("--block-tokens", type=int, default=32, help="mooncake:PATH: tokens a 512-token block becomes")
-    parser.add_argument("--fractions", default="0.05,0.1,0.25", help="capacities: shares of the working set")
     parser.add_argument("--curve-fractions", default="0.025,0.05,0.075,0.1,0.15,0.25,0.5")
     parser.add_argument("--policies", default="lru,lfu,slru,adaptive,when", help="registered policies beside")
     parser.add_argument("--insertion", default=",".join(INSERTION), help="insertion policies (insertion_policies)")
-    parser.add_argument("--repeat", type=int, default=1, help="replays per trace cache; the least CPU time is kept")
-    parser.add_argument("--families", default=",".join(FAMILIES), help="randomised families ('' for none)")
-    parser.add_argument("--seeds", default="held-out", help="held-out, tuning, or comma-separated seeds")
-    parser.add_argument("--family-fractions", default="0.1,0.25")
-    return parser
+    return add_replay_arguments(parser)
 
 
 def main(argv: list[str]) -> None:

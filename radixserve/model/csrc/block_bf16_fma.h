@@ -136,11 +136,7 @@ void fma_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, cons
     const int64_t count = std::min<int64_t>(16, blocks - g);
     const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
     for (int c = 0; c < C; ++c) {
-      const char* ahead = reinterpret_cast<const char*>(qs + c * ldq + g * (Q4 ? 16 : kBlock)) + kPrefetch;
-      for (int line = 0; line < (Q4 ? 4 : 8); ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(d + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
-      if (Q4 && m != nullptr)
-        _mm_prefetch(reinterpret_cast<const char*>(m + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
+      prefetch_channel<Q4>(qs, ldq, d, m, blocks, c, g, kPrefetch);
       const __m512 dc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, d + c * blocks + g));
       _mm512_store_ps(scales[c], dc);
       if constexpr (Q4) {

@@ -243,4 +243,18 @@ void walk_decode_tiles(int64_t rows, int64_t n0, int64_t n1, const Epilogue& out
   }
 }
 
+#ifdef RADIXSERVE_BLOCK_AVX2
+// Channel c's blocks from g on, fetched `ahead` bytes ahead in its codes (an eighth of that in its scales and Q4's
+// mins; rows lie one after another): the hardware prefetcher alone left SmolLM2's batch-1 linears at ~9 GB/s from
+// DRAM (2.2 ns a block, 0.9 in cache). qs: Q4 16 bytes a block, Q8_0 kBlock; ldq bytes a channel.
+template <bool Q4>
+inline void prefetch_channel(const uint8_t* qs, int64_t ldq, const at::Half* d, const at::Half* m, int64_t blocks,
+                             int64_t c, int64_t g, int64_t ahead) {
+  const char* codes = reinterpret_cast<const char*>(qs + c * ldq + g * (Q4 ? 16 : kBlock)) + ahead;
+  for (int line = 0; line < (Q4 ? 4 : 8); ++line) _mm_prefetch(codes + 64 * line, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(d + c * blocks + g) + ahead / 8, _MM_HINT_T0);
+  if (Q4 && m != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m + c * blocks + g) + ahead / 8, _MM_HINT_T0);
+}
+#endif
+
 }  // namespace radixserve

@@ -285,13 +285,7 @@ void dot_tile(const void* x, int64_t ldx, const float* xsum, int64_t ldxs, const
       return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, h + g));  // zeros past the last block
     };
     for (int c = 0; c < C; ++c) {
-      // The hardware prefetcher alone left SmolLM2's batch-1 linears at ~9 GB/s from DRAM (2.2 ns a block, 0.9
-      // in cache): fetch kPrefetch bytes ahead of each channel's codes and scales (rows lie one after another).
-      const char* ahead = reinterpret_cast<const char*>(qs + c * ldq + g * (Q4 ? 16 : kBlock)) + kPrefetch;
-      for (int line = 0; line < (Q4 ? 4 : 8); ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(d + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
-      if (Q4 && m != nullptr)
-        _mm_prefetch(reinterpret_cast<const char*>(m + c * blocks + g) + kPrefetch / 8, _MM_HINT_T0);
+      radixserve::prefetch_channel<Q4>(qs, ldq, d, m, blocks, c, g, kPrefetch);
       // With wscale (int8 weight-only, whose block scales d are 1) the block's scale is d * wscale_c.
       const __m512 dc = half16(d + c * blocks);
       _mm512_store_ps(scales[c], wscale == nullptr ? dc : _mm512_mul_ps(dc, _mm512_set1_ps(wscale[c])));
