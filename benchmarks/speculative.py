@@ -149,11 +149,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
+    parser.add_argument("--quantization", default="auto", help="the engine's --quantization (q4_1: int8 activations)")
     parser.add_argument("--workloads", nargs="*", default=None, help="run only these (default: all)")
     args = parser.parse_args(argv)
     engine = Engine(
         model_path=args.model_path,
         num_threads=args.threads,
+        quantization=args.quantization,
         speculative_algorithm="ngram",
         speculative_num_draft_tokens=args.num_draft_tokens,
     )
