@@ -25,9 +25,8 @@ from radixserve.scheduler.ngram import NGRAM_SIZES, NgramIndex
 from radixserve.scheduler.request import Request, SpecState
 
 SPEC_SOURCES = ("both", "tree", "prompt")
-ROW_COST = (
-    0.2  # a verify row's cost, in one-row decode steps (above: 0.12-0.19; rounded up: a loss costs more than a miss)
-)
+# A verify row's cost, in one-row decode steps (above: 0.12-0.19; rounded up: a loss costs more than a miss).
+ROW_COST = 0.2
 # Several CPU decode kernels share one decode of a weight block among up to ROW_TILE rows (kRowTile in
 # csrc/gguf_rows_linear.cpp, and csrc/block_linear.cpp's before block_bf16_fma.h): a row that opens a new tile
 # decodes every weight again (SmolLM2 Q4_1 there: 7 drafts 2.34x a decode step, 8 drafts 2.96x). The default
