@@ -20,6 +20,7 @@ pytest.importorskip("ray")
 pytest.importorskip("opentelemetry.sdk")
 pytestmark = pytest.mark.slow
 CALL_TIMEOUT = 120.0
+STEP_SPANS = ("radixserve.queue", "radixserve.prefill", "radixserve.decode")  # a request span's children
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +76,16 @@ def test_the_callers_trace_crosses_the_router_to_the_replica(served: tuple[Serve
         callers[trace_id] = span_id
 
     def complete(spans: list[ReceivedSpan]) -> bool:
+        """Every call's route and request spans, and the request's queue / prefill / decode children (the
+        replica's exporter may send them in a later batch than the request span)."""
         kinds = {(s.trace_id, s.name) for s in spans}
-        return all((t, n) in kinds for t in callers for n in ("radixserve.route", "radixserve.request"))
+        if not all((t, n) in kinds for t in callers for n in ("radixserve.route", "radixserve.request")):
+            return False
+        requests = {s.span_id for s in spans if s.name == "radixserve.request" and s.trace_id in callers}
+        children = {(s.parent_span_id, s.name) for s in spans}
+        return all((r, n) in children for r in requests for n in STEP_SPANS)
 
-    spans = receiver.wait_for(complete, "route and request spans of every call")
+    spans = receiver.wait_for(complete, "route, request and step spans of every call")
     for trace_id, caller in callers.items():
         (route,) = [s for s in spans if s.trace_id == trace_id and s.name == "radixserve.route"]
         (request,) = [s for s in spans if s.trace_id == trace_id and s.name == "radixserve.request"]
@@ -89,4 +96,4 @@ def test_the_callers_trace_crosses_the_router_to_the_replica(served: tuple[Serve
         assert request.attributes["radixserve.replica"] in names, (request.attributes, names)
         assert route.start_ns <= request.start_ns and request.end_ns <= route.end_ns
         children = {s.name for s in spans if s.parent_span_id == request.span_id}
-        assert {"radixserve.queue", "radixserve.prefill", "radixserve.decode"} <= children
+        assert set(STEP_SPANS) <= children
