@@ -24,7 +24,7 @@ def bearer(key: str) -> dict[str, str]:
 
 
 def complete(url: str, key: str, prompt: str) -> None:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "ignore_eos": True}  # sampled: EOS could end it early
     response = httpx.post(url + "/v1/completions", json=body, headers=bearer(key), timeout=60)
     assert response.status_code == 200, response.text
 
