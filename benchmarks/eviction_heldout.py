@@ -150,11 +150,21 @@ def main(argv: list[str]) -> None:
             requests = read_trace(spec, 512, args.block_tokens, None, args.time_slice)
             table = run(requests, policies, fractions, True, args.repeat)
             print("\n".join(trace_table(Path(spec.removeprefix("mooncake:")).stem, table, policies)), flush=True)
-    families = [f for f in args.families.split(",") if f]
-    if families:
-        named = {"held-out": HELD_OUT_SEEDS, "tuning": TUNING_SEEDS}
-        seeds = named.get(args.seeds) or tuple(int(s) for s in args.seeds.split(","))
-        fractions = [float(f) for f in args.family_fractions.split(",")]
-        print(f"\nrandomised families, {len(seeds)} seeds each: points against the best fixed policy of each seed")
-        print("\n".join(family_table(families, seeds, fractions, policies)), flush=True)
+    print_families(args, policies)
     print(f"\n{time.perf_counter() - start:.0f} s")
+
+
+def print_families(
+    args: argparse.Namespace,
+    policies: Sequence[str],
+    extra: Mapping[str, Callable[[], EvictionStrategy]] | None = None,
+) -> None:
+    """The randomised families' table for ``add_replay_arguments``' flags (none when --families is empty)."""
+    families = [f for f in args.families.split(",") if f]
+    if not families:
+        return
+    named = {"held-out": HELD_OUT_SEEDS, "tuning": TUNING_SEEDS}
+    seeds = named.get(args.seeds) or tuple(int(s) for s in args.seeds.split(","))
+    fractions = [float(f) for f in args.family_fractions.split(",")]
+    print(f"\nrandomised families, {len(seeds)} seeds each: points against the best fixed policy of each seed")
+    print("\n".join(family_table(families, seeds, fractions, policies, extra)), flush=True)

@@ -21,8 +21,7 @@ import argparse
 import time
 from pathlib import Path
 
-from benchmarks.eviction_heldout import add_replay_arguments, family_table, run, trace_table
-from benchmarks.families import HELD_OUT_SEEDS, TUNING_SEEDS
+from benchmarks.eviction_heldout import add_replay_arguments, print_families, run, trace_table
 from benchmarks.insertion_policies import INSERTION
 from benchmarks.simulate import read_trace
 from benchmarks.stack_curve import stack_curve
@@ -52,11 +51,5 @@ def main(argv: list[str]) -> None:
         print(f"{'trace':<22} {'cap':>5} " + " ".join(f"{p:>8}" for p in [*policies, *extra, "belady"]))
         table = run(requests, policies, [float(f) for f in args.fractions.split(",")], True, args.repeat, extra)
         print("\n".join(trace_table(label, table, [*policies, *extra], list(extra))), flush=True)
-    families = [f for f in args.families.split(",") if f]
-    if families:
-        named = {"held-out": HELD_OUT_SEEDS, "tuning": TUNING_SEEDS}
-        seeds = named.get(args.seeds) or tuple(int(s) for s in args.seeds.split(","))
-        fractions = [float(f) for f in args.family_fractions.split(",")]
-        print(f"\nrandomised families, {len(seeds)} seeds each: points against the best fixed policy of each seed")
-        print("\n".join(family_table(families, seeds, fractions, policies, extra)), flush=True)
+    print_families(args, policies, extra)
     print(f"\n{time.perf_counter() - start:.0f} s")
