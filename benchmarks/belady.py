@@ -16,6 +16,10 @@ by the next use of its last token and, through the strategy's ``evict_len``
 asked, trimming a leaf's tail where the online caches free whole leaves:
 token-level MIN. The replay (``simulate.replay``) advances the
 cache's clock to the index of the request being served.
+
+``ORACLES`` adds two weaker ones that know *whether* a leaf is read again but
+not *when* (``EverStrategy``, ``EverLeafStrategy``): how much of Belady's gap
+a perfect predictor of reuse would close (issue 36).
 """
 
 from __future__ import annotations
@@ -123,14 +127,42 @@ class BeladyStrategy(EvictionStrategy):
         return min(end - max(tail_start, end - node_len), wanted)
 
 
+class EverStrategy(BeladyStrategy):
+    """An oracle that knows *whether* a leaf is read again but not *when*: the leaves no later request
+    reads go first, then least recently used (their tails trimmed as Belady's are: a dead tail goes before
+    the prefix a later prompt still reads). It bounds what any policy predicting reuse from a leaf's
+    features can gain over LRU's recency order (``--policies oracle-ever``; issue 36)."""
+
+    def rank(self, node: NodeStats) -> Rank:
+        assert self.cache is not None and isinstance(node, TreeNode)
+        next_use, _ = self.cache.next_use(node)
+        return (next_use != NEVER, node.last_access_time)
+
+
+class EverLeafStrategy(EverStrategy):
+    """``EverStrategy`` freeing whole leaves, as the online policies do: a leaf whose last token no one reads
+    goes whole, its head with it, even where the next turn reads that head (a Mooncake prompt's partial last
+    block is such a tail: it hashes anew once the next turn fills it)."""
+
+    def evict_len(self, node: Any, node_len: int, wanted: int) -> int:
+        return node_len
+
+
+# Caches that read the future index (bench simulate --caches, bench policy-table --policies).
+ORACLES = {"belady": BeladyStrategy, "oracle-ever": EverStrategy, "oracle-ever-leaf": EverLeafStrategy}
+
+
 class BeladyCache(RadixCache):
-    """RadixCache (page size 1) evicting by Belady's MIN over token positions; see the module doc.
+    """RadixCache (page size 1) evicting by Belady's MIN over token positions (or another of ``ORACLES``);
+    see the module doc.
 
     ``clock`` must return the index of the request being served.
     """
 
-    def __init__(self, allocator: TokenAllocator, index: FutureIndex, clock: Clock) -> None:
-        strategy = BeladyStrategy(index)
+    def __init__(
+        self, allocator: TokenAllocator, index: FutureIndex, clock: Clock, oracle: type[BeladyStrategy] = BeladyStrategy
+    ) -> None:
+        strategy = oracle(index)
         super().__init__(allocator, 1, strategy, clock)
         strategy.cache = self
         self.index = index

@@ -10,7 +10,9 @@ Two tables (issue 36):
 2. Randomised families (families.py): per family and capacity, each online policy's worst seed against the
    best fixed policy of that seed (and which seed), over the held-out seeds, and the mean.
 
-The policies' constants were tuned on the first halves and on ``families.TUNING_SEEDS`` only.
+The policies' constants were tuned on the first halves and on ``families.TUNING_SEEDS`` only. ``--policies`` also
+takes the oracles ``oracle-ever`` and ``oracle-ever-leaf`` (``belady.py``: they know whether a leaf is read again,
+not when), reported as the online policies are.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from benchmarks.belady import ORACLES
 from benchmarks.families import FAMILIES, HELD_OUT_SEEDS, TUNING_SEEDS, draw
 from benchmarks.policy_table import ONLINE
 from benchmarks.simulate import SimResult, read_trace, replay, simulate
@@ -44,7 +47,7 @@ def run(
 
     ``extra``: strategies outside the registry (name -> a fresh one per replay), replayed the same way."""
     working_set = working_set_tokens(requests)
-    caches = [f"radix-{p}-p1" for p in policies] + (["belady"] if bound else [])
+    caches = [p if p in ORACLES else f"radix-{p}-p1" for p in policies] + (["belady"] if bound else [])
     capacities = [max(int(f * working_set), 16) for f in fractions]
     results = simulate(requests, caches, capacities, repeat=repeat, trace_clock=True)
     for name, make in (extra or {}).items():
@@ -97,7 +100,7 @@ def family_table(
     extra: Mapping[str, Callable[[], EvictionStrategy]] | None = None,
 ) -> list[str]:
     lines = []
-    online = [p for p in ONLINE if p in policies] + list(extra or {})
+    online = [p for p in policies if p in ONLINE or p in ORACLES] + list(extra or {})
     for family in families:
         margins: dict[tuple[float, str], list[tuple[float, int]]] = {}
         for seed in seeds:
@@ -121,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve bench policy-table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--policies", default=",".join([*FIXED, *ONLINE]))
+    parser.add_argument(
+        "--policies", default=",".join([*FIXED, *ONLINE]), help="registered policies, and oracle-ever (belady.py)"
+    )
     return add_replay_arguments(parser)
 
 
@@ -149,7 +154,10 @@ def main(argv: list[str]) -> None:
         for spec in (s for s in args.traces.split(",") if s):
             requests = read_trace(spec, 512, args.block_tokens, None, args.time_slice)
             table = run(requests, policies, fractions, True, args.repeat)
-            print("\n".join(trace_table(Path(spec.removeprefix("mooncake:")).stem, table, policies)), flush=True)
+            online = [p for p in policies if p not in FIXED]
+            print(
+                "\n".join(trace_table(Path(spec.removeprefix("mooncake:")).stem, table, policies, online)), flush=True
+            )
     print_families(args, policies)
     print(f"\n{time.perf_counter() - start:.0f} s")
 

@@ -13,7 +13,8 @@ every distinct token position of every prompt + output): RadixCache under each
 eviction policy at page size 1 and 16 (``radix-<policy>-p<page>``), the
 vLLM-style BlockHashCache (``block-16``), no cache (``none``), and Belady's
 offline optimum (``belady``, see ``belady.py``): an upper bound on the token hit
-rate any online policy can reach at that capacity. Printed per capacity: token
+rate any online policy can reach at that capacity (and, asked by name, the
+oracles that know only *whether* a leaf is read again: ``belady.ORACLES``). Printed per capacity: token
 hit rate, prompt tokens computed (prefill), tokens evicted, µs of cache work per
 request (this thread's CPU time, so other processes' load does not move it),
 and the gap to the bound; then the adaptive policy against the best fixed one,
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.belady import BeladyCache, FutureIndex
+from benchmarks.belady import ORACLES, BeladyCache, FutureIndex
 from benchmarks.policy_table import online_summaries
 from benchmarks.tier_sim import make_tiered_cache
 from benchmarks.traces import load_scaled_trace, load_trace, time_slice, working_set_tokens
@@ -98,9 +99,9 @@ def make_cache(name: str, capacity: int, clock: list[float], index: FutureIndex 
     def now() -> float:
         return float(clock[1])
 
-    if name == "belady":
-        assert index is not None, "belady needs the future"
-        return BeladyCache(TokenAllocator(capacity), index, lambda: float(clock[0]))
+    if name in ORACLES:
+        assert index is not None, f"{name} needs the future"
+        return BeladyCache(TokenAllocator(capacity), index, lambda: float(clock[0]), ORACLES[name])
     if name == "none":
         return create_prefix_cache("none", TokenAllocator(capacity))
     kind, _, rest = name.partition("-")
@@ -113,7 +114,8 @@ def make_cache(name: str, capacity: int, clock: list[float], index: FutureIndex 
         size = capacity - capacity % int(page)
         return create_prefix_cache("radix", TokenAllocator(size, int(page)), int(page), policy, clock=now)
     raise ValueError(
-        f"unknown cache {name!r}: radix-<policy>-p<page>, tiered-<policy>-p<page>, block-<size>, none or belady"
+        f"unknown cache {name!r}: radix-<policy>-p<page>, tiered-<policy>-p<page>, block-<size>, none, "
+        f"{' or '.join(ORACLES)}"
     )
 
 
@@ -190,13 +192,13 @@ def simulate(
     repeat: int = 1,
     trace_clock: bool = False,
 ) -> list[SimResult]:
-    """Every cache at every capacity; the future index is built once, only if belady is asked.
+    """Every cache at every capacity; the future index is built once, only if an oracle (belady) is asked.
 
     ``repeat``: replay each cache that many times in a row and keep the least CPU time
     (the hit counts are the same every time: a replay is deterministic).
     """
     working_set = working_set_tokens(list(requests))
-    index = future_index(requests) if "belady" in caches else None
+    index = future_index(requests) if ORACLES.keys() & set(caches) else None
     return [
         min(
             (

@@ -61,6 +61,18 @@ def test_belady_trims_a_leaf_tail_that_no_one_will_read() -> None:
     assert run(requests, "radix-lru-p1", 4)[0] == 0  # whole-leaf eviction loses the prefix
 
 
+def test_the_whether_oracle_drops_what_no_one_reads_and_otherwise_goes_by_recency() -> None:
+    """``oracle-ever`` knows whether a leaf is read again, not when: A B C A keeps A (B is dead), where LRU
+    drops A; in A B C A C B every block is read again, so it drops by recency as LRU does, where MIN keeps A."""
+    a, b, c = [1, 2], [3, 4], [5, 6]
+    assert run(trace(a, b, c, a), "oracle-ever", 4) == (2, 2)
+    assert run(trace(a, b, c, a), "radix-lru-p1", 4) == (0, 4)
+    every_one_again = trace(a, b, c, a, c, b)
+    assert run(every_one_again, "oracle-ever", 4) == run(every_one_again, "radix-lru-p1", 4) == (2, 6)
+    assert run(every_one_again, "belady", 4) == (4, 4)
+    assert run(trace([1, 2, 3, 4], [7], [1, 2, 3, 8]), "oracle-ever", 4) == (3, 2)  # a dead tail trimmed as MIN's
+
+
 def test_bound_equals_every_policy_when_capacity_covers_the_working_set() -> None:
     rng = np.random.default_rng(3)
     shared = rng.integers(3, 1000, 40)
@@ -100,7 +112,7 @@ def small_traces(draw: st.DrawFn) -> tuple[list[TraceRequest], int, int]:
 def test_no_policy_beats_the_bound(case: tuple[list[TraceRequest], int, int]) -> None:
     requests, capacity, concurrency = case
     index = future_index(requests)
-    results = {name: replay(requests, name, capacity, concurrency, index) for name in DEFAULT_CACHES}
+    results = {name: replay(requests, name, capacity, concurrency, index) for name in [*DEFAULT_CACHES, "oracle-ever"]}
     bound = results.pop("belady")
     for name, result in results.items():
         assert result.rejected == bound.rejected or name.endswith("p16") or name.startswith("block")
