@@ -128,21 +128,29 @@ class BeladyStrategy(EvictionStrategy):
 
 
 class EverStrategy(BeladyStrategy):
-    """An oracle that knows *whether* a leaf is read again but not *when*: the leaves no later request
-    reads go first, then least recently used (their tails trimmed as Belady's are: a dead tail goes before
-    the prefix a later prompt still reads). It bounds what any policy predicting reuse from a leaf's
-    features can gain over LRU's recency order (``--policies oracle-ever``; issue 36)."""
+    """An oracle that knows *whether* a leaf is read again but not *when*: the leaves whose end no later
+    request reads go first, and of those only the dead tail, back to where a later prompt still reads; then
+    whole leaves, least recently used, as the online policies free them. What a perfect predictor of reuse
+    would add to LRU's recency order (``--policies oracle-ever``; issue 36)."""
 
     def rank(self, node: NodeStats) -> Rank:
         assert self.cache is not None and isinstance(node, TreeNode)
         next_use, _ = self.cache.next_use(node)
         return (next_use != NEVER, node.last_access_time)
 
+    def evict_len(self, node: Any, node_len: int, wanted: int) -> int:
+        assert self.cache is not None and isinstance(node, TreeNode)
+        next_use, tail_start = self.cache.next_use(node)
+        if next_use != NEVER:
+            return node_len
+        end = node.depth + node_len
+        return end - max(tail_start, end - node_len)
+
 
 class EverLeafStrategy(EverStrategy):
-    """``EverStrategy`` freeing whole leaves, as the online policies do: a leaf whose last token no one reads
-    goes whole, its head with it, even where the next turn reads that head (a Mooncake prompt's partial last
-    block is such a tail: it hashes anew once the next turn fills it)."""
+    """``EverStrategy`` freeing dead leaves whole too: a leaf whose last token no one reads goes with its head,
+    even where the next turn reads that head (a Mooncake prompt's partial last block is such a tail: it hashes
+    anew once the next turn fills it)."""
 
     def evict_len(self, node: Any, node_len: int, wanted: int) -> int:
         return node_len
