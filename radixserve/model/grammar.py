@@ -116,6 +116,17 @@ class GrammarState:
         """An independent copy at the same position (to try draft tokens on)."""
         return GrammarState(self._matcher.fork())
 
+    def accepted_len(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids``, in order, fit the grammar from here (the tokens a draft may keep). Tried on
+        a fork (~2 us, and ~0.5 us a token): this state is left as it was."""
+        trial = self._matcher.fork()
+        num = 0
+        for token_id in token_ids:
+            if trial.is_terminated() or not trial.accept_token(token_id):
+                break
+            num += 1
+        return num
+
     def accept(self, token_id: int) -> None:
         if not self._matcher.is_terminated() and not self._matcher.accept_token(token_id):
             raise ValueError(f"token {token_id} does not fit the request's grammar")
