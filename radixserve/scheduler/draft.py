@@ -86,7 +86,21 @@ class Drafter:
         return self._lookup(req, num)
 
     def _lookup(self, req: Request, limit: int) -> list[int]:
-        tokens = req.fill_ids
+        """Up to ``limit`` drafts: under a grammar, the tokens it forces first (certain), then copied ones."""
+        tokens, grammar = req.fill_ids, req.sampling.grammar
+        forced = [] if grammar is None else grammar.forced_tokens(limit)
+        if forced and grammar is not None:
+            tokens, grammar = np.concatenate([tokens, forced]), grammar.fork()
+            for token in forced:
+                grammar.accept(token)
+        if len(forced) == limit:
+            return forced
+        return forced + self._copy(req, tokens, grammar, limit - len(forced))
+
+    def _copy(self, req: Request, tokens: np.ndarray, grammar: GrammarState | None, limit: int) -> list[int]:
+        """What followed ``tokens``' longest matching n-gram in the tree or in ``tokens`` themselves; under a
+        ``grammar`` (its state after ``tokens``) cut where it stops admitting it, and where nothing of it fits,
+        the last token's continuations (``_grammar_lookup``)."""
         best_n, best = 0, list[int]()
         if self.index is not None:
             best_n, best = self.index.lookup(req.extra_key, tokens[-max(NGRAM_SIZES) :].tolist(), limit)
@@ -94,8 +108,8 @@ class Drafter:
             n, drafts = prompt_lookup(tokens, limit)
             if n > best_n:
                 best = drafts
-        if not best and req.sampling.grammar is not None:
-            best = self._grammar_lookup(req, req.sampling.grammar, tokens, limit)
+        if grammar is not None:  # a copy that does not fit costs rows for nothing: the last token's, if any fits
+            best = best[: grammar.accepted_len(best)] or self._grammar_lookup(req, grammar, tokens, limit)
         return best
 
     def _grammar_lookup(self, req: Request, grammar: GrammarState, tokens: np.ndarray, limit: int) -> list[int]:

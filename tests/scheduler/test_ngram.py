@@ -147,8 +147,8 @@ def test_grammar_lookup_drafts_only_what_the_grammar_admits(city: tuple[Callable
 
 def test_only_a_grammar_request_drafts_from_one_token(city: tuple[Callable, Callable]) -> None:
     """The tree holds an earlier ``Oslo, "unit": ...``; after ``"Lima",`` nothing of 2-4 tokens matches. Without
-    a grammar a one-token match drafts nothing (free text: it lost); with one, the drafter proposes what followed
-    the comma, the grammar admitting it; a rejected proposal leaves the request's matcher as it was."""
+    a grammar a one-token match drafts nothing (free text: it lost); with one, what followed the comma is
+    drafted, the grammar admitting it."""
     ids, matcher = city
     index = NgramIndex()
     cache = RadixCache(TokenAllocator(256), listeners=[index])
@@ -161,14 +161,34 @@ def test_only_a_grammar_request_drafts_from_one_token(city: tuple[Callable, Call
     drafter = Drafter(8, index)
     for req in (plain, constrained):
         req.output_ids = ids(answer)
-        drafter.state(req).trials = 1.0  # every recent draft accepted: eight pay
-    assert drafter.propose(plain, 8, drafter.price(1, 1)) == []
-    assert drafter.propose(constrained, 8, drafter.price(1, 1)) == ids(' "unit":')
-    assert Drafter(8, None).propose(constrained, 8, drafter.price(1, 1)) == []  # the request's own text: no comma
-    drafter.record(constrained, 8, 0)  # none accepted (as if the model wrote something else)
-    grammar, rest = constrained.sampling.grammar, ids(' "unit": "celsius"}')
-    assert grammar is not None and grammar.accepted_len(rest) == len(rest)
+    assert drafter._copy(plain, plain.fill_ids, None, 8) == []
+    grammar = constrained.sampling.grammar
+    assert drafter._copy(constrained, constrained.fill_ids, grammar, 16) == ids(' "unit":')  # max_continuation
+    assert Drafter(8, None)._copy(constrained, constrained.fill_ids, grammar, 8) == []  # its own text: no comma
     check_index(index, cache)
+
+
+def test_a_grammar_request_drafts_what_its_grammar_forces_first(city: tuple[Callable, Callable]) -> None:
+    """After ``"Lima"`` the byte model's grammar admits one token at a time up to the unit's value: those come
+    first (certain), then what followed them in the tree (an earlier answer); a rejected proposal leaves the
+    request's matcher as it was."""
+    ids, matcher = city
+    grammar = matcher('{"city": "Lima"')
+    assert grammar.forced_tokens(16) == ids(', "unit": "') and grammar.forced_tokens(3) == ids(', "')
+    assert matcher('{"city": "Li').forced_tokens(8) == []  # inside a string: any character
+    index = NgramIndex()
+    cache = RadixCache(TokenAllocator(256), listeners=[index])
+    earlier = ids('{"city": "Oslo", "unit": "fahrenheit"}')
+    cache.insert(RadixKey(earlier), cache.allocator.alloc(len(earlier)))
+    req = Request(0, np.array(ids("Weather in Lima?")), SamplingParams(max_new_tokens=64), grammar=grammar)
+    req.output_ids = ids('{"city": "Lima"')
+    drafter = Drafter(16, index)
+    drafter.state(req).trials = 1.0  # every recent draft accepted: all pay
+    assert drafter.propose(req, 8, drafter.price(1, 1)) == ids(', "unit"')  # room for 8
+    assert drafter.propose(req, 16, drafter.price(1, 1)) == ids(', "unit": "fahre')  # then the tree's copy
+    drafter.record(req, 16, 0)  # none accepted (as if the model wrote something else)
+    rest = ids(', "unit": "celsius"}')
+    assert grammar.accepted_len(rest) == len(rest)
 
 
 def empirical_vs_expected(counts: dict[object, int], expected: dict[object, float]) -> float:
