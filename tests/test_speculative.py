@@ -12,6 +12,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -192,10 +193,20 @@ def test_drafts_in_a_tight_pool_with_pages(tiny_model_dir: Path, page_size: int)
     engine.close()
 
 
-def test_grammar_holds_with_drafts(byte_model_dir: Path) -> None:
+def test_grammar_holds_with_drafts(byte_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A JSON schema on the tiny byte model, drafts from the prompt (which holds answers of the same shape): the
     grammar masks each verified row as it would the plain step's (a forked matcher walks the drafts), so the
-    output is the plain run's, token for token, and valid; the request's own matcher is never left mid-draft."""
+    output is the plain run's, token for token, and valid; the request's own matcher is never left mid-draft.
+    Drafts include the grammar's one-token fallback (after a value the model made up, no n-gram matches)."""
+    fallbacks: list[list[int]] = []
+    lookup = Drafter._grammar_lookup
+
+    def grammar_lookup(*args: Any) -> list[int]:
+        drafts = lookup(*args)
+        fallbacks.append(drafts)
+        return drafts
+
+    monkeypatch.setattr(Drafter, "_grammar_lookup", grammar_lookup)
     engine = Engine(model_path=str(byte_model_dir), dtype="float32", speculative_algorithm="ngram")
     schema = json.dumps(
         {
@@ -211,7 +222,7 @@ def test_grammar_holds_with_drafts(byte_model_dir: Path) -> None:
     engine.scheduler.drafter = None
     engine.flush_cache()
     plain = engine.generate([prompt, prompt], params)
-    assert drafted > 0
+    assert drafted > 0 and any(fallbacks)
     assert spec[0].output_ids == plain[0].output_ids
     for out in spec:
         if out.finish_reason == "stop":

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -98,14 +99,15 @@ class GrammarCompiler:
     def matcher(self, compiled: xgr.CompiledGrammar) -> GrammarState:
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids))
+        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids), self.vocab_size)
 
 
 class GrammarState:
     """One request's position in its grammar: which tokens may come next, and whether it has ended."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
+        self.vocab_size = vocab_size
 
     @property
     def terminated(self) -> bool:
@@ -114,7 +116,35 @@ class GrammarState:
 
     def fork(self) -> GrammarState:
         """An independent copy at the same position (to try draft tokens on)."""
-        return GrammarState(self._matcher.fork())
+        return GrammarState(self._matcher.fork(), self.vocab_size)
+
+    def accepted_len(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids``, in order, fit the grammar from here (the tokens a draft may keep). Tried on
+        a fork (~2 us, and ~0.5 us a token): this state is left as it was."""
+        trial = self._matcher.fork()
+        num = 0
+        for token_id in token_ids:
+            if trial.is_terminated() or not trial.accept_token(token_id):
+                break
+            num += 1
+        return num
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens that must come next, each the only token the grammar admits at its place (the
+        quote after ``{``, a closing brace, EOS after the last one); [] where the next has a choice. A masked row
+        can take nothing else, greedy or sampled: certain drafts. Walked on a fork (~15 us a token)."""
+        import xgrammar as xgr
+
+        trial, bitmask = self._matcher.fork(), xgr.allocate_token_bitmask(1, self.vocab_size)
+        row = bitmask[0].numpy()  # the same memory: numpy reads 1.5k words faster than torch ops dispatch
+        tokens: list[int] = []
+        while len(tokens) < limit and not trial.is_terminated():
+            trial.fill_next_token_bitmask(bitmask, 0)
+            token = _only_token(row)
+            if token is None or token >= self.vocab_size or not trial.accept_token(token):
+                break
+            tokens.append(token)
+        return tokens
 
     def accept(self, token_id: int) -> None:
         if not self._matcher.is_terminated() and not self._matcher.accept_token(token_id):
@@ -139,6 +169,17 @@ def apply_masks(logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -
     if torch.isneginf(out[rows]).all(dim=-1).any():  # the engine then samples row by row: only that request fails
         raise GrammarError("the grammar allows no token of this model's vocabulary here (a dead end)")
     return out
+
+
+def _only_token(row: np.ndarray) -> int | None:
+    """The one token a bitmask row (int32 words, bit i of word w: token 32 w + i) admits; None: none or several."""
+    words = np.flatnonzero(row)
+    if len(words) != 1:
+        return None
+    word = int(row[words[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    return int(words[0]) * 32 + word.bit_length() - 1
 
 
 def _xgrammar_message(exc: BaseException) -> str:

@@ -9,10 +9,12 @@ The index is a cache listener (``cache/core/listener.py``), kept with the tree's
 
 It holds no node, no slot and no lock: only copies of token ids, bounded by ``max_entries`` (the least
 recently written entry goes first; ~400 bytes each with 8-token continuations: 26 MB at the default 65,536,
-about the last 20k cached tokens' n-grams of three sizes). What it returns is always cached in the tree at
-that moment: when the cache frees ``key[start:]``, every entry this key wrote whose n-gram ends in the freed
-part is dropped, and one whose continuation runs into it is cut where the freed part begins (an entry another
-sequence wrote since, at another position or with other tokens, is left alone: that sequence still holds it).
+about the last 20k cached tokens' n-grams of three sizes; the 1-grams add one entry per distinct token).
+Lookups try 4, 3 and 2 tokens; only a grammar request's drafts come from one token (``draft.py``). What it
+returns is always cached in the tree at that moment: when the cache frees ``key[start:]``, every entry this
+key wrote whose n-gram ends in the freed part is dropped, and one whose continuation runs into it is cut where
+the freed part begins (an entry another sequence wrote since, at another position or with other tokens, is
+left alone: that sequence still holds it).
 
 Namespaces (``extra_key`` / cache_salt) never mix: an n-gram is looked up only in its own namespace, and a
 continuation never crosses from a shared head into a private part.
@@ -26,6 +28,7 @@ from radixserve.cache import RadixKey
 from radixserve.memory.allocator import IndexArray
 
 NGRAM_SIZES = (4, 3, 2)  # tried longest first: a longer match predicts better
+INDEX_SIZES = (*NGRAM_SIZES, 1)  # indexed: 1-grams too, for a grammar request's last resort (draft.py)
 Entry = tuple[int, tuple[int, ...]]  # (position of the n-gram's last token, the tokens after it)
 
 
@@ -33,7 +36,7 @@ class NgramIndex:
     """n-gram -> continuation over the cached sequences; a ``CacheListener``."""
 
     def __init__(
-        self, max_continuation: int = 8, max_entries: int = 1 << 16, sizes: Sequence[int] = NGRAM_SIZES
+        self, max_continuation: int = 8, max_entries: int = 1 << 16, sizes: Sequence[int] = INDEX_SIZES
     ) -> None:
         if max_continuation < 1 or max_entries < 1 or not sizes or min(sizes) < 1:
             raise ValueError("max_continuation, max_entries and the n-gram sizes must be >= 1")
@@ -45,10 +48,13 @@ class NgramIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, namespace: str | None, tail: Sequence[int], limit: int) -> tuple[int, list[int]]:
-        """(n, up to ``limit`` tokens) that followed the longest n-gram ending ``tail`` in the cache; (0, [])."""
-        for n in self.sizes:
-            if len(tail) >= n:
+    def lookup(
+        self, namespace: str | None, tail: Sequence[int], limit: int, sizes: Sequence[int] = NGRAM_SIZES
+    ) -> tuple[int, list[int]]:
+        """(n, up to ``limit`` tokens) that followed the longest n-gram ending ``tail`` in the cache, n of
+        ``sizes`` (those the index holds); (0, [])."""
+        for n in sizes:
+            if n in self.sizes and len(tail) >= n:
                 entry = self._entries.get((namespace, tuple(tail[-n:])))
                 if entry is not None:
                     return n, list(entry[1][:limit])

@@ -6,19 +6,40 @@ same namespace, right now (it keeps copies of token ids, bounded, and drops them
 
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from radixserve.cache import RadixCache, RadixKey, TokenAllocator
 from radixserve.core import SamplingParams
+from radixserve.model.grammar import GrammarCompiler, GrammarState
 from radixserve.model.sampling import SamplingState
 from radixserve.model.spec_verify import verify
-from radixserve.scheduler.draft import ROW_TILE, TILE_ROWS, Drafter, best_draft_len, prompt_lookup
+from radixserve.scheduler.draft import (
+    ROW_TILE,
+    TILE_ROWS,
+    Drafter,
+    best_draft_len,
+    continuations,
+    prompt_lookup,
+)
 from radixserve.scheduler.ngram import NgramIndex
 from radixserve.scheduler.request import Request
+from tests.support.tiny_model import BYTE_EOS, BYTE_VOCAB
+
+CITY_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"],
+    }
+)
 
 
 def cached_sequences(cache: RadixCache) -> list[RadixKey]:
@@ -81,6 +102,93 @@ def test_prompt_lookup_takes_the_latest_earlier_occurrence() -> None:
     tokens = np.array([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
     assert prompt_lookup(tokens, 3) == (3, [4, 5, 1])
     assert prompt_lookup(np.array([7, 8, 9]), 3) == (0, [])
+    assert continuations(tokens, 1, 2, count=3) == [[4, 5], [9, 1]]  # after each earlier 3, the latest first
+
+
+@pytest.fixture(scope="module")
+def city(byte_model_dir: Path) -> tuple[Callable[[str], list[int]], Callable[[str], GrammarState]]:
+    """(text -> byte-model token ids, answer so far -> a CITY_SCHEMA matcher that has taken it)."""
+    tokenizer = AutoTokenizer.from_pretrained(byte_model_dir)
+    compiler = GrammarCompiler(tokenizer, BYTE_VOCAB, [BYTE_EOS])
+    compiled = compiler.compile("json_schema", CITY_SCHEMA)
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def matcher(answer: str) -> GrammarState:
+        grammar = compiler.matcher(compiled)
+        for token in ids(answer):
+            grammar.accept(token)
+        return grammar
+
+    return ids, matcher
+
+
+def test_grammar_lookup_drafts_only_what_the_grammar_admits(city: tuple[Callable, Callable]) -> None:
+    """After ``"Lima"`` no n-gram has occurred before; of the earlier occurrences of its last token (the quote),
+    the latest seven go on where the grammar does not (``:``, ``L``, ``}``, ``c``, ...), the eighth, after
+    ``"Paris"``, goes on as the grammar must: its continuation is drafted, cut where the grammar stops admitting
+    it (``k``: not in the unit enum); the request's matcher is left where it was."""
+    ids, matcher = city
+    answer = '{"city": "Lima"'
+    req = Request(0, np.array(ids('{"city": "Paris", "unit": "kelvin"}\n')), SamplingParams(), grammar=matcher(answer))
+    req.output_ids = ids(answer)
+    grammar, tokens = req.sampling.grammar, req.fill_ids
+    assert grammar is not None and prompt_lookup(tokens, 8) == (0, [])
+    drafter = Drafter(8, None)
+    assert drafter._grammar_lookup(req, grammar, tokens, 8) == ids(', "unit"')
+    assert drafter._grammar_lookup(req, grammar, tokens, 16) == ids(', "unit": "')  # not the k
+    rest = ids(', "unit": "celsius"}')
+    assert grammar.accepted_len(rest + ids("x")) == len(rest)  # untouched by the tries: the answer goes on
+    for token in rest:
+        grammar.accept(token)
+    assert grammar.accepted_len(ids("x")) == 0
+
+
+def test_only_a_grammar_request_drafts_from_one_token(city: tuple[Callable, Callable]) -> None:
+    """The tree holds an earlier ``Oslo, "unit": ...``; after ``"Lima",`` nothing of 2-4 tokens matches. Without
+    a grammar a one-token match drafts nothing (free text: it lost); with one, what followed the comma is
+    drafted, the grammar admitting it."""
+    ids, matcher = city
+    index = NgramIndex()
+    cache = RadixCache(TokenAllocator(256), listeners=[index])
+    earlier = ids('Oslo, "unit": "fahrenheit"')
+    cache.insert(RadixKey(earlier), cache.allocator.alloc(len(earlier)))
+    answer = '{"city": "Lima",'
+    prompt = np.array(ids("Weather in Lima?"))
+    plain = Request(0, prompt, SamplingParams(max_new_tokens=64))
+    constrained = Request(1, prompt, SamplingParams(max_new_tokens=64), grammar=matcher(answer))
+    drafter = Drafter(8, index)
+    for req in (plain, constrained):
+        req.output_ids = ids(answer)
+    assert drafter._copy(plain, plain.fill_ids, None, 8) == []
+    grammar = constrained.sampling.grammar
+    assert drafter._copy(constrained, constrained.fill_ids, grammar, 16) == ids(' "unit":')  # max_continuation
+    assert Drafter(8, None)._copy(constrained, constrained.fill_ids, grammar, 8) == []  # its own text: no comma
+    check_index(index, cache)
+
+
+def test_a_grammar_request_drafts_what_its_grammar_forces_first(city: tuple[Callable, Callable]) -> None:
+    """After ``"Lima"`` the byte model's grammar admits one token at a time up to the unit's value: those come
+    first (certain), then what followed them in the tree (an earlier answer); a rejected proposal leaves the
+    request's matcher as it was."""
+    ids, matcher = city
+    grammar = matcher('{"city": "Lima"')
+    assert grammar.forced_tokens(16) == ids(', "unit": "') and grammar.forced_tokens(3) == ids(', "')
+    assert matcher('{"city": "Li').forced_tokens(8) == []  # inside a string: any character
+    index = NgramIndex()
+    cache = RadixCache(TokenAllocator(256), listeners=[index])
+    earlier = ids('{"city": "Oslo", "unit": "fahrenheit"}')
+    cache.insert(RadixKey(earlier), cache.allocator.alloc(len(earlier)))
+    req = Request(0, np.array(ids("Weather in Lima?")), SamplingParams(max_new_tokens=64), grammar=grammar)
+    req.output_ids = ids('{"city": "Lima"')
+    drafter = Drafter(16, index)
+    drafter.state(req).trials = 1.0  # every recent draft accepted: all pay
+    assert drafter.propose(req, 8, drafter.price(1, 1)) == ids(', "unit"')  # room for 8
+    assert drafter.propose(req, 16, drafter.price(1, 1)) == ids(', "unit": "fahre')  # then the tree's copy
+    drafter.record(req, 16, 0)  # none accepted (as if the model wrote something else)
+    rest = ids(', "unit": "celsius"}')
+    assert grammar.accepted_len(rest) == len(rest)
 
 
 def empirical_vs_expected(counts: dict[object, int], expected: dict[object, float]) -> float:
