@@ -68,36 +68,46 @@ class Drafter:
 
     def propose(self, req: Request, room: int, price: float, first_row: int = 0) -> list[int]:
         """Up to ``room`` tokens likely to follow ``req``'s output, as many as pay at ``price``; [] for none.
-        ``first_row``: the step's rows before this request's (its drafts are rows first_row + 1 ...)."""
+        ``first_row``: the step's rows before this request's (its drafts are rows first_row + 1 ...). Under a
+        grammar the tokens it forces come first, whenever a row costs less than the token it brings (they are
+        certain: no acceptance estimate, no cooldown holds them back)."""
         spec = self.state(req)
+        limit = min(self.max_draft_tokens, room, req.params.max_new_tokens - len(req.output_ids) - 1)
+        forced = self._forced(req, limit, price, first_row)
+        spec.forced = len(forced)
         if spec.cooldown > 0:
             spec.cooldown -= 1
-            return []
-        limit = min(self.max_draft_tokens, room, req.params.max_new_tokens - len(req.output_ids) - 1)
+            return forced
+        limit -= len(forced)
         if limit <= 0 or req.sampling.grammar is not None and req.sampling.grammar.terminated:
-            return []
-        num = best_draft_len(spec.accepted / spec.trials, limit, price, first_row)
+            return forced
+        num = best_draft_len(spec.accepted / spec.trials, limit, price, first_row + len(forced))
         if num == 0 and (not spec.probe or price > MAX_PROBE_PRICE):
             spec.cooldown, spec.probe = min(MAX_COOLDOWN_STEPS, 2**spec.skips), True
             spec.skips += 1
-            return []
+            return forced
         if num:  # it pays again: the next time it does not, the cooldowns start short
             spec.skips = 0
-        num = max(num, 1)
-        return self._lookup(req, num)
+        return forced + self._lookup(req, forced, max(num, 1))
 
-    def _lookup(self, req: Request, limit: int) -> list[int]:
-        """Up to ``limit`` drafts: under a grammar, the tokens it forces first (certain), then copied ones."""
-        tokens, grammar, forced = req.fill_ids, req.sampling.grammar, list[int]()
-        if grammar is not None:
-            forced = grammar.forced_tokens(limit)
-            if forced:  # the copies go on after them: look up, and check, from there
-                tokens, grammar = np.concatenate([tokens, forced]), grammar.fork()
-                for token in forced:
-                    grammar.accept(token)
-        if len(forced) == limit:
-            return forced
-        return forced + self._copy(req, tokens, grammar, limit - len(forced))
+    def _forced(self, req: Request, limit: int, price: float, first_row: int) -> list[int]:
+        """The tokens ``req``'s grammar forces next (``GrammarState.forced_tokens``), as many as pay at ``price``
+        when each is surely accepted; [] without a grammar."""
+        grammar = req.sampling.grammar
+        if grammar is None or grammar.terminated or limit <= 0:
+            return []
+        forced = grammar.forced_tokens(limit)
+        return forced[: best_draft_len(1.0, len(forced), price, first_row)]
+
+    def _lookup(self, req: Request, forced: list[int], limit: int) -> list[int]:
+        """Up to ``limit`` copied drafts to follow ``req``'s output and the ``forced`` tokens after it."""
+        tokens, grammar = req.fill_ids, req.sampling.grammar
+        if forced:  # the copies go on after them: look up, and check, from there
+            assert grammar is not None
+            tokens, grammar = np.concatenate([tokens, forced]), grammar.fork()
+            for token in forced:
+                grammar.accept(token)
+        return self._copy(req, tokens, grammar, limit)
 
     def _copy(self, req: Request, tokens: np.ndarray, grammar: GrammarState | None, limit: int) -> list[int]:
         """What followed ``tokens``' longest matching n-gram in the tree or in ``tokens`` themselves; under a
@@ -140,9 +150,11 @@ class Drafter:
         spec.num_verify_steps += 1
         spec.num_draft_tokens += num_drafted
         spec.num_accepted_tokens += num_accepted
-        spec.accepted = DECAY * spec.accepted + num_accepted
-        spec.trials = DECAY * spec.trials + num_accepted + (num_accepted < num_drafted)
-        spec.probe = False
+        copied, taken = num_drafted - spec.forced, num_accepted - spec.forced
+        if copied > 0 and taken >= 0:  # the estimate learns from copies only (a forced token is certain)
+            spec.accepted = DECAY * spec.accepted + taken
+            spec.trials = DECAY * spec.trials + taken + (taken < copied)
+            spec.probe = False
 
 
 def expected_accepted(alpha: float, num: int) -> float:

@@ -38,6 +38,7 @@ class SpecState:
     cooldown: int = 0  # decode steps left without drafting
     skips: int = 0  # times in a row drafting did not pay (the next cooldown is 2**skips)
     probe: bool = False  # the next proposal drafts one token whatever alpha says
+    forced: int = 0  # of the last proposal's drafts, the first ones its grammar forced (certain: no trial)
     num_draft_tokens: int = 0  # drafted and verified (meta_info's spec_draft_tokens)
     num_accepted_tokens: int = 0  # of those, accepted (spec_accept_tokens)
     num_verify_steps: int = 0

@@ -191,6 +191,27 @@ def test_a_grammar_request_drafts_what_its_grammar_forces_first(city: tuple[Call
     assert grammar.accepted_len(rest) == len(rest)
 
 
+def test_forced_tokens_pay_through_a_cooldown_and_teach_the_estimate_nothing(city: tuple[Callable, Callable]) -> None:
+    """Forced tokens are certain: drafted while a cooldown holds the copies back and while the estimate says no
+    copy pays, as long as a row costs less than a token (not at a price of 1.5 tokens a row); their acceptance
+    leaves the copies' estimate where it was."""
+    ids, matcher = city
+    req = Request(
+        0, np.array(ids("Weather in Lima?")), SamplingParams(max_new_tokens=64), grammar=matcher('{"city": "Lima"')
+    )
+    req.output_ids = ids('{"city": "Lima"')
+    drafter = Drafter(16, None, use_prompt=False)
+    spec = drafter.state(req)
+    spec.accepted, spec.trials, spec.cooldown = 0.0, 8.0, 3  # copies have not paid lately: a cooldown runs
+    forced = ids(', "unit": "')
+    assert drafter.propose(req, 16, drafter.price(1, 1)) == forced and spec.cooldown == 2
+    assert drafter.propose(req, 16, 1.5) == [] and spec.cooldown == 1
+    spec.cooldown = 0
+    assert drafter.propose(req, 16, drafter.price(1, 1)) == forced and spec.forced == len(forced)
+    drafter.record(req, len(forced), len(forced))
+    assert (spec.accepted, spec.trials) == (0.0, 8.0) and spec.num_accepted_tokens == len(forced)
+
+
 def empirical_vs_expected(counts: dict[object, int], expected: dict[object, float]) -> float:
     """The chi-square goodness-of-fit p-value of ``counts`` against probabilities ``expected`` (cells with an
     expected count under 5 pooled)."""
