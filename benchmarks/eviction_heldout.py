@@ -92,6 +92,12 @@ def trace_table(
     return lines
 
 
+def rivals(policies: Sequence[str]) -> list[str]:
+    """The policies each table sets against the best fixed one: every one asked that is not fixed (the online
+    policies, and the oracles)."""
+    return [p for p in policies if p not in FIXED]
+
+
 def family_table(
     families: Sequence[str],
     seeds: Sequence[int],
@@ -100,7 +106,7 @@ def family_table(
     extra: Mapping[str, Callable[[], EvictionStrategy]] | None = None,
 ) -> list[str]:
     lines = []
-    online = [p for p in policies if p in ONLINE or p in ORACLES] + list(extra or {})
+    online = [*rivals(policies), *(extra or {})]
     for family in families:
         margins: dict[tuple[float, str], list[tuple[float, int]]] = {}
         for seed in seeds:
@@ -154,10 +160,8 @@ def main(argv: list[str]) -> None:
         for spec in (s for s in args.traces.split(",") if s):
             requests = read_trace(spec, 512, args.block_tokens, None, args.time_slice)
             table = run(requests, policies, fractions, True, args.repeat)
-            online = [p for p in policies if p not in FIXED]
-            print(
-                "\n".join(trace_table(Path(spec.removeprefix("mooncake:")).stem, table, policies, online)), flush=True
-            )
+            label = Path(spec.removeprefix("mooncake:")).stem
+            print("\n".join(trace_table(label, table, policies, rivals(policies))), flush=True)
     print_families(args, policies)
     print(f"\n{time.perf_counter() - start:.0f} s")
 
