@@ -58,7 +58,7 @@ inline float reduce_sum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
-// The lanes j0 .. j0 + 7 below n, as a mask (all bits of a lane set).
+// Lanes 0 .. 7 below n, as a mask (all bits of a lane set).
 inline __m256i lanes_below(int64_t n) {
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(n, 0, 8))), iota);
@@ -139,24 +139,28 @@ inline __m256 exp8(__m256 x) {
 // returns (max, sum) through m and l. Blocks of 8 count from first (a position), so the sum's order is the row's own.
 inline void softmax_row(float* sc, int64_t first, int64_t seen, int64_t padded, float* m, float* l) {
   float* row = sc + first;
-  const int64_t n = seen - first;
+  const int64_t n = seen - first, full = n / 8 * 8;
+  const __m256 keep = _mm256_castsi256_ps(lanes_below(n - full));  // the tail's lanes (masked moves are slow: once)
   __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < n; j += 8) {
-    const __m256i keep = lanes_below(n - j);
-    mx = _mm256_max_ps(mx, _mm256_blendv_ps(mx, _mm256_maskload_ps(row + j, keep), _mm256_castsi256_ps(keep)));
-  }
+  for (int64_t j = 0; j < full; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(row + j));
+  if (full < n) mx = _mm256_max_ps(mx, _mm256_blendv_ps(mx, _mm256_maskload_ps(row + full, _mm256_castps_si256(keep)), keep));
   mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
   mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4E));
   mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xB1));
   __m256 sum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; j += 8) {
-    const __m256i keep = lanes_below(n - j);
-    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(row + j, keep), mx)), _mm256_castsi256_ps(keep));
-    _mm256_maskstore_ps(row + j, keep, p);
+  for (int64_t j = 0; j < full; j += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), mx));
+    _mm256_storeu_ps(row + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  if (full < n) {
+    const __m256 x = _mm256_maskload_ps(row + full, _mm256_castps_si256(keep));
+    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(x, mx)), keep);
+    _mm256_maskstore_ps(row + full, _mm256_castps_si256(keep), p);
     sum = _mm256_add_ps(sum, p);
   }
   std::fill(sc, row, 0.f);
-  std::fill(sc + std::max(first, seen), sc + padded, 0.f);
+  std::fill(sc + seen, sc + padded, 0.f);
   *m = _mm256_cvtss_f32(mx);
   *l = reduce_sum(sum);
 }
