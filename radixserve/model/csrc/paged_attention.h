@@ -15,7 +15,8 @@
 // context is split when there are fewer requests than threads (flash-decoding), and the splits'
 // softmax partials are merged at the end. Two passes per item, each a flat vectorisable loop:
 // scores = q K^T over the item's keys, then p = softmax and acc = p V (with AVX512, for head dims
-// 64, 96, 128 and 256 and float32, bfloat16 or int8 pools, paged_avx512.h's intrinsics). An 8-bit pool's
+// 64, 96, 128 and 256 and float32, bfloat16 or int8 pools, paged_avx512.h's intrinsics; with AVX2 + FMA and no
+// AVX512, paged_avx2.h's for the same head dims and pools). An 8-bit pool's
 // codes are read in place and widened in registers; each key's scale multiplies its score, each value's
 // its softmax weight (after the weights' sum), so no row is ever dequantized into memory; with AVX512 both
 // passes are integer dot products against the codes (q as int8 with AVX512-VNNI, scores_int8.h, else int16; the

@@ -8,8 +8,9 @@
 //            one widened in registers) used by all the step's rows, then one reduction of 4 registers to 4 scores
 //            (hadd, hadd, add the 128-bit halves) instead of a horizontal sum per (row, key);
 //   softmax  per row, 8 scores at a time (fast_exp's polynomial);
-//   values   keys in blocks of kBlock again, 3 rows x 32 dims a step (12 accumulators), each loaded value chunk used
-//            by all 3 rows; the accumulators go back to memory between blocks, which changes no bits.
+//   values   keys in blocks of kBlock again, 3 rows x 32 dims a step (12 accumulators; 4 rows x 16 dims for an
+//            extend tile), each loaded value chunk used by all the step's rows; the accumulators go back to memory
+//            between blocks and chunks, which changes no bits.
 // An 8-bit pool's key scales multiply the scores and its value scales the softmax weights (paged_attention.h's
 // fold_scales), so code rows are only widened in registers, never dequantized into memory.
 //
@@ -191,18 +192,27 @@ void values_chunk(const float* p, int64_t stride, const kv_t* const* row, int64_
     for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + r * dim + 8 * (c0 + c), a[r][c]);
 }
 
-// values_chunk over every 4-register chunk of the head dim (the last one narrower where NC % 4 != 0).
-template <int NC, int R, typename kv_t>
+// values_chunk over every W-register chunk of the head dim (the last one narrower where NC % W != 0).
+template <int NC, int W, int R, typename kv_t>
 void values_rows(const float* p, int64_t stride, const kv_t* const* row, int64_t n, float* acc) {
   int c0 = 0;
-  for (; c0 + 4 <= NC; c0 += 4) values_chunk<NC, 4, R>(p, stride, row, n, c0, acc);
-  if constexpr (NC % 4 != 0) values_chunk<NC, NC % 4, R>(p, stride, row, n, c0, acc);
+  for (; c0 + W <= NC; c0 += W) values_chunk<NC, W, R>(p, stride, row, n, c0, acc);
+  if constexpr (NC % W != 0) values_chunk<NC, NC % W, R>(p, stride, row, n, c0, acc);
 }
 
-// acc[r] = sum_j p[r][j] v_j over the first seen[r] keys, keys in position order (p is 0 outside a row's keys).
-template <int NC, typename kv_t>
-void values_pass(const float* p, int64_t rows, const int64_t* seen, int64_t stride, const kv_t* v,
-                 const int64_t* slots, float* acc) {
+// values_rows for nr <= RB rows: R is a compile-time count, so pick it by counting down.
+template <int NC, int W, int RB, typename kv_t>
+void values_block(int64_t nr, const float* p, int64_t stride, const kv_t* const* row, int64_t n, float* acc) {
+  if constexpr (RB > 1)
+    if (nr < RB) return values_block<NC, W, RB - 1>(nr, p, stride, row, n, acc);
+  values_rows<NC, W, RB>(p, stride, row, n, acc);
+}
+
+// acc[r] = sum_j p[r][j] v_j over the first seen[r] keys, keys in position order (p is 0 outside a row's keys),
+// rows in blocks of RB, dims in chunks of W registers.
+template <int NC, int RB, int W, typename kv_t>
+void values_blocks(const float* p, int64_t rows, const int64_t* seen, int64_t stride, const kv_t* v,
+                   const int64_t* slots, float* acc) {
   constexpr int64_t dim = NC * 8;
   std::fill(acc, acc + rows * dim, 0.f);
   const int64_t num_keys = rows > 0 ? *std::max_element(seen, seen + rows) : 0;
@@ -213,19 +223,23 @@ void values_pass(const float* p, int64_t rows, const int64_t* seen, int64_t stri
       prefetch_row<kAhead>(v, slots + kb, j, num_keys - kb, dim);
       row[j] = v + slots[kb + j] * dim;
     }
-    for (int64_t r0 = 0; r0 < rows; r0 += 3) {
-      const int64_t nr = std::min<int64_t>(3, rows - r0);
+    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+      const int64_t nr = std::min<int64_t>(RB, rows - r0);
       const int64_t keys = std::clamp<int64_t>(*std::max_element(seen + r0, seen + r0 + nr) - kb, 0, n);
-      const float* pr = p + r0 * stride + kb;
-      float* out = acc + r0 * dim;
-      if (keys == 0) continue;
-      switch (nr) {
-        case 1: values_rows<NC, 1>(pr, stride, row, keys, out); break;
-        case 2: values_rows<NC, 2>(pr, stride, row, keys, out); break;
-        default: values_rows<NC, 3>(pr, stride, row, keys, out); break;
-      }
+      if (keys > 0) values_block<NC, W, RB>(nr, p + r0 * stride + kb, stride, row, keys, acc + r0 * dim);
     }
   }
+}
+
+// A decode's few rows: 3 rows x 4 registers a step, each value row read once a block; an extend tile's rows: 4 x 2,
+// ~10% faster there. Both add each (row, dim)'s terms in the same order: the same bits.
+template <int NC, typename kv_t>
+void values_pass(const float* p, int64_t rows, const int64_t* seen, int64_t stride, const kv_t* v,
+                 const int64_t* slots, float* acc) {
+  if (rows <= 3)
+    values_blocks<NC, 3, 4>(p, rows, seen, stride, v, slots, acc);
+  else
+    values_blocks<NC, 4, 2>(p, rows, seen, stride, v, slots, acc);
 }
 
 }  // namespace radixserve::avx2
