@@ -46,6 +46,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     CSRC / "paged_attention.cpp",
     CSRC / "paged_attention.h",
+    CSRC / "paged_avx2.h",
     CSRC / "int8_linear.cpp",
     CSRC / "block_linear.cpp",
     CSRC / "block_q8_linear.cpp",

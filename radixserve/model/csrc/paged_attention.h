@@ -15,7 +15,8 @@
 // context is split when there are fewer requests than threads (flash-decoding), and the splits'
 // softmax partials are merged at the end. Two passes per item, each a flat vectorisable loop:
 // scores = q K^T over the item's keys, then p = softmax and acc = p V (with AVX512, for head dims
-// 64, 96, 128 and 256 and float32, bfloat16 or int8 pools, paged_avx512.h's intrinsics). An 8-bit pool's
+// 64, 96, 128 and 256 and float32, bfloat16 or int8 pools, paged_avx512.h's intrinsics; with AVX2 + FMA and no
+// AVX512, paged_avx2.h's for the same head dims and pools). An 8-bit pool's
 // codes are read in place and widened in registers; each key's scale multiplies its score, each value's
 // its softmax weight (after the weights' sum), so no row is ever dequantized into memory; with AVX512 both
 // passes are integer dot products against the codes (q as int8 with AVX512-VNNI, scores_int8.h, else int16; the
@@ -39,6 +40,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "paged_avx2.h"
 #include "paged_avx512.h"
 #include "scores_int8.h"
 #include "shared_prefix.h"
@@ -223,6 +225,21 @@ void run_item_dim(const WorkItem& w, const Shape& s, const q_t* q, const kv_t* k
     }
     fold_scales(s.v_scale);
     avx512::values_pass<DIM / 16>(scores, rows, seen, stride, v + head, item_slots, acc);
+    return;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if constexpr (DIM > 0 && DIM % 8 == 0 &&
+                (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, bf16> || std::is_same_v<kv_t, i8>)) {
+    avx2::scores_pass<DIM / 8>(qf, rows, k + head, item_slots, num_keys, stride, scores);
+    fold_scales(s.k_scale);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = scores + r * stride;
+      if (s.softcap > 0.f) soft_cap(row + first[r], seen[r] - first[r], s.softcap);  // from the row's own first key
+      avx2::softmax_row(row, first[r], seen[r], stride, row_max + r, row_sum + r);
+    }
+    fold_scales(s.v_scale);
+    avx2::values_pass<DIM / 8>(scores, rows, seen, stride, v + head, item_slots, acc);
     return;
   }
 #endif
