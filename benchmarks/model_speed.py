@@ -54,6 +54,8 @@ COLUMNS: dict[str, dict[str, str]] = {
     "auto+q4_1": {"quantization": "q4_1"},
     "auto+q4_1-exact": {"quantization": "q4_1-exact"},
     "auto+q4_1+kv-bf16": {"quantization": "q4_1", "kv_cache_dtype": "bfloat16"},
+    # a float32 model (the default without AVX512-BF16) beside a bfloat16 pool: the 8-bit pool's other baseline
+    "auto+q4_1-exact+kv-bf16": {"quantization": "q4_1-exact", "kv_cache_dtype": "bfloat16"},
     "auto+kv-bf16": {"kv_cache_dtype": "bfloat16"},
     "auto+kv-int8": {"kv_cache_dtype": "int8"},
     "auto+q4_1-exact+kv-int8": {"quantization": "q4_1-exact", "kv_cache_dtype": "int8"},
