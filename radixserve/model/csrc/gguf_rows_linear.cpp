@@ -108,6 +108,96 @@ void linear_portable(const float* x, int64_t rows, bool round_bf16, const RowWei
   }
 }
 
+#ifdef RADIXSERVE_ROWS_AVX2
+// AVX2 (no AVX512): linear_portable's arithmetic, vectorized. Each (row, channel) has one 8-lane accumulator; lane l
+// adds x_i * w_i for i = l mod 8 in order of i, one FMA each (as the portable loop, contracted), then the portable
+// reduction. Weights are decoded 8 at a time (gguf_rows.h: piece), once per tile of rows and channels, so a row's
+// bits are the same alone, in any batch or tile, and with any thread split (threads split output channels).
+namespace avx2 {
+
+constexpr int kRowTile = 8;  // rows sharing one decode of a piece
+constexpr int64_t kChunk = 16;
+constexpr int64_t kPrefetch = 4096;  // bytes ahead in each weight row
+
+// Channels per tile by rows: 8 accumulators (the FMA's latency times its throughput) in AVX2's 16 registers, each x
+// piece loaded once for C channels, each weight piece decoded once for R rows.
+constexpr int channels_for(int rows) { return rows <= 1 ? 8 : rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
+
+// linear_portable's reduction of its 8 partial sums: ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)).
+RADIXSERVE_ROWS_INLINE float reduce8(__m256 a) {
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_hadd_ps(b, b);  // b0 + b1, b2 + b3
+  return _mm_cvtss_f32(_mm_hadd_ps(c, c));
+}
+
+// R rows of x (float32, rows ldx apart) against C weight rows (ldw bytes apart): row r's sum for channel c at
+// sums[r * kChunk + c]. Per unit: prefetch and the C channels' scales; per piece of 8 weights each channel decoded
+// once (RoundBf16: rounded to bfloat16, as linear_portable rounds for bfloat16 x) and each x piece loaded once.
+template <typename T, int R, int C, bool RoundBf16>
+void dot_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t units, float* sums) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  alignas(64) float s[C][16];
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* unit = w + u * T::kBytes;
+    // Units under a line (Q5_0, Q5_1: 22, 24 bytes) prefetch a line ahead only where a new line starts in them.
+    const bool prefetch = T::kBytes >= 64 || (u * T::kBytes) % 64 < T::kBytes;
+    for (int c = 0; c < C; ++c) {
+      const char* ahead = reinterpret_cast<const char*>(unit + c * ldw) + kPrefetch;
+      for (int line = 0; prefetch && line < (T::kBytes + 63) / 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      T::scales(unit + c * ldw, s[c]);
+    }
+    const float* xu = x + u * T::kWeights;
+#pragma GCC unroll 32
+    for (int p = 0; p < T::kWeights / 8; ++p) {
+      __m256 xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(xu + r * ldx + 8 * p);
+      for (int c = 0; c < C; ++c) {
+        __m256 wv = T::piece(unit + c * ldw, s[c], p);
+        if constexpr (RoundBf16) wv = gr::round_bf16_8(wv);
+        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r * kChunk + c] = reduce8(acc[r][c]);
+}
+
+// rows (1..kRowTile) against channels_for(rows) channels (or one when `single`); returns how many.
+template <typename T, bool RoundBf16>
+int tile_rows(int rows, bool single, const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t units,
+              float* sums) {
+  switch (rows) {
+#define RADIXSERVE_TILE(R)                                                                  \
+  case R:                                                                                   \
+    if (single) return dot_tile<T, R, 1, RoundBf16>(x, ldx, w, ldw, units, sums), 1;        \
+    dot_tile<T, R, channels_for(R), RoundBf16>(x, ldx, w, ldw, units, sums);                \
+    return channels_for(R);
+    RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4)
+#undef RADIXSERVE_TILE
+    case 5: return dot_tile<T, 5, 1, RoundBf16>(x, ldx, w, ldw, units, sums), 1;
+    case 6: return dot_tile<T, 6, 1, RoundBf16>(x, ldx, w, ldw, units, sums), 1;
+    case 7: return dot_tile<T, 7, 1, RoundBf16>(x, ldx, w, ldw, units, sums), 1;
+    default: return dot_tile<T, kRowTile, 1, RoundBf16>(x, ldx, w, ldw, units, sums), 1;
+  }
+}
+
+// Output channels n0..n1 of every row of x ([rows, K] float32, contiguous).
+template <typename T, bool RoundBf16>
+void linear_channels(const float* x, int64_t rows, const RowWeights& w, int64_t n0, int64_t n1,
+                     const radixserve::Epilogue& out) {
+  const int64_t k = w.in_features;
+  radixserve::walk_decode_tiles<kRowTile, kChunk>(rows, n0, n1, out, [&](int64_t r0, int tile, int64_t n, int64_t c1,
+                                                                         float* sums) {
+    return tile_rows<T, RoundBf16>(tile, n + channels_for(tile) > c1, x + r0 * k, k, w.raw + n * w.row_bytes,
+                                   w.row_bytes, k / T::kWeights, sums);
+  });
+}
+
+}  // namespace avx2
+#endif
+
 #ifdef RADIXSERVE_BLOCK_AVX512
 namespace avx512 {
 
@@ -507,6 +597,13 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& raw, int64_t qtype, 
       });
       return;
     }
+#endif
+#ifdef RADIXSERVE_ROWS_AVX2
+    at::parallel_for(0, raw.size(0), 16, [&](int64_t n0, int64_t n1) {
+      if (bf16) avx2::linear_channels<T, true>(xf.data_ptr<float>(), x.size(0), w, n0, n1, epilogue);
+      else avx2::linear_channels<T, false>(xf.data_ptr<float>(), x.size(0), w, n0, n1, epilogue);
+    });
+    return;
 #endif
     at::parallel_for(0, raw.size(0), 16, [&](int64_t n0, int64_t n1) {
       linear_portable<T>(xf.data_ptr<float>(), x.size(0), bf16, w, n0, n1, epilogue);
