@@ -95,9 +95,13 @@ RADIXSERVE_ROWS_INLINE __m512i codes_bf16(__m256i q) {
 
 #if defined(RADIXSERVE_BLOCK_AVX2) && !defined(RADIXSERVE_BLOCK_AVX512)
 #define RADIXSERVE_ROWS_AVX2 1
-// 8 bytes from p, zero-extended to 8 int32 lanes (one vpmovzxbd from memory).
+// 8 bytes from p, zero-extended to 8 int32 lanes: one vpmovzxbd from memory each time it is asked. (Written as the
+// intrinsics, the compiler kept the bytes a K-quant's two nibbles share in registers from one sub-block to the
+// next, spilling the tile's accumulators to the stack: 3x the time.)
 RADIXSERVE_ROWS_INLINE __m256i bytes8(const uint8_t* p) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m256i v;
+  __asm__ volatile("vpmovzxbd %1, %0" : "=x"(v) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p)));
+  return v;
 }
 
 // Low (nibble 0) or high (nibble 1) nibbles of 8 bytes widened by bytes8.
@@ -141,6 +145,12 @@ RADIXSERVE_ROWS_INLINE void scale16(const void* b, float lo, float hi, float* s)
   const __m512i wide = Signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
   const __m512 scale = _mm512_shuffle_f32x4(_mm512_set1_ps(lo), _mm512_set1_ps(hi), 0x00);
   _mm512_store_ps(s, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(wide)));
+#elif defined(RADIXSERVE_ROWS_AVX2)
+  const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(b)), v8 = _mm_srli_si128(v, 8);
+  const __m256i low = Signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+  const __m256i high = Signed ? _mm256_cvtepi8_epi32(v8) : _mm256_cvtepu8_epi32(v8);
+  _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(lo), _mm256_cvtepi32_ps(low)));
+  _mm256_storeu_ps(s + 8, _mm256_mul_ps(_mm256_set1_ps(hi), _mm256_cvtepi32_ps(high)));
 #else
   for (int i = 0; i < 16; ++i) {
     const uint8_t byte = static_cast<const uint8_t*>(b)[i];
@@ -322,9 +332,9 @@ struct Q5Block {
   // Weights 8p ..: nibble p / 2 of bytes 8 (p % 2) .., the fifth bits from the block's 32 shifted per lane.
   RADIXSERVE_ROWS_INLINE static __m256 piece(const uint8_t* u, const float* s, int p) {
     const __m256i low = nibbles8(bytes8(u + kHigh + 4 + 8 * (p % 2)), p / 2);
-    const __m256i bits = _mm256_set1_epi32(static_cast<int>(u32_at(u + kHigh) >> (8 * p)));
-    const __m256i fifth = _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                                           _mm256_set1_epi32(1));
+    const __m256i bits = _mm256_set1_epi32(static_cast<int>(u32_at(u + kHigh)));  // one broadcast for the unit
+    const __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * p));
+    const __m256i fifth = _mm256_and_si256(_mm256_srlv_epi32(bits, at), _mm256_set1_epi32(1));
     const __m256i q = _mm256_or_si256(low, _mm256_slli_epi32(fifth, 4));
     if constexpr (Q5_1_) return _mm256_fmadd_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(s[1]));
     return _mm256_mul_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))));
