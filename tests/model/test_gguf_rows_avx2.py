@@ -51,14 +51,16 @@ def portable_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])))
 
 
+@pytest.mark.parametrize("k", [0, 1536])  # 0: the type's test width; 1,536: float rows tile 4 rows past 768
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", list(ROW_TYPES))
-def test_avx2_kernel_is_linear_portable_bit_for_bit(qtype: str, dtype: torch.dtype) -> None:
-    rows = random_rows(qtype, 29, width(qtype) * 2, seed=7)  # 29 channels: tiles of 8, 4, 2 and single ones
+def test_avx2_kernel_is_linear_portable_bit_for_bit(qtype: str, dtype: torch.dtype, k: int) -> None:
+    """Every batch's rows against the same emulation: a row's bits alone, in any batch, in any tile."""
+    rows = random_rows(qtype, 29, k or width(qtype) * 2, seed=7)  # 29 channels: tiles of 8, 4, 2 and single ones
     w = gguf_values(rows)
     if dtype == torch.bfloat16:
         w = w.bfloat16().float()
-    x = torch.randn(11, rows.in_features, generator=torch.Generator().manual_seed(7)).to(dtype)
+    x = torch.randn(16, rows.in_features, generator=torch.Generator().manual_seed(7)).to(dtype)
     expected = portable_linear(x, w).to(dtype)
-    for batch in (1, 2, 3, 4, 5, 8, 11):  # every tile shape, and a row tile past the first
+    for batch in (1, 2, 3, 4, 5, 7, 8, 11, 16):  # every tile shape, and row tiles past the first
         assert same_bits(kernel(x[:batch], rows), expected[:batch])
