@@ -265,10 +265,12 @@ struct Q6K {
   RADIXSERVE_ROWS_INLINE static __m256 piece(const uint8_t* u, const float* s, int p) {
     const int h = p / 16, t = 8 * (p % 16);
     const __m256i low = nibbles8(bytes8(u + 64 * h + t % 64), t / 64);
-    const __m256i shifted = _mm256_srli_epi32(bytes8(u + 128 + 32 * h + t % 32), 2 * (t / 32));
-    const __m256i high = _mm256_slli_epi32(_mm256_and_si256(shifted, _mm256_set1_epi32(3)), 4);
-    const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, high), _mm256_set1_epi32(32));
-    return _mm256_mul_ps(_mm256_set1_ps(s[p / 2]), _mm256_cvtepi32_ps(q));
+    const __m256i bits = bytes8(u + 128 + 32 * h + t % 32);  // bits 2 (t / 32) .. + 1, moved to bits 4, 5
+    const int at = 2 * (t / 32);
+    const __m256i moved = at < 4 ? _mm256_slli_epi32(bits, 4 - at) : at > 4 ? _mm256_srli_epi32(bits, at - 4) : bits;
+    const __m256i q = _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi32(0x30)));
+    // (d sc) (q - 32), not d sc q - 32 d sc: the same value, but at q = 32 with d sc < 0 gguf's zero is -0.
+    return _mm256_mul_ps(_mm256_set1_ps(s[p / 2]), _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32))));
   }
 #endif
 
