@@ -11,7 +11,10 @@
 // A trait T has kType (gguf's GGMLQuantizationType), kWeights and kBytes per unit, and
 //   scales(unit, s): the unit's scales as float32 into s[16] (gguf's exact products), then
 //   weight(unit, s, i): weight i of the unit (portable), and with AVX512
-//   group(unit, s, j, lo, hi): weights 32j .. 32j + 15 into lo, 32j + 16 .. 32j + 31 into hi.
+//   group(unit, s, j, lo, hi): weights 32j .. 32j + 15 into lo, 32j + 16 .. 32j + 31 into hi;
+// with AVX2 (and no AVX512)
+//   piece(unit, s, p): weights 8p .. 8p + 7 as 8 lanes, in order (the AVX2 kernels' unit of decode: a byte a weight
+//   widened straight from memory, vpmovzxbd, so no lane-crossing shuffle).
 // The quantized types (kCodes) also give, with AVX512-BF16, group j as small unsigned codes c and an affine map per
 // half (16 weights): w = a * c + b. Their bfloat16 kernels multiply x by 128 + c (bfloat16 bits 0x4300 | c, exact
 // for c < 128: x's products exact in float32), then scale by a, and add (b - 128 a) * sum(x) per half:
@@ -90,6 +93,37 @@ RADIXSERVE_ROWS_INLINE __m512i codes_bf16(__m256i q) {
 
 #endif
 
+#if defined(RADIXSERVE_BLOCK_AVX2) && !defined(RADIXSERVE_BLOCK_AVX512)
+#define RADIXSERVE_ROWS_AVX2 1
+// 8 bytes from p, zero-extended to 8 int32 lanes: one vpmovzxbd from memory each time it is asked. (Written as the
+// intrinsics, the compiler kept the bytes a K-quant's two nibbles share in registers from one sub-block to the
+// next, spilling the tile's accumulators to the stack: 3x the time.)
+RADIXSERVE_ROWS_INLINE __m256i bytes8(const uint8_t* p) {
+  __m256i v;
+  __asm__ volatile("vpmovzxbd %1, %0" : "=x"(v) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p)));
+  return v;
+}
+
+// Low (nibble 0) or high (nibble 1) nibbles of 8 bytes widened by bytes8.
+RADIXSERVE_ROWS_INLINE __m256i nibbles8(__m256i c, int nibble) {
+  return nibble ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, _mm256_set1_epi32(0x0F));
+}
+
+// float_to_bf16 (bf16.h) of 8 floats, each lane's bits in its low 16 bits: to nearest even, a NaN 0x7FC0.
+RADIXSERVE_ROWS_INLINE __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+// 8 floats rounded to bfloat16 and widened back: bf16_to_float(float_to_bf16(v)) a lane.
+RADIXSERVE_ROWS_INLINE __m256 round_bf16_8(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+#endif
+
 // Q4_K and Q5_K's 8 sub-block scales and 8 mins, 6 bits each in 12 bytes (gguf's Q4_K.get_scale_min), as 16
 // bytes: sc_0..7 then m_0..7 (llama.cpp's word masks: sc_j = q_j & 63, j < 4, else the low nibble of q_{j+4} and
 // the top bits of q_{j-4}; m_j likewise from q_{j+4} and q_j).
@@ -111,6 +145,12 @@ RADIXSERVE_ROWS_INLINE void scale16(const void* b, float lo, float hi, float* s)
   const __m512i wide = Signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
   const __m512 scale = _mm512_shuffle_f32x4(_mm512_set1_ps(lo), _mm512_set1_ps(hi), 0x00);
   _mm512_store_ps(s, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(wide)));
+#elif defined(RADIXSERVE_ROWS_AVX2)
+  const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(b)), v8 = _mm_srli_si128(v, 8);
+  const __m256i low = Signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+  const __m256i high = Signed ? _mm256_cvtepi8_epi32(v8) : _mm256_cvtepu8_epi32(v8);
+  _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(lo), _mm256_cvtepi32_ps(low)));
+  _mm256_storeu_ps(s + 8, _mm256_mul_ps(_mm256_set1_ps(hi), _mm256_cvtepi32_ps(high)));
 #else
   for (int i = 0; i < 16; ++i) {
     const uint8_t byte = static_cast<const uint8_t*>(b)[i];
@@ -139,6 +179,19 @@ struct KQuant {
     if constexpr (Q5) q |= ((u[16 + l] >> j) & 1) << 4;
     return s[j] * static_cast<float>(q) - s[8 + j];
   }
+
+#ifdef RADIXSERVE_ROWS_AVX2
+  // Sub-block j = p / 4's bytes 8 (p % 4) ..: D * q - dm in one FMA (D * q exact: gguf's bits).
+  RADIXSERVE_ROWS_INLINE static __m256 piece(const uint8_t* u, const float* s, int p) {
+    const int j = p / 4, l = 8 * (p % 4);
+    __m256i q = nibbles8(bytes8(u + kCodeBytes + 32 * (j / 2) + l), j % 2);
+    if constexpr (Q5) {
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi32(bytes8(u + 16 + l), j), _mm256_set1_epi32(1));
+      q = _mm256_or_si256(q, _mm256_slli_epi32(high, 4));
+    }
+    return _mm256_fmsub_ps(_mm256_set1_ps(s[j]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(s[8 + j]));
+  }
+#endif
 
 #ifdef RADIXSERVE_BLOCK_AVX512
   // Q4_K: the sub-block's 16 values D * q - dm as a table, looked up by code (vpermps reads an index's low 4 bits:
@@ -207,6 +260,20 @@ struct Q6K {
     return s[i / 16] * static_cast<float>((low | high << 4) - 32);
   }
 
+#ifdef RADIXSERVE_ROWS_AVX2
+  // Weights i = 8p .. 8p + 7 share h, t / 32 and t / 64 (t = i % 128): consecutive low and high bytes.
+  RADIXSERVE_ROWS_INLINE static __m256 piece(const uint8_t* u, const float* s, int p) {
+    const int h = p / 16, t = 8 * (p % 16);
+    const __m256i low = nibbles8(bytes8(u + 64 * h + t % 64), t / 64);
+    const __m256i bits = bytes8(u + 128 + 32 * h + t % 32);  // bits 2 (t / 32) .. + 1, moved to bits 4, 5
+    const int at = 2 * (t / 32);
+    const __m256i moved = at < 4 ? _mm256_slli_epi32(bits, 4 - at) : at > 4 ? _mm256_srli_epi32(bits, at - 4) : bits;
+    const __m256i q = _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi32(0x30)));
+    // (d sc) (q - 32), not d sc q - 32 d sc: the same value, but at q = 32 with d sc < 0 gguf's zero is -0.
+    return _mm256_mul_ps(_mm256_set1_ps(s[p / 2]), _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32))));
+  }
+#endif
+
 #ifdef RADIXSERVE_BLOCK_AVX512
   // Group j's codes q + 32 (0..63).
   RADIXSERVE_ROWS_INLINE static __m256i unsigned_codes(const uint8_t* u, int j) {
@@ -262,6 +329,19 @@ struct Q5Block {
     if constexpr (Q5_1_) return s[0] * static_cast<float>(q) + s[1];
     return s[0] * static_cast<float>(q - 16);
   }
+
+#ifdef RADIXSERVE_ROWS_AVX2
+  // Weights 8p ..: nibble p / 2 of bytes 8 (p % 2) .., the fifth bits from the block's 32 shifted per lane.
+  RADIXSERVE_ROWS_INLINE static __m256 piece(const uint8_t* u, const float* s, int p) {
+    const __m256i low = nibbles8(bytes8(u + kHigh + 4 + 8 * (p % 2)), p / 2);
+    const __m256i bits = _mm256_set1_epi32(static_cast<int>(u32_at(u + kHigh)));  // one broadcast for the unit
+    const __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * p));
+    const __m256i fifth = _mm256_and_si256(_mm256_srlv_epi32(bits, at), _mm256_set1_epi32(1));
+    const __m256i q = _mm256_or_si256(low, _mm256_slli_epi32(fifth, 4));
+    if constexpr (Q5_1_) return _mm256_fmadd_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(s[1]));
+    return _mm256_mul_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))));
+  }
+#endif
 
 #ifdef RADIXSERVE_BLOCK_AVX512
   // The block's 32 values as two tables (codes 0..15, 16..31) looked up by code (vpermt2ps reads 5 bits): the
@@ -332,6 +412,15 @@ struct Float {
     return v;
   }
 
+#ifdef RADIXSERVE_ROWS_AVX2
+  RADIXSERVE_ROWS_INLINE static __m256 piece(const uint8_t* u, const float*, int p) {
+    if constexpr (kT == F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(u) + 8 * p);
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 16 * p));
+    if constexpr (kT == F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+#endif
+
 #ifdef RADIXSERVE_BLOCK_AVX512
   RADIXSERVE_ROWS_INLINE static void group(const uint8_t* u, const float*, int, __m512& lo, __m512& hi) {
     if constexpr (kT == F32) {
@@ -360,6 +449,9 @@ inline void dequantize_unit(const uint8_t* u, float* out) {
     _mm512_storeu_ps(out + 32 * j, lo);
     _mm512_storeu_ps(out + 32 * j + 16, hi);
   }
+#elif defined(RADIXSERVE_ROWS_AVX2)
+#pragma GCC unroll 32
+  for (int p = 0; p < T::kWeights / 8; ++p) _mm256_storeu_ps(out + 8 * p, T::piece(u, s, p));
 #else
   for (int i = 0; i < T::kWeights; ++i) out[i] = T::weight(u, s, i);
 #endif
@@ -377,6 +469,13 @@ inline void dequantize_unit_bf16(const uint8_t* u, uint16_t* out) {
     T::group(u, s, j, lo, hi);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * j), _mm512_cvtepi32_epi16(bf16_bits16(lo)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * j + 16), _mm512_cvtepi32_epi16(bf16_bits16(hi)));
+  }
+#elif defined(RADIXSERVE_ROWS_AVX2)
+#pragma GCC unroll 32
+  for (int p = 0; p < T::kWeights / 8; ++p) {
+    const __m256i bits = bf16_bits8(T::piece(u, s, p));
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * p), words);
   }
 #else
   for (int i = 0; i < T::kWeights; ++i) out[i] = float_to_bf16(T::weight(u, s, i));

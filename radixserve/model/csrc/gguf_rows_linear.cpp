@@ -108,6 +108,147 @@ void linear_portable(const float* x, int64_t rows, bool round_bf16, const RowWei
   }
 }
 
+#ifdef RADIXSERVE_ROWS_AVX2
+// AVX2 (no AVX512): linear_portable's arithmetic, vectorized. Each (row, channel) has one 8-lane accumulator; lane l
+// adds x_i * w_i for i = l mod 8 in order of i, one FMA each (as the portable loop, contracted), then the portable
+// reduction. Weights are decoded 8 at a time (gguf_rows.h: piece), once per tile of rows and channels, so a row's
+// bits are the same alone, in any batch or tile, and with any thread split (threads split output channels).
+namespace avx2 {
+
+constexpr int kRowTile = 8;  // rows sharing one decode of a piece
+constexpr int64_t kChunk = 16;
+constexpr int64_t kPrefetch = 4096;  // bytes ahead in each weight row
+
+// Channels per tile by rows: 8 accumulators (the FMA's latency times its throughput) in AVX2's 16 registers, each x
+// piece loaded once for C channels, each weight piece decoded once for R rows.
+constexpr int channels_for(int rows) { return rows <= 1 ? 8 : rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
+
+// Whether a type's pieces are decoded (the quantized ones) or read as they are (the float ones).
+template <typename T>
+constexpr bool decodes() { return T::kType != gr::F32 && T::kType != gr::F16 && T::kType != gr::BF16; }
+
+// linear_portable's reduction of its 8 partial sums: ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)).
+RADIXSERVE_ROWS_INLINE float reduce8(__m256 a) {
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_hadd_ps(b, b);  // b0 + b1, b2 + b3
+  return _mm_cvtss_f32(_mm_hadd_ps(c, c));
+}
+
+// acc + x[0..7] * w, x read by the FMA itself (as intrinsics, the compiler kept a tile's x pieces in registers
+// across its channels, and spilled).
+RADIXSERVE_ROWS_INLINE __m256 fma_x(const float* x, __m256 w, __m256 acc) {
+  __asm__("vfmadd231ps %2, %1, %0" : "+x"(acc) : "x"(w), "m"(*reinterpret_cast<const float(*)[8]>(x)));
+  return acc;
+}
+
+// Rows a full tile has: 8, or 4 for the float types past K = 768, where 8 rows of x (32 K bytes) no longer fit L1
+// beside the weights and are read from L2 for each channel (SmolLM2's 576 x 1,536 at 16 rows: F32 0.86 -> 0.73 ns
+// a weight). The quantized types keep 8: decoding each piece for 4 rows cost more than that (Q6_K 0.75 -> 0.99).
+inline int64_t row_tile(bool decodes, int64_t k) { return decodes || k <= 768 ? kRowTile : kRowTile / 2; }
+
+// x [rows, K] as tiles of row_tile rows (the last one shorter), each tile's R rows interleaved by pieces of 8:
+// row r's piece p at tile + (p * R + r) * 8, a tile of R rows at r0 * K. Every x piece a tile's FMAs read is then a
+// constant offset from one pointer (with rows ldx apart, the compiler kept the rows' offsets on the stack and
+// loaded one for each FMA).
+void interleave_rows(const float* x, int64_t rows, int64_t k, int64_t row_tile, float* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += row_tile) {
+    const int64_t tile = std::min<int64_t>(row_tile, rows - r0);
+    for (int64_t r = 0; r < tile; ++r)
+      for (int64_t p = 0; p < k / 8; ++p)
+        _mm256_storeu_ps(out + r0 * k + (p * tile + r) * 8, _mm256_loadu_ps(x + (r0 + r) * k + 8 * p));
+  }
+}
+
+// R rows of x (interleave_rows' tile) against C weight rows (ldw bytes apart): row r's sum for channel c at
+// sums[r * kChunk + c]. Per unit: prefetch and the C channels' scales; per piece of 8 weights each channel decoded
+// once (RoundBf16: rounded to bfloat16, as linear_portable rounds for bfloat16 x) and each x piece loaded once.
+template <typename T, int R, int C, bool RoundBf16>
+void dot_tile(const float* x, const uint8_t* w, int64_t ldw, int64_t units, float* sums) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  alignas(64) float s[C][16];
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* unit = w + u * T::kBytes;
+    // Units under a line (Q5_0, Q5_1: 22, 24 bytes) prefetch a line ahead only where a new line starts in them.
+    const bool prefetch = T::kBytes >= 64 || (u * T::kBytes) % 64 < T::kBytes;
+    for (int c = 0; c < C; ++c) {
+      const char* ahead = reinterpret_cast<const char*>(unit + c * ldw) + kPrefetch;
+      for (int line = 0; prefetch && line < (T::kBytes + 63) / 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      T::scales(unit + c * ldw, s[c]);
+    }
+    const float* xu = x + u * T::kWeights * R;
+    // Quantized types: a group of 32 weights (4 pieces) of one channel at a time, its scales live only there (the
+    // other channels' chains overlap it out of order). Float types, nothing to decode: piece by piece across the
+    // channels, the C chains side by side (a channel's 4 pieces in a row left F32 at 1 row latency-bound: 1.2x).
+    constexpr int kGroup = decodes<T>() ? 4 : 1;
+#pragma GCC unroll 32
+    for (int g = 0; g < T::kWeights / 8 / kGroup; ++g)
+      for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+        for (int p = kGroup * g; p < kGroup * g + kGroup; ++p) {
+          __m256 wv = T::piece(unit + c * ldw, s[c], p);
+          if constexpr (RoundBf16) wv = gr::round_bf16_8(wv);
+          for (int r = 0; r < R; ++r) {
+            const float* xp = xu + (p * R + r) * 8;
+            // Float rows: intrinsics, so the compiler may fold the weight's load into the FMA instead (one row: 1.2x
+            // faster than fma_x).
+            if constexpr (decodes<T>()) acc[r][c] = fma_x(xp, wv, acc[r][c]);
+            else acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xp), wv, acc[r][c]);
+          }
+        }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r * kChunk + c] = reduce8(acc[r][c]);
+}
+
+// rows (1..kRowTile) against channels_for(rows) channels (or one when `single`); returns how many.
+template <typename T, bool RoundBf16>
+int tile_rows(int rows, bool single, const float* x, const uint8_t* w, int64_t ldw, int64_t units, float* sums) {
+  switch (rows) {
+#define RADIXSERVE_TILE(R)                                                          \
+  case R:                                                                           \
+    if (single) return dot_tile<T, R, 1, RoundBf16>(x, w, ldw, units, sums), 1;     \
+    dot_tile<T, R, channels_for(R), RoundBf16>(x, w, ldw, units, sums);             \
+    return channels_for(R);
+    RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4)
+#undef RADIXSERVE_TILE
+    case 5: return dot_tile<T, 5, 1, RoundBf16>(x, w, ldw, units, sums), 1;
+    case 6: return dot_tile<T, 6, 1, RoundBf16>(x, w, ldw, units, sums), 1;
+    case 7: return dot_tile<T, 7, 1, RoundBf16>(x, w, ldw, units, sums), 1;
+    default: return dot_tile<T, kRowTile, 1, RoundBf16>(x, w, ldw, units, sums), 1;
+  }
+}
+
+// Output channels n0..n1 of every row of x ([rows, K] float32 as interleave_rows leaves it).
+template <typename T, bool RoundBf16>
+void linear_channels(const float* x, int64_t rows, const RowWeights& w, int64_t n0, int64_t n1,
+                     const radixserve::Epilogue& out) {
+  const int64_t k = w.in_features;
+  const auto tile = [&](int64_t r0, int rows_here, int64_t n, int64_t c1, float* sums) {
+    return tile_rows<T, RoundBf16>(rows_here, n + channels_for(rows_here) > c1, x + r0 * k, w.raw + n * w.row_bytes,
+                                   w.row_bytes, k / T::kWeights, sums);
+  };
+  radixserve::walk_decode_tiles<kRowTile, kChunk>(rows, n0, n1, out, tile, row_tile(decodes<T>(), k));
+}
+
+// Every row of xf ([rows, K] float32, contiguous; bfloat16 x widened, its weights then rounded) through the tiles,
+// threads splitting the output channels.
+template <typename T>
+void linear(const at::Tensor& xf, bool bf16, const RowWeights& w, const radixserve::Epilogue& out) {
+  const int64_t rows = xf.size(0), k = w.in_features;
+  const at::Tensor xi = rows == 1 ? xf : at::empty_like(xf);  // one row is interleaved already
+  if (rows > 1) interleave_rows(xf.data_ptr<float>(), rows, k, row_tile(decodes<T>(), k), xi.data_ptr<float>());
+  const float* xp = xi.data_ptr<float>();
+  at::parallel_for(0, out.out_features, 16, [&](int64_t n0, int64_t n1) {
+    if (bf16) linear_channels<T, true>(xp, rows, w, n0, n1, out);
+    else linear_channels<T, false>(xp, rows, w, n0, n1, out);
+  });
+}
+
+}  // namespace avx2
+#endif
+
 #ifdef RADIXSERVE_BLOCK_AVX512
 namespace avx512 {
 
@@ -507,6 +648,9 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& raw, int64_t qtype, 
       });
       return;
     }
+#endif
+#ifdef RADIXSERVE_ROWS_AVX2
+    return avx2::linear<T>(xf, bf16, w, epilogue);
 #endif
     at::parallel_for(0, raw.size(0), 16, [&](int64_t n0, int64_t n1) {
       linear_portable<T>(xf.data_ptr<float>(), x.size(0), bf16, w, n0, n1, epilogue);
