@@ -108,6 +108,23 @@ void linear_portable(const float* x, int64_t rows, bool round_bf16, const RowWei
   }
 }
 
+#ifdef RADIXSERVE_BLOCK_AVX2
+constexpr int64_t kPrefetch = 4096;  // bytes ahead in each weight row
+
+// A tile's prologue for unit u (both vector paths): each of its C channels' unit (ldw bytes apart) fetched kPrefetch
+// bytes ahead, and its scales into s[c]. Units under a line (Q5_0, Q5_1: 22, 24 bytes) prefetch a line ahead only
+// where a new line starts in them.
+template <typename T, int C>
+inline void unit_scales(const uint8_t* unit, int64_t u, int64_t ldw, float (*s)[16]) {
+  const bool prefetch = T::kBytes >= 64 || (u * T::kBytes) % 64 < T::kBytes;
+  for (int c = 0; c < C; ++c) {
+    const char* ahead = reinterpret_cast<const char*>(unit + c * ldw) + kPrefetch;
+    for (int line = 0; prefetch && line < (T::kBytes + 63) / 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    T::scales(unit + c * ldw, s[c]);
+  }
+}
+#endif
+
 #ifdef RADIXSERVE_ROWS_AVX2
 // AVX2 (no AVX512): linear_portable's arithmetic, vectorized. Each (row, channel) has one 8-lane accumulator; lane l
 // adds x_i * w_i for i = l mod 8 in order of i, one FMA each (as the portable loop, contracted), then the portable
@@ -117,7 +134,6 @@ namespace avx2 {
 
 constexpr int kRowTile = 8;  // rows sharing one decode of a piece
 constexpr int64_t kChunk = 16;
-constexpr int64_t kPrefetch = 4096;  // bytes ahead in each weight row
 
 // Channels per tile by rows: 8 accumulators (the FMA's latency times its throughput) in AVX2's 16 registers, each x
 // piece loaded once for C channels, each weight piece decoded once for R rows.
@@ -170,13 +186,7 @@ void dot_tile(const float* x, const uint8_t* w, int64_t ldw, int64_t units, floa
   alignas(64) float s[C][16];
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* unit = w + u * T::kBytes;
-    // Units under a line (Q5_0, Q5_1: 22, 24 bytes) prefetch a line ahead only where a new line starts in them.
-    const bool prefetch = T::kBytes >= 64 || (u * T::kBytes) % 64 < T::kBytes;
-    for (int c = 0; c < C; ++c) {
-      const char* ahead = reinterpret_cast<const char*>(unit + c * ldw) + kPrefetch;
-      for (int line = 0; prefetch && line < (T::kBytes + 63) / 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-      T::scales(unit + c * ldw, s[c]);
-    }
+    unit_scales<T, C>(unit, u, ldw, s);
     const float* xu = x + u * T::kWeights * R;
     // Quantized types: a group of 32 weights (4 pieces) of one channel at a time, its scales live only there (the
     // other channels' chains overlap it out of order). Float types, nothing to decode: piece by piece across the
@@ -254,7 +264,6 @@ namespace avx512 {
 
 constexpr int kRowTile = 8;  // rows sharing one decode of a unit
 constexpr int64_t kChunk = 16;
-constexpr int64_t kPrefetch = 4096;  // bytes ahead in each weight row
 
 // Channels per tile by rows: 8-16 accumulators, each x group loaded once for C channels (as block_linear.cpp).
 constexpr int channels_for(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : 2; }
@@ -289,13 +298,7 @@ void dot_tile(const void* x, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t
   alignas(64) float s[C][16];
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* unit = w + u * T::kBytes;
-    // Units under a line (Q5_0, Q5_1: 22, 24 bytes) prefetch a line ahead only where a new line starts in them.
-    const bool prefetch = T::kBytes >= 64 || (u * T::kBytes) % 64 < T::kBytes;
-    for (int c = 0; c < C; ++c) {
-      const char* ahead = reinterpret_cast<const char*>(unit + c * ldw) + kPrefetch;
-      for (int line = 0; prefetch && line < (T::kBytes + 63) / 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-      T::scales(unit + c * ldw, s[c]);
-    }
+    unit_scales<T, C>(unit, u, ldw, s);
 #pragma GCC unroll 8
     for (int j = 0; j < T::kWeights / 32; ++j) {
       const int64_t at = u * T::kWeights + 32 * j;
