@@ -38,8 +38,7 @@ def engine(byte_model_dir: Path) -> Engine:
 
 
 def parse(text: str) -> Any:
-    # strict=False: xgrammar's string rule admits raw control characters other than \r \n (JSON wants them escaped)
-    return json.loads(text, strict=False)
+    return json.loads(text)  # strict: a JSON string holds no raw control character (test_grammar_utf8.py)
 
 
 def test_json_schema_output_validates_and_stops(engine: Engine) -> None:

@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.model.grammar_checks import ConstraintError, check_source
+from radixserve.model.grammar_utf8 import BETWEEN, Utf8Masks
 
 if TYPE_CHECKING:
     import xgrammar as xgr  # imported where used: most servers never constrain a request (0.4 s of start-up)
@@ -47,6 +48,7 @@ class GrammarCompiler:
 
         self.stop_token_ids = list(stop_token_ids)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
+        self.utf8 = Utf8Masks(info.decoded_vocab, vocab_size, [*info.special_token_ids, *self.stop_token_ids])
         # xgrammar's own cache would also do, but it keeps failures out of reach: ours says what failed.
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
@@ -82,7 +84,7 @@ class GrammarCompiler:
         try:
             if kind == "json_schema":
                 # One layout (``{"a": 1, "b": [2, 3]}``): free whitespace lets a weak model spend every token on it.
-                return self._compiler.compile_json_schema(source, any_whitespace=False)
+                return self._compiler.compile_grammar(_json_schema_ebnf(source))
             if kind == "regex":
                 return self._compiler.compile_regex(source)
             return self._compiler.compile_grammar(source)
@@ -99,15 +101,20 @@ class GrammarCompiler:
     def matcher(self, compiled: xgr.CompiledGrammar) -> GrammarState:
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids), self.vocab_size)
+        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids), self.utf8)
 
 
 class GrammarState:
-    """One request's position in its grammar: which tokens may come next, and whether it has ended."""
+    """One request's position in its grammar: which tokens may come next, and whether it has ended.
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    Two automata in step: xgrammar's matcher, and the UTF-8 one (``grammar_utf8``: what the output's bytes
+    still owe a character), whose mask narrows the matcher's to tokens that keep the output well formed."""
+
+    def __init__(self, matcher: Any, utf8: Utf8Masks, utf8_state: int = BETWEEN) -> None:
         self._matcher = matcher
-        self.vocab_size = vocab_size
+        self._utf8 = utf8
+        self._utf8_state = utf8_state
+        self.vocab_size = utf8.vocab_size
 
     @property
     def terminated(self) -> bool:
@@ -116,16 +123,17 @@ class GrammarState:
 
     def fork(self) -> GrammarState:
         """An independent copy at the same position (to try draft tokens on)."""
-        return GrammarState(self._matcher.fork(), self.vocab_size)
+        return GrammarState(self._matcher.fork(), self._utf8, self._utf8_state)
 
     def accepted_len(self, token_ids: Sequence[int]) -> int:
         """How many of ``token_ids``, in order, fit the grammar from here (the tokens a draft may keep). Tried on
         a fork (~2 us, and ~0.5 us a token): this state is left as it was."""
-        trial = self._matcher.fork()
+        trial, state = self._matcher.fork(), self._utf8_state
         num = 0
         for token_id in token_ids:
-            if trial.is_terminated() or not trial.accept_token(token_id):
+            if trial.is_terminated() or not self._utf8.allows(state, token_id) or not trial.accept_token(token_id):
                 break
+            state = self._utf8.step(state, token_id)
             num += 1
         return num
 
@@ -137,18 +145,32 @@ class GrammarState:
 
         trial, bitmask = self._matcher.fork(), xgr.allocate_token_bitmask(1, self.vocab_size)
         row = bitmask[0].numpy()  # the same memory: numpy reads 1.5k words faster than torch ops dispatch
-        tokens: list[int] = []
+        state, tokens = self._utf8_state, list[int]()
         while len(tokens) < limit and not trial.is_terminated():
             trial.fill_next_token_bitmask(bitmask, 0)
+            row &= self._utf8.words_np[state]
             token = _only_token(row)
             if token is None or token >= self.vocab_size or not trial.accept_token(token):
                 break
+            state = self._utf8.step(state, token)
             tokens.append(token)
         return tokens
 
     def accept(self, token_id: int) -> None:
-        if not self._matcher.is_terminated() and not self._matcher.accept_token(token_id):
+        if self._matcher.is_terminated():
+            return
+        state = self._utf8.step(self._utf8_state, token_id)  # ValueError where it breaks UTF-8: nothing changed
+        if not self._matcher.accept_token(token_id):
             raise ValueError(f"token {token_id} does not fit the request's grammar")
+        self._utf8_state = state
+
+    def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens that may come next into ``bitmask[row]`` (xgrammar's layout: bit i of word w is token
+        32 w + i): the grammar's, less those that would break UTF-8."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        words = self._utf8.words[self._utf8_state]
+        width = min(bitmask.shape[1], words.shape[0])  # logits may be wider than the vocabulary (padded)
+        bitmask[row, :width] &= words[:width]
 
 
 def apply_masks(logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -> torch.Tensor:
@@ -163,7 +185,7 @@ def apply_masks(logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -
     for i in rows:
         grammar = grammars[i]
         assert grammar is not None
-        grammar._matcher.fill_next_token_bitmask(bitmask, i)
+        grammar.fill_row(bitmask, i)
     out = logits.clone()
     xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), indices=rows)
     if torch.isneginf(out[rows]).all(dim=-1).any():  # the engine then samples row by row: only that request fails
@@ -206,7 +228,7 @@ def grammar_after_text(prefix_regex: str, kind: GrammarKind, source: str) -> str
     try:
         prefix = xgr.Grammar.from_regex(prefix_regex)
         if kind == "json_schema":
-            body = xgr.Grammar.from_json_schema(source, any_whitespace=False)
+            body = xgr.Grammar.from_ebnf(_json_schema_ebnf(source))
         else:
             body = xgr.Grammar.from_regex(source) if kind == "regex" else xgr.Grammar.from_ebnf(source)
         return str(xgr.Grammar.concat(prefix, body))
@@ -225,10 +247,30 @@ def json_schema_rules(schema: str, rule: str, separators: tuple[str, str] = (", 
     ``json.dumps`` default, what chat templates' ``tojson`` writes). The other rules keep their
     names (``root_prop_0``, ``basic_string`` ...): one schema per grammar, or prefix them apart.
     """
-    import xgrammar as xgr
-
     try:
-        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=separators)
+        ebnf = _json_schema_ebnf(schema, separators)
     except Exception as exc:
         raise GrammarError(f"invalid json_schema: {_xgrammar_message(exc)}") from None
-    return _EBNF_ROOT.sub(lambda m: rule if m.group(0) == "root" else m.group(0), str(grammar))
+    return _EBNF_ROOT.sub(lambda m: rule if m.group(0) == "root" else m.group(0), ebnf)
+
+
+def _json_schema_ebnf(schema: str, separators: tuple[str, str] = (", ", ": ")) -> str:
+    """xgrammar's EBNF for a JSON schema in one layout (no free whitespace: a weak model would spend every token
+    on it), each string's characters held to what JSON allows unescaped. xgrammar's rule for a string with a
+    length bound refuses only the quote, the backslash, CR and LF: a tab or a NUL would follow, and
+    ``json.loads`` refuses the answer. A negated class is only ever a string's character here (whitespace
+    classes are positive): each one also refuses U+0000..U+001F. xgrammar's own errors pass through."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=separators))
+    return _EBNF_ROOT.sub(lambda m: _no_controls(m.group(0)), text)
+
+
+_CONTROLS_REFUSED = r"[^\0-\x1f"  # how xgrammar prints a negated class that begins with U+0000..U+001F
+
+
+def _no_controls(token: str) -> str:
+    """A negated character class of xgrammar's EBNF, made to refuse U+0000..U+001F too; other tokens unchanged."""
+    if not token.startswith("[^") or token.startswith(_CONTROLS_REFUSED):
+        return token
+    return _CONTROLS_REFUSED + token[2:]

@@ -37,7 +37,7 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 
 def parse(text: str) -> Any:
-    return json.loads(text, strict=False)  # xgrammar admits raw control characters inside strings
+    return json.loads(text)  # strict: a JSON string holds no raw control character
 
 
 def json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
