@@ -305,10 +305,20 @@ def test_tiered_cache_matches_reference(page_size: int, write_policy: str, unbou
     attrs = {"page_size": page_size, "write_policy": write_policy, "unbounded": unbounded}
     loaded = {"host": 0, "disk": 0, "prefetched": 0, "restored": 0}
     machine = type("Machine", (TierMachine,), {**attrs, "loaded": loaded})
-    # Derandomized: the checks below ask that the examples, together, reached every tier (a restart's disk page read
-    # included); with a fresh seed each run, some runs' 20 examples never did (about one run in four for page 4,
-    # write-back, bounded). One fixed set of examples keeps that a property of the code, not of the seed.
-    run_state_machine_as_test(machine, settings=settings(machine_settings(20, 30), derandomize=True))
-    disk_read = machine.loaded["disk"] + machine.loaded["prefetched"]  # a prefetch turns a disk hit into a host hit
-    assert machine.loaded["host"] > 0 and (unbounded or disk_read > 0), machine.loaded
-    assert unbounded or machine.loaded["restored"] > 0, machine.loaded
+
+    def reached_every_tier() -> bool:
+        disk_read = loaded["disk"] + loaded["prefetched"]  # a prefetch turns a disk hit into a host hit
+        return loaded["host"] > 0 and (unbounded or (disk_read > 0 and loaded["restored"] > 0))
+
+    # The checks below ask that the examples, together, reached every tier (a restart's disk page read included).
+    # Which steps run depends on the prefetcher's thread racing the rules, so even a derandomized batch of 20
+    # examples sometimes never restarts (page 4, write-back, bounded: one run in four with a fresh seed, and CI
+    # hit it derandomized under load). More batches (random seeds, every invariant checked as in the first) until
+    # the tiers were reached: ten batches all missing is ~1e-6.
+    for batch in range(10):
+        run_state_machine_as_test(
+            machine, settings=settings(machine_settings(20, 30), derandomize=batch == 0, database=None)
+        )
+        if reached_every_tier():
+            break
+    assert reached_every_tier(), loaded
