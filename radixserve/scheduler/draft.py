@@ -31,10 +31,11 @@ SPEC_SOURCES = ("both", "tree", "prompt")
 # A verify row's cost, in one-row decode steps (above: 0.12-0.19; rounded up: a loss costs more than a miss).
 ROW_COST = 0.2
 # Several CPU decode kernels share one decode of a weight block among up to ROW_TILE rows (kRowTile in
-# csrc/gguf_rows_linear.cpp, and csrc/block_linear.cpp's before block_bf16_fma.h): a row that opens a new tile
-# decodes every weight again (SmolLM2 Q4_1 there: 7 drafts 2.34x a decode step, 8 drafts 2.96x). The default
-# bfloat16 Q4 / Q8_0 path has no such step any more (block_bf16_fma.h balances its tiles of up to 10 rows: 7 and 8
-# drafts 2.34x and 2.51x); TILE_ROWS is the middle ground between the two.
+# csrc/gguf_rows_linear.cpp, the K-quant row types): a row that opens a new tile decodes every weight again
+# (SmolLM2 Q4_1 on 8-row tiles: 7 drafts 2.34x a decode step, 8 drafts 2.96x). The default Q4 / Q8_0 paths
+# balance tiles of up to 10 rows (block_bf16_fma.h, bfloat16: 7 and 8 drafts 2.34x and 2.51x; block_linear.cpp's
+# AVX2 path, float32 on a Zen 3: 6 and 8 drafts 2.33x and 2.88x, 3.23x on 8-row tiles); TILE_ROWS is the middle
+# ground.
 ROW_TILE = 8
 TILE_ROWS = 1.0
 DECAY = 0.7  # per verify step: how much of the acceptance history is kept

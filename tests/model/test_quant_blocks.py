@@ -48,7 +48,7 @@ def test_dequantize_is_gguf_own_bit_for_bit(fmt: str) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, 11, 16, 40])  # 40: past the kernel, dequantize + GEMM
+@pytest.mark.parametrize("rows", [1, 3, 9, 10, 11, 16, 40])  # 9, 10: one tile (AVX2); 11: 6 + 5; 40: dequantize + GEMM
 @pytest.mark.parametrize(("out_features", "in_features"), [(37, 160), (64, 32), (5, 1536)])
 def test_block_linear_equals_the_dequantized_matmul(fmt: str, rows: int, out_features: int, in_features: int) -> None:
     blocks = random_blocks(fmt, out_features, in_features, seed=rows)

@@ -32,9 +32,11 @@ using radixserve::padded;
 using radixserve::hsum;
 #endif
 
-// Rows sharing one decode of a weight block: 4 decoded + 8 accumulators + the scale and a product fill
-// AVX2's 16 registers. Measured on SmolLM2's linears at 16 rows: tiles of 4, 6, 8 ran 0.91x, 0.76x, 0.68x float32's time.
-constexpr int kRowTile = 8;
+// Rows sharing one decode of a weight block: 4 decoded + 10 accumulators + the scale and a product fill
+// AVX2's 16 registers. Measured on SmolLM2's linears at 16 rows: tiles of 4, 6, 8 ran 0.91x, 0.76x, 0.68x float32's
+// time; on a Zen 3 (`bench block-linears --paths kernel`), 9 rows as one tile of 9 took 38.7 ms against 45.1 as 8 + 1
+// (8 rows 34.9): a verify of 8 drafts is 9 rows.
+constexpr int kRowTile = 10;
 
 #ifdef RADIXSERVE_BLOCK_AVX2
 // One 32-bit word of codes, broadcast to 8 lanes, shifted by 4 bits more in each lane: lanes hold
@@ -138,7 +140,9 @@ void tile_rows(int rows, const float* x, int64_t ldx, const float* xsum, int64_t
     case 5: return dot_rows<5, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
     case 6: return dot_rows<6, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
     case 7: return dot_rows<7, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
-    default: return dot_rows<8, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
+    case 8: return dot_rows<8, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
+    case 9: return dot_rows<9, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
+    default: return dot_rows<10, Q4>(x, ldx, xsum, ldxs, qs, d, m, blocks, sums);
   }
 }
 
@@ -152,11 +156,13 @@ void linear_channels(const float* x, int64_t rows, int64_t in_features, const fl
   const int64_t ldxs = padded(w.blocks);
   std::vector<float> d(kChunk * ldxs), m(kChunk * ldxs);
   float sums[kRowTile];
+  // Balanced tiles (11 rows: 6 + 5, not 10 + 1): a tile of few rows pays a whole decode of the weights for them.
+  const int64_t tiles = (rows + kRowTile - 1) / kRowTile, row_tile = (rows + tiles - 1) / tiles;
   for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
     const int64_t c1 = std::min(n1, c0 + kChunk);
     chunk_scales<Q4>(w, c0, c1, d.data(), m.data(), ldxs);
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+    for (int64_t r0 = 0; r0 < rows; r0 += row_tile) {
+      const int tile = static_cast<int>(std::min<int64_t>(row_tile, rows - r0));
       for (int64_t n = c0; n < c1; ++n) {
         tile_rows<Q4>(tile, x + r0 * in_features, in_features, xsum + r0 * ldxs, ldxs, w.qs + n * w.qs_row_bytes,
                       d.data() + (n - c0) * ldxs, m.data() + (n - c0) * ldxs, w.blocks, sums);
