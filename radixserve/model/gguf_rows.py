@@ -49,6 +49,14 @@ FLOAT32_KERNEL_MAX_ROWS = 48
 INT8_ROW_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 
 
+def int8_rows_pay() -> bool:
+    """Whether a model asked for int8 activations (``--quantization q4_1``) runs them on its INT8_ROW_TYPES rows: only
+    where the int8 rows kernel has its SIMD path (AVX512-VNNI). Elsewhere that kernel is a portable loop, 6x slower
+    than the float rows' kernel (an AVX2 Zen 3, Q4_K_M: 5.7 tok/s against 36.7), so those rows keep float
+    activations (and the model's quantization detail says so); Q4_0 / Q4_1 / Q8_0 blocks run int8 everywhere."""
+    return not paged_kernel.load() or bool(torch.ops.radixserve.gguf_rows_q8_simd())
+
+
 def kernel_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which x of ``dtype`` runs the decode kernel (KERNEL_MAX_ROWS, float32 FLOAT32_KERNEL_MAX_ROWS)."""
     return FLOAT32_KERNEL_MAX_ROWS if dtype == torch.float32 else KERNEL_MAX_ROWS

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from radixserve.model.gguf_loader import Kept
-from radixserve.model.gguf_rows import GGUFRows, GGUFRowsEmbedding, GGUFRowsLinear
+from radixserve.model.gguf_rows import INT8_ROW_TYPES, GGUFRows, GGUFRowsEmbedding, GGUFRowsLinear, int8_rows_pay
 from radixserve.model.precision import KEPT_TYPES
 from radixserve.model.quant_blocks import BlockEmbedding, BlockLinear, QuantBlocks
 
@@ -90,10 +90,18 @@ def linear_of(
     data: Kept, bias: torch.Tensor | None, dtype: torch.dtype, int8_activations: bool
 ) -> BlockLinear | GGUFRowsLinear:
     """The linear over one kept weight (float rows, F16 / BF16 / F32, run float activations whatever
-    ``int8_activations``)."""
+    ``int8_activations``, and the rows with codes where their int8 kernel does not pay: ``runs_int8``)."""
     if isinstance(data, QuantBlocks):
         return BlockLinear(data, bias, dtype, int8_activations)
-    return GGUFRowsLinear(data, bias, dtype, int8_activations)
+    return GGUFRowsLinear(data, bias, dtype, runs_int8(data.qtype, int8_activations))
+
+
+def runs_int8(qtype: str, int8_activations: bool) -> bool:
+    """Whether a kept weight of GGUF type ``qtype`` multiplies int8 activations in a model that asks for them: not
+    the float types, and the rows with codes only where their int8 kernel pays (``gguf_rows.int8_rows_pay``)."""
+    if not int8_activations or qtype in FLOAT_TYPES:
+        return False
+    return qtype not in INT8_ROW_TYPES or int8_rows_pay()
 
 
 def embedding_of(data: Kept, dtype: torch.dtype) -> nn.Module:
@@ -165,7 +173,7 @@ def weights_by_type(
             sum(bool(o.to) for o in found),
             ", ".join(sorted({o.to for o in found if o.to})),
             "; ".join(sorted({o.why for o in found if o.why})),
-            "int8" if int8_activations and qtype not in FLOAT_TYPES else "float",
+            "int8" if runs_int8(qtype, int8_activations) else "float",
         )
         for qtype, found in sorted(by_type.items())
     }

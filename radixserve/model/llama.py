@@ -35,7 +35,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.forward import ForwardBatch
 from radixserve.model.gather import GatherWorkspace
 from radixserve.model.gguf_loader import Kept
-from radixserve.model.gguf_rows import GGUFRowsEmbedding, GGUFRowsLinear
+from radixserve.model.gguf_rows import INT8_ROW_TYPES, GGUFRowsEmbedding, GGUFRowsLinear
 from radixserve.model.kept_weights import (
     Outcome,
     TypeReport,
@@ -310,7 +310,8 @@ class LlamaForCausalLM(nn.Module):
         float_rows = sorted(
             {m.qtype for m in self.modules() if isinstance(m, GGUFRowsLinear) and not m.int8_activations}
         )
-        rows_note = f" ({', '.join(float_rows)} rows: float)" if int8_activations and float_rows else ""
+        why = "; this CPU's int8 rows kernel is a portable loop" if set(float_rows) & set(INT8_ROW_TYPES) else ""
+        rows_note = f" ({', '.join(float_rows)} rows: float{why})" if int8_activations and float_rows else ""
         used = sum(not o.to for o in linears)
         rest = "" if used == len(linears) else f", the rest {'dequantized to ' + to if float_rest else 'quantized'}"
         self.quantization_detail = (

@@ -12,7 +12,7 @@ import torch
 from benchmarks.block_linears import random_rows
 from radixserve.model import paged_kernel
 from radixserve.model.gguf_loader import GGUFFile
-from radixserve.model.gguf_rows import INT8_ROW_TYPES, GGUFRows, GGUFRowsLinear
+from radixserve.model.gguf_rows import INT8_ROW_TYPES, GGUFRows, GGUFRowsLinear, int8_rows_pay
 from radixserve.model.invariance import make_split_invariant
 from radixserve.model.loader import load_model
 from radixserve.model.quant_blocks import INT8_KERNEL_MAX_ROWS, quantize_activations
@@ -144,12 +144,19 @@ def test_module_paths_run_the_same_int8_math(qtype: str, monkeypatch: pytest.Mon
 
 
 def test_a_k_quant_file_with_int8_activations_runs_the_kernel_and_says_so() -> None:
+    """Where the int8 rows kernel has its SIMD path (AVX512-VNNI) the K-quant rows run int8 activations; elsewhere
+    (AVX2: a portable loop, 6x the float kernel's time) they keep float ones, and the detail says why."""
     loaded = load_model(str(gguf_path("llama-k256-q4_k_m")), torch.device("cpu"), torch.float32, quantization="q4_1")
     model = loaded.model
-    rows = [m for m in model.modules() if isinstance(m, GGUFRowsLinear)]
-    assert rows and all(m.int8_activations for m in rows if m.qtype in INT8_ROW_TYPES)
+    pays = int8_rows_pay()
+    assert pays == bool(torch.ops.radixserve.gguf_rows_q8_simd())
+    rows = [m for m in model.modules() if isinstance(m, GGUFRowsLinear) and m.qtype in INT8_ROW_TYPES]
+    assert rows and all(m.int8_activations == pays for m in rows)
     by_type = model.weights_by_type  # type: ignore[union-attr]
-    assert {"Q4_K", "Q6_K"} <= set(by_type) and all(r.activations == "int8" for r in by_type.values())
-    assert "(int8 activations)" in model.quantization_detail  # type: ignore[operator]
+    assert {"Q4_K", "Q6_K"} <= set(by_type)
+    assert all(r.activations == ("int8" if pays else "float") for r in by_type.values())
+    detail = model.quantization_detail
+    assert ("(int8 activations)" in detail) == pays, detail  # type: ignore[operator]
+    assert ("int8 rows kernel is a portable loop" in detail) != pays, detail  # type: ignore[operator]
     holds, why = make_split_invariant(model)
     assert holds, why

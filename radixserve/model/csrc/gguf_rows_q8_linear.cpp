@@ -135,12 +135,22 @@ at::Tensor linear_q8_op(const at::Tensor& x, const at::Tensor& raw, int64_t qtyp
   return out;
 }
 
+// Whether this build runs the int8 rows on block_q8_panels.h (AVX512-VNNI): elsewhere they take the portable loop.
+bool q8_rows_simd() {
+#ifdef RADIXSERVE_Q8_PANELS
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def(
       "gguf_rows_linear_q8(Tensor x, Tensor raw, int qtype, int in_features, Tensor? bias=None, "
       "Tensor? residual=None) -> Tensor");
+  m.def("gguf_rows_q8_simd() -> bool", &q8_rows_simd);
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("gguf_rows_linear_q8", &linear_q8_op); }
