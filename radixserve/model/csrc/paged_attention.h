@@ -20,7 +20,7 @@
 // codes are read in place and widened in registers; each key's scale multiplies its score, each value's
 // its softmax weight (after the weights' sum), so no row is ever dequantized into memory; with AVX512 both
 // passes are integer dot products against the codes (q as int8 with AVX512-VNNI, scores_int8.h, else int16; the
-// weights as int16, values_int8.h). Requests that
+// weights as int16, values_int8.h); with AVX2 the scores pass is (q as int8, scores_int8_avx2.h). Requests that
 // share a leading run of slots (SharedGroups) read it once, in shared_prefix.h's items, and only their
 // own suffix here; every partial then meets in one log-sum-exp merge.
 //
