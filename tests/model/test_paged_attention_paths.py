@@ -53,6 +53,16 @@ def held(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
     return pool.k[0].double(), pool.v[0].double()
 
 
+def as_int8_rows(q: torch.Tensor) -> torch.Tensor:
+    """q as the 8-bit pool's scores pass reads it (scores_int8_avx2.h): each row times the head's scale, quantized to
+    int8 codes with one scale max|row| / 127 (in float32, as the kernel does), given back unscaled in float64."""
+    scale = torch.tensor(q.shape[-1] ** -0.5, dtype=torch.float32)
+    x = q.float() * scale
+    mx = x.abs().amax(-1, keepdim=True)
+    codes = torch.round(x * (127.0 / mx)).clamp(-127, 127)
+    return codes.double() * (mx / 127.0).double() / scale.double()
+
+
 def run(
     pool: KVPool, q: torch.Tensor, contexts: list[torch.Tensor], lens: list[int], params: AttentionParams
 ) -> torch.Tensor:
@@ -77,7 +87,7 @@ def float64_attention(
 
 
 @pytest.mark.parametrize("dtype", POOLS)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 128), (2, 2, 64)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 128), (2, 2, 64), (4, 2, 96)])
 @pytest.mark.parametrize("window", [0, 100])
 def test_each_pool_dtype_is_float64_close(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, window: int
@@ -89,15 +99,16 @@ def test_each_pool_dtype_is_float64_close(
     q = torch.randn(sum(lens), heads, head_dim, generator=torch.Generator().manual_seed(13))
     got = run(pool, q, contexts, lens, AttentionParams(window=window))
     k, v = held(pool)
+    seen = as_int8_rows(q) if dtype == torch.int8 else q  # the int8 pool's scores read q as int8 codes
     starts = [0, EXTEND, EXTEND + 1, EXTEND + 2]
     expected = torch.cat(
-        [float64_attention(q[a:b], k, v, c, n, window) for a, b, c, n in zip(starts, starts[1:], contexts, lens)]
+        [float64_attention(seen[a:b], k, v, c, n, window) for a, b, c, n in zip(starts, starts[1:], contexts, lens)]
     )
     assert (got.double() - expected).abs().max().item() <= BOUND[dtype] * expected.abs().max().item()
 
 
 @pytest.mark.parametrize("dtype", POOLS)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 128)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 128), (4, 2, 96)])
 @pytest.mark.parametrize("window", [0, 100])
 def test_a_row_has_the_same_bits_as_a_decode_in_a_tile_and_in_a_batch(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, window: int

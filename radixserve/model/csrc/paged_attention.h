@@ -20,7 +20,7 @@
 // codes are read in place and widened in registers; each key's scale multiplies its score, each value's
 // its softmax weight (after the weights' sum), so no row is ever dequantized into memory; with AVX512 both
 // passes are integer dot products against the codes (q as int8 with AVX512-VNNI, scores_int8.h, else int16; the
-// weights as int16, values_int8.h). Requests that
+// weights as int16, values_int8.h); with AVX2 the scores pass is (q as int8, scores_int8_avx2.h). Requests that
 // share a leading run of slots (SharedGroups) read it once, in shared_prefix.h's items, and only their
 // own suffix here; every partial then meets in one log-sum-exp merge.
 //
@@ -43,6 +43,7 @@
 #include "paged_avx2.h"
 #include "paged_avx512.h"
 #include "scores_int8.h"
+#include "scores_int8_avx2.h"
 #include "shared_prefix.h"
 #include "values_int8.h"
 
@@ -231,7 +232,10 @@ void run_item_dim(const WorkItem& w, const Shape& s, const q_t* q, const kv_t* k
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   if constexpr (DIM > 0 && DIM % 8 == 0 &&
                 (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, bf16> || std::is_same_v<kv_t, i8>)) {
-    avx2::scores_pass<DIM / 8>(qf, rows, k + head, item_slots, num_keys, stride, scores);
+    if constexpr (int8 && DIM % 32 == 0)  // integer dot products, q as int8 (scores_int8_avx2.h)
+      avx2::scores_pass_int8<DIM / 8>(qf, rows, k + head, item_slots, num_keys, stride, scores);
+    else
+      avx2::scores_pass<DIM / 8>(qf, rows, k + head, item_slots, num_keys, stride, scores);
     fold_scales(s.k_scale);
     for (int64_t r = 0; r < rows; ++r) {
       float* row = scores + r * stride;

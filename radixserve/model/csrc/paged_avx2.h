@@ -12,7 +12,8 @@
 //            extend tile), each loaded value chunk used by all the step's rows; the accumulators go back to memory
 //            between blocks and chunks, which changes no bits.
 // An 8-bit pool's key scales multiply the scores and its value scales the softmax weights (paged_attention.h's
-// fold_scales), so code rows are only widened in registers, never dequantized into memory.
+// fold_scales), so code rows are only widened in registers, never dequantized into memory; its scores pass runs
+// in integers where the head dim is a multiple of 32 (scores_int8_avx2.h: the same layout, q as int8 per row).
 //
 // Split invariance: a row's bits depend only on its own inputs and the keys' positions, never on the other rows of
 // its tile or where its item starts. A score is its own dot product (dims in order, then the same 8-lane
