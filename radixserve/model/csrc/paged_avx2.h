@@ -14,6 +14,14 @@
 // An 8-bit pool's key scales multiply the scores and its value scales the softmax weights (paged_attention.h's
 // fold_scales), so code rows are only widened in registers, never dequantized into memory; its scores pass runs
 // in integers where the head dim is a multiple of 32 (scores_int8_avx2.h: the same layout, q as int8 per row).
+// Its values pass stays float: values_int8.h's scheme on AVX2 (p as int16 in 16-key blocks at fixed positions, two
+// keys' codes interleaved as int16 pairs, vpmaddwd + vpaddd into int32, one scale x sum FMA per block; 4 or 3 rows
+// x 16 dims a step) passed the tests but measured slower on Zen 3 (bench kv-attention --layers 1, 1 thread, thread
+// clock, best of 7, A/B in one run: int8 decode b16 @ 2k 1.52-1.55 -> 1.61-1.66 ms, 2k prefill 74.7-76.2 ->
+// 77.8-79.2 ms). Without VNNI a madd + add makes 16 products where two FMAs make 16, and vpmaddwd has half the FMAs'
+// throughput here (8 independent madd + add 3.7 ns, 8 FMAs 1.6 ns): only the widening is saved, and the weights'
+// quantization and per-block scale FMAs cost more than that. (The weights' int16 rounding also moved the output
+// against float64 from 2.2e-6 to 4.9e-5 of its largest value.)
 //
 // Split invariance: a row's bits depend only on its own inputs and the keys' positions, never on the other rows of
 // its tile or where its item starts. A score is its own dot product (dims in order, then the same 8-lane
