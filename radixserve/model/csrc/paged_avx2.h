@@ -74,6 +74,17 @@ inline __m256i lanes_below(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(n, 0, 8))), iota);
 }
 
+// A step's 4 key rows j0..j0 + 3 (past n: ``zeros``, whose scores are padding), asking for the block ahead's.
+template <typename kv_t>
+inline void step_keys(const kv_t* k, const int64_t* slots, int64_t j0, int64_t n, int64_t ahead_limit, bool prefetch,
+                      int64_t dim, const kv_t* zeros, const kv_t* (&row)[4]) {
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    if (prefetch && j0 + j < n) prefetch_row<kAhead>(k, slots, j0 + j, ahead_limit, dim);
+    row[j] = j0 + j < n ? k + slots[j0 + j] * dim : zeros;
+  }
+}
+
 // scores[r * stride + j] = q_r . k_j for R rows, keys j < n (rounded up to 4: the pad scores a zero row); keys up to
 // ``ahead_limit`` may be prefetched (the next block's).
 template <int NC, int R, typename kv_t>
@@ -83,11 +94,7 @@ void scores_rows(const float* q, const kv_t* k, const int64_t* slots, int64_t n,
   alignas(32) static const kv_t zeros[dim] = {};
   for (int64_t j0 = 0; j0 < n; j0 += 4) {
     const kv_t* row[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      if (prefetch && j0 + j < n) prefetch_row<kAhead>(k, slots, j0 + j, ahead_limit, dim);
-      row[j] = j0 + j < n ? k + slots[j0 + j] * dim : zeros;
-    }
+    step_keys(k, slots, j0, n, ahead_limit, prefetch, dim, zeros, row);
     __m256 acc[R][4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)

@@ -55,11 +55,7 @@ void scores_rows_int8(const int8_t* q, const float* q_scale, const i8* k, const 
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t j0 = 0; j0 < n; j0 += 4) {
     const i8* row[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      if (prefetch && j0 + j < n) prefetch_row<kAhead>(k, slots, j0 + j, ahead_limit, dim);
-      row[j] = j0 + j < n ? k + slots[j0 + j] * dim : zeros;
-    }
+    step_keys(k, slots, j0, n, ahead_limit, prefetch, dim, zeros, row);
     __m256i acc[R][4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
