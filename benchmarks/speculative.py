@@ -119,8 +119,8 @@ def drafters(engine: Engine, num: int) -> dict[str, Drafter | None]:
     return {
         "off": None,
         "both": both,
-        "tree": Drafter(num, both.index, use_prompt=False),
-        "prompt": Drafter(num, None, use_prompt=True),
+        "tree": Drafter(num, both.index, use_prompt=False, costs=both.costs),
+        "prompt": Drafter(num, None, use_prompt=True, costs=both.costs),
     }
 
 
@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=8)
     parser.add_argument("--quantization", default="auto", help="the engine's --quantization (q4_1: int8 activations)")
     parser.add_argument("--workloads", nargs="*", default=None, help="run only these (default: all)")
+    parser.add_argument(
+        "--row-cost", type=float, default=None, help="price verify rows at this many decode steps (default: measured)"
+    )
     args = parser.parse_args(argv)
     engine = Engine(
         model_path=args.model_path,
@@ -158,7 +161,10 @@ def main(argv: list[str] | None = None) -> None:
         quantization=args.quantization,
         speculative_algorithm="ngram",
         speculative_num_draft_tokens=args.num_draft_tokens,
+        speculative_row_cost=args.row_cost,
     )
+    costs = engine.describe()["speculative_verify_costs"]
+    print(f"verify costs ({costs['source']}), decode steps by rows: {costs['steps_by_rows']}", flush=True)
     configs = drafters(engine, args.num_draft_tokens)
     table: dict[str, dict[str, list[tuple[float, float]]]] = {}
     bounds: dict[str, float] = {}

@@ -168,6 +168,33 @@ def test_sampled_output_keeps_its_distribution(tiny_model_dir: Path) -> None:
     engine.close()
 
 
+def test_verify_costs_are_measured_at_start(engine: Engine, tiny_model_dir: Path) -> None:
+    """The engine times verify forwards of 1 .. 9 rows (and 18) before any request and prices drafts by them: on a
+    CPU SmolLM2's 9 rows cost well over one decode step; the timed slots go back to the pool; a fixed row cost
+    (``speculative_row_cost``) or a pool with no room for the timing keeps the modelled costs."""
+    costs = engine.drafter.costs if engine.drafter else None
+    assert costs is not None and costs.source == "measured"
+    assert [n for n, _ in costs.points] == [*range(1, 10), 18]
+    steps = [cost for _, cost in costs.points]
+    assert steps[0] == 1 and steps == sorted(steps)
+    if engine.device.type == "cpu":
+        assert costs.at(9) > 1.5
+    assert engine.describe()["speculative_verify_costs"]["steps_by_rows"]["9"] == round(costs.at(9), 3)
+    options = {"model_path": str(tiny_model_dir), "dtype": "float32", "speculative_algorithm": "ngram"}
+    tiny = Engine(**options, max_total_tokens=256)
+    assert tiny.drafter is not None and tiny.drafter.costs.source == "measured"
+    assert tiny.allocator.free_size() == tiny.allocator.size  # nothing kept
+    tiny.close()
+    fixed = Engine(**options, max_total_tokens=256, speculative_row_cost=0.5)
+    assert fixed.drafter is not None and fixed.drafter.costs.source == "modelled"
+    assert fixed.drafter.costs.at(3) == 2.0
+    fixed.close()
+    cramped = Engine(**options, max_total_tokens=32)  # no room for 16 tokens of context and 18 rows
+    assert cramped.drafter is not None and cramped.drafter.costs.source == "modelled"
+    assert cramped.allocator.free_size() == cramped.allocator.size
+    cramped.close()
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_drafts_in_a_tight_pool_with_pages(tiny_model_dir: Path, page_size: int) -> None:
     """A pool with little room beyond the decodes' own and partial pages: drafts only where free slots are, rejected

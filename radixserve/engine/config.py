@@ -42,6 +42,9 @@ class EngineConfig:
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 8  # the most tokens drafted for one request per step
     speculative_ngram_source: str = "both"  # both | tree (the prefix cache) | prompt (the request's own text)
+    # A verify row's cost in one-row decode steps, for the drafter's pricing: None measures what forwards of 1 ..
+    # num_draft_tokens + 1 rows cost at start (engine/spec_costs.py); a number fixes it (reproducible drafting)
+    speculative_row_cost: float | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32
     kv_cache_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16 | int8: the KV pool's own dtype
     # auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks with float activations (q4_1-exact, lossless) where it stores only
@@ -97,6 +100,10 @@ class EngineConfig:
             (self.speculative_algorithm in (None, *SPECULATIVE_ALGORITHMS), "speculative_algorithm: None or ngram"),
             (1 <= self.speculative_num_draft_tokens <= 16, "speculative_num_draft_tokens must be 1..16"),
             (self.speculative_ngram_source in SPEC_SOURCES, f"speculative_ngram_source: one of {SPEC_SOURCES}"),
+            (
+                self.speculative_row_cost is None or 0 <= self.speculative_row_cost <= 4,
+                "speculative_row_cost: None (measured) or 0..4 decode steps",
+            ),
             (
                 self.chat_template is None or os.path.isfile(self.chat_template),
                 f"chat_template {self.chat_template!r} is not a file (a Jinja chat template)",

@@ -36,6 +36,7 @@ from radixserve.engine.config import EngineConfig, default_pool_tokens
 from radixserve.engine.driver import Driver
 from radixserve.engine.live import live_view
 from radixserve.engine.output import OutputStage
+from radixserve.engine.spec_costs import measure_verify_costs
 from radixserve.engine.step import StepExecutor
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.attention import attention_split_invariance
@@ -45,7 +46,7 @@ from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.precision import resolve_kv_cache_dtype
 from radixserve.model.runner import ModelRunner
 from radixserve.model.summary import describe_model
-from radixserve.scheduler.draft import Drafter
+from radixserve.scheduler.draft import Drafter, VerifyCosts
 from radixserve.scheduler.loop import Scheduler
 from radixserve.scheduler.ngram import NgramIndex
 from radixserve.scheduler.policy import create_schedule_policy
@@ -78,7 +79,9 @@ def _drafter(config: EngineConfig) -> Drafter | None:
         return None
     source, num = config.speculative_ngram_source, config.speculative_num_draft_tokens
     index = NgramIndex(max_continuation=num) if source in ("both", "tree") else None
-    return Drafter(num, index, use_prompt=source in ("both", "prompt"))
+    row_cost = config.speculative_row_cost
+    costs = VerifyCosts.modelled(row_cost) if row_cost is not None else None  # None: measured once the model runs
+    return Drafter(num, index, use_prompt=source in ("both", "prompt"), costs=costs)
 
 
 class Engine(Driver):
@@ -131,6 +134,8 @@ class Engine(Driver):
         self.eos_token_ids = eos
         self._grammars: GrammarCompiler | None = None
         runner = ModelRunner(self.loaded.model, model, self.kv_pool, self.device)
+        if self.drafter is not None and config.speculative_row_cost is None:
+            self._measure_verify_costs(self.drafter, runner)
         executor = StepExecutor(runner)
         self.output = OutputStage(self.tokenizer, eos)
         scheduler = Scheduler(
@@ -383,6 +388,16 @@ class Engine(Driver):
             why += "; extends read in place (paged kernel)" if paged_extends else ""
         return holds, why
 
+    def _measure_verify_costs(self, drafter: Drafter, runner: ModelRunner) -> None:
+        """Price the drafter's rows by what verify forwards cost here (``spec_costs.py``), before any request."""
+        costs = measure_verify_costs(runner, self.allocator, drafter.max_draft_tokens)
+        if costs is None:
+            logger.info("speculative decoding: the pool has no room to time verify rows; modelled costs")
+            return
+        drafter.costs = costs
+        figures = ", ".join(f"{n}: {cost:.2f}" for n, cost in costs.points)
+        logger.info("speculative decoding: a forward of n rows costs (decode steps) %s", figures)
+
     def kv_bytes_per_token(self) -> int:
         """One token's K/V in the pool, all layers (an 8-bit pool's scales included)."""
         model = self.loaded.config
@@ -414,4 +429,13 @@ class Engine(Driver):
             "vocab_size": model.vocab_size,
             "kv_bytes_per_token": kv_bytes,
             "kv_tokens_per_gib": self.kv_tokens_per_gib(),
+            **self._describe_speculative(),
         }
+
+    def _describe_speculative(self) -> dict[str, Any]:
+        """What the drafter prices a verify forward at (rows -> decode steps), and whether it was measured."""
+        if self.drafter is None:
+            return {}
+        costs = self.drafter.costs
+        steps = {str(n): round(cost, 3) for n, cost in costs.points if n <= self.drafter.max_draft_tokens + 1}
+        return {"speculative_verify_costs": {"source": costs.source, "steps_by_rows": steps}}

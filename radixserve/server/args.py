@@ -340,6 +340,12 @@ def _scheduler_flags(sched: argparse._ArgumentGroup, d: EngineConfig) -> None:
         choices=SPEC_SOURCES,
         help="where ngram drafts come from: the prefix cache's sequences (tree), the request's own text (prompt)",
     )
+    sched.add_argument(
+        "--speculative-row-cost",
+        type=float,
+        default=d.speculative_row_cost,
+        help="a verify row's cost in decode steps, for pricing drafts (default: measured at start on this machine)",
+    )
 
 
 def _server_flags(server: argparse._ArgumentGroup) -> None:

@@ -22,9 +22,11 @@ from radixserve.model.grammar import GrammarCompiler, GrammarState
 from radixserve.model.sampling import SamplingState
 from radixserve.model.spec_verify import verify
 from radixserve.scheduler.draft import (
+    ROW_COST,
     ROW_TILE,
     TILE_ROWS,
     Drafter,
+    VerifyCosts,
     best_draft_len,
     continuations,
     prompt_lookup,
@@ -205,7 +207,7 @@ def test_forced_tokens_pay_through_a_cooldown_and_teach_the_estimate_nothing(cit
     spec.accepted, spec.trials, spec.cooldown = 0.0, 8.0, 3  # copies have not paid lately: a cooldown runs
     forced = ids(', "unit": "')
     assert drafter.propose(req, 16, drafter.price(1, 1)) == forced and spec.cooldown == 2
-    assert drafter.propose(req, 16, 1.5) == [] and spec.cooldown == 1
+    assert drafter.propose(req, 16, 1.5 / ROW_COST) == [] and spec.cooldown == 1  # a row: 1.5 tokens
     spec.cooldown = 0
     assert drafter.propose(req, 16, drafter.price(1, 1)) == forced and spec.forced == len(forced)
     drafter.record(req, len(forced), len(forced))
@@ -270,22 +272,44 @@ def test_draft_length_pays_only_where_it_gains() -> None:
     alone, batch16, beside_prefill = drafter.price(1, 1), drafter.price(16, 16), drafter.price(1, 513)
     assert best_draft_len(0.9, 8, alone) >= 4
     assert best_draft_len(0.15, 8, alone) == 0  # prose: drafting would cost more than it saves
-    assert best_draft_len(0.8, 8, batch16) == 0  # a large batch already makes many tokens per step
+    assert 0.75 < batch16 * ROW_COST < 0.8  # a row there costs most of a token
+    assert best_draft_len(0.75, 8, batch16) == 0  # a large batch already makes many tokens per step
     assert best_draft_len(1.0, 7, batch16) == 7
     assert best_draft_len(0.5, 8, beside_prefill) >= 4  # the decoders wait on a prefill chunk anyway
 
 
 def test_a_draft_that_opens_a_row_tile_pays_for_it() -> None:
-    """Rows share some decode kernels' weight decode ROW_TILE at a time: a draft whose row opens a tile is priced
-    TILE_ROWS rows more (here at five decodes' price: a row costs about half a token)."""
+    """Rows share some decode kernels' weight decode ROW_TILE at a time: the modelled costs price a draft whose row
+    opens a tile TILE_ROWS rows more (here at five decodes' price: a row costs about half a token)."""
     few = Drafter(8, None).price(5, 5)
-    assert ROW_TILE == 8 and TILE_ROWS > 0 and 0.5 < few < 1
+    assert ROW_TILE == 8 and TILE_ROWS > 0 and 0.5 < few * ROW_COST < 1
     assert best_draft_len(1.0, 8, few) == 7  # an eighth draft is the step's ninth row: a second tile
     assert best_draft_len(1.0, 7, few, first_row=1) == 6  # a request after one other: its seventh opens it
-    assert best_draft_len(1.0, 8, few * 0.2, first_row=0) == 8  # cheap rows: the tile is worth opening
+    assert best_draft_len(1.0, 8, few, costs=VerifyCosts.modelled(ROW_COST * 0.2)) == 8  # cheap rows: worth it
     assert best_draft_len(1.0, 5, few, first_row=3) == 4  # 3 + 5 = 8: the fifth draft would open it
     assert best_draft_len(1.0, 8, few, first_row=3) == 8  # unless enough drafts follow it in the new tile
     assert best_draft_len(1.0, 8, Drafter(8, None).price(1, 1)) == 8  # alone, eight drafts pay for the tile
+
+
+def test_measured_costs_price_what_rows_cost_here() -> None:
+    """A measured table (seconds, any unit) becomes decode steps, never falls with more rows, is linear between its
+    row counts and past the last at the last slope; drafts are priced by it: where rows are nearly free (a GPU)
+    every draft with a chance pays, where they cost a step each (a slow CPU kernel) none does."""
+    costs = VerifyCosts([(1, 0.010), (2, 0.013), (3, 0.012), (5, 0.020), (9, 0.030)], source="measured")
+    assert costs.at(1) == 1.0 and costs.at(3) == costs.at(2) == pytest.approx(1.3)  # 3 rows timed faster: noise
+    assert costs.at(4) == pytest.approx(1.65) and costs.at(9) == pytest.approx(3.0)
+    assert costs.at(13) == pytest.approx(4.0) and costs.at(500) == pytest.approx(3.0 + 491 * 0.25)
+    assert costs.drafts(0, 2) == pytest.approx(0.3) and costs.drafts(1, 2) == pytest.approx(0.35)
+    assert costs.row_cost() == pytest.approx(0.25)
+    gpu = VerifyCosts([(1, 1.0), (9, 1.02), (36, 1.1)], source="measured")
+    slow = VerifyCosts([(1, 1.0), (9, 9.0)], source="measured")
+    alone = Drafter(8, None, costs=gpu).price(1, 1)
+    assert best_draft_len(0.7, 8, alone, costs=gpu) == 8
+    assert best_draft_len(0.7, 8, alone, costs=VerifyCosts.modelled()) == 4
+    assert best_draft_len(0.95, 8, Drafter(8, None, costs=slow).price(1, 1), costs=slow) == 0
+    assert Drafter(8, None, costs=gpu).costs is gpu and Drafter(8, None).costs.source == "modelled"
+    with pytest.raises(ValueError, match="row counts from 1"):
+        VerifyCosts([(2, 1.0), (4, 2.0)])
 
 
 def test_no_probe_at_a_large_batch() -> None:
