@@ -53,7 +53,7 @@ test: $(STAMP)
 	$(PY) -m mypy radixserve benchmarks
 	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir "$$site"; \
 		status=$$?; rm -rf "$$site"; exit $$status
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=20
 
 # The docs site, live at http://127.0.0.1:8000 while you edit docs/.
 docs: $(STAMP)
