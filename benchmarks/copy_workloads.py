@@ -4,6 +4,8 @@
 side by side) replay the same prompts from here:
 
 - code-edit: a Python file in the prompt, the answer rewrites it with one rename (copies most of it);
+- code-edit-class: the same task on a second file (a class), three renames: how much a copy pays depends on the
+  file (the embedded model rewrites a function of the first file in its own words, the class it copies);
 - rag-quote: a document in the prompt, the answer quotes from it;
 - agent: turns of one tool-calling agent, one request each (no history in the prompt), the same JSON shape
   every turn (``AGENT_SCHEMA``, structured output): earlier answers are in the prefix cache (tree drafts) but
@@ -34,6 +36,31 @@ def total_covered(intervals):
     """The total length the intervals cover, counting overlaps once."""
     return sum(end - start for start, end in merge_intervals(intervals))
 '''
+CLASS_CODE = '''class LRUCache:
+    """A fixed-size mapping that forgets the least recently used key first."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.items = {}
+        self.order = []
+
+    def get(self, key, default=None):
+        if key not in self.items:
+            return default
+        self.order.remove(key)
+        self.order.append(key)
+        return self.items[key]
+
+    def put(self, key, value):
+        if key in self.items:
+            self.order.remove(key)
+        elif len(self.items) >= self.capacity:
+            oldest = self.order.pop(0)
+            del self.items[oldest]
+        self.items[key] = value
+        self.order.append(key)
+'''
+CLASS_RENAMES = [("items", "entries"), ("order", "recency"), ("capacity", "size")]
 DOC = (
     "The Harbor Bridge opened in 1932 after eight years of construction. It carries eight lanes of traffic, "
     "two railway lines and a footway. The arch spans 503 metres and its top stands 134 metres above the water. "
@@ -48,6 +75,9 @@ DOC = (
 CODE_EDIT = (
     "Rewrite the whole file above with every `intervals` renamed to `{name}`. "
     "Reply with the full file in one code block."
+)
+CLASS_EDIT = (
+    "Rewrite the whole file above with every `{old}` renamed to `{new}`. Reply with the full file in one code block."
 )
 QUESTIONS = ["How long is the arch?", "Who designed the bridge?", "How many vehicles cross it?", "When did it open?"]
 AGENT_SYSTEM = "You are a weather assistant. Call the get_weather tool for the city the user asks about."
@@ -85,6 +115,9 @@ def workloads() -> dict[str, Workload]:
 
     return {
         "code-edit": [user(f"```python\n{CODE}```\n\n{CODE_EDIT.format(name=name)}") for name in ("spans", "ranges")],
+        "code-edit-class": [
+            user(f"```python\n{CLASS_CODE}```\n\n{CLASS_EDIT.format(old=old, new=new)}") for old, new in CLASS_RENAMES
+        ],
         "rag-quote": [user(f"{DOC}\n\nQuote the sentence that answers: {q}") for q in QUESTIONS[:2]],
         "agent": [
             [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": f"Weather in {city}?"}]

@@ -1,11 +1,12 @@
 """``radixserve bench serve --servers off=URL ngram=URL ...``: the copy workloads through HTTP servers, side by side.
 
-The chat workloads of ``copy_workloads.py`` (code-edit, rag-quote, agent, prose: the ones ``bench speculative``
-runs inside one engine) stream ``/v1/chat/completions`` (greedy, ``max_tokens``; the agent's turns with its JSON
-schema as ``response_format``) to each named server in turn: typically the same model served twice, speculation
-off and on, and llama.cpp's ``llama-server`` with and without its n-gram drafts. Each pass sends one workload at
-one concurrency to one server, on a cold cache where the server has ``POST /flush_cache`` (radixserve); rounds
-rotate the servers' order so load on the machine hits them alike, and the table gives medians over rounds.
+The chat workloads of ``copy_workloads.py`` (code-edit, code-edit-class, rag-quote, agent, prose: the ones
+``bench speculative`` runs inside one engine) stream ``/v1/chat/completions`` (greedy, ``max_tokens``; the agent's
+turns with its JSON schema as ``response_format``) to each named server in turn: typically the same model served
+twice, speculation off and on, and llama.cpp's ``llama-server`` with and without its n-gram drafts. Each pass
+sends one workload at one concurrency to one server, on a cold cache where the server has ``POST /flush_cache``
+(radixserve); rounds rotate the servers' order so load on the machine hits them alike, and the table gives
+medians over rounds.
 
 - concurrency 1: the requests one after another (each sees the cache the earlier ones left: the agent's tree
   drafts come from earlier turns); decode tok/s = output tokens after the first over first chunk to last, summed;

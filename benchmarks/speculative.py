@@ -7,8 +7,8 @@ if one differs). Rounds rotate the configurations' order so load on the machine 
 gives each figure's median over rounds.
 
 Workloads (chat prompts, ``copy_workloads.py``; the same ones ``bench serve --servers`` sends through HTTP):
-code-edit, rag-quote, agent (tree and prompt drafts also alone), prose, and prose-x16: 16 prose requests at once,
-aggregate output tok/s (large batches must not lose).
+code-edit, code-edit-class, rag-quote, agent (tree and prompt drafts also alone), prose, and prose-x16: 16 prose
+requests at once, aggregate output tok/s (large batches must not lose).
 
 Single-stream figures are decode tok/s: a request's output tokens after its first, over the time from its
 first token to its last (prefill excluded); x16 is every output token over the batch's wall time. Beside the
