@@ -34,9 +34,9 @@ SPEC_SOURCES = ("both", "tree", "prompt")
 # a miss), where the engine does not measure it (``Engine(speculative_row_cost=...)``, unit tests).
 ROW_COST = 0.2
 # Several CPU decode kernels share one decode of a weight block among up to ROW_TILE rows (kRowTile in
-# csrc/gguf_rows_linear.cpp, the K-quant row types): a row that opens a new tile decodes every weight again
-# (SmolLM2 Q4_1 on 8-row tiles: 7 drafts 2.34x a decode step, 8 drafts 2.96x); the modelled costs price such a row
-# TILE_ROWS rows more. A measured table needs neither.
+# csrc/gguf_rows_linear.cpp's AVX512 path, the K-quant row types): a row that opens a new tile decodes every weight
+# again (SmolLM2 Q4_1 on 8-row tiles: 7 drafts 2.34x a decode step, 8 drafts 2.96x); the modelled costs price such a
+# row TILE_ROWS rows more. A measured table needs neither.
 ROW_TILE = 8
 TILE_ROWS = 1.0
 DECAY = 0.7  # per verify step: how much of the acceptance history is kept

@@ -60,7 +60,7 @@ def test_avx2_kernel_is_linear_portable_bit_for_bit(qtype: str, dtype: torch.dty
     w = gguf_values(rows)
     if dtype == torch.bfloat16:
         w = w.bfloat16().float()
-    x = torch.randn(16, rows.in_features, generator=torch.Generator().manual_seed(7)).to(dtype)
+    x = torch.randn(21, rows.in_features, generator=torch.Generator().manual_seed(7)).to(dtype)
     expected = portable_linear(x, w).to(dtype)
-    for batch in (1, 2, 3, 4, 5, 7, 8, 11, 16):  # every tile shape, and row tiles past the first
+    for batch in (1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 16, 21):  # every tile shape, and balanced row tiles past the first
         assert same_bits(kernel(x[:batch], rows), expected[:batch])

@@ -2,8 +2,8 @@
 // Q5_1, F16, BF16, F32). Every value multiplied is gguf's dequantized weight: float32 x by the float32 value,
 // bfloat16 x by that value rounded to bfloat16, as the GEMM path (gguf_rows_linear_tiled) multiplies.
 //
-// Decode (few rows): each unit of a weight row is decoded once into registers per tile of up to 8 rows and several
-// channels, prefetched ahead (batch 1 is bound by reading the weights). Each (row, channel) has one 16-lane
+// Decode (few rows): each unit of a weight row is decoded once into registers per tile of up to 8 rows (AVX2: 10) and
+// several channels, prefetched ahead (batch 1 is bound by reading the weights). Each (row, channel) has one 16-lane
 // accumulator that adds its units' groups of 32 in order, then one fixed reduction (reduce_tile): a row's result is
 // bitwise the same alone or in any batch, whatever the thread split (threads split output channels only).
 // Prefill (many rows): tiled_gemm.h, tiles of output channels dequantized into x's dtype, then torch's GEMM.
@@ -132,7 +132,9 @@ inline void unit_scales(const uint8_t* unit, int64_t u, int64_t ldw, float (*s)[
 // bits are the same alone, in any batch or tile, and with any thread split (threads split output channels).
 namespace avx2 {
 
-constexpr int kRowTile = 8;  // rows sharing one decode of a piece
+// Rows sharing one decode of a piece: 10 accumulators, the decoded piece and its decoding's temporaries fill AVX2's
+// 16 registers (a verify of 8 drafts is 9 rows: with tiles of 8 its ninth row decoded every weight again).
+constexpr int kRowTile = 10;
 constexpr int64_t kChunk = 16;
 
 // Channels per tile by rows: 8 accumulators (the FMA's latency times its throughput) in AVX2's 16 registers, each x
@@ -157,10 +159,16 @@ RADIXSERVE_ROWS_INLINE __m256 fma_x(const float* x, __m256 w, __m256 acc) {
   return acc;
 }
 
-// Rows a full tile has: 8, or 4 for the float types past K = 768, where 8 rows of x (32 K bytes) no longer fit L1
-// beside the weights and are read from L2 for each channel (SmolLM2's 576 x 1,536 at 16 rows: F32 0.86 -> 0.73 ns
-// a weight). The quantized types keep 8: decoding each piece for 4 rows cost more than that (Q6_K 0.75 -> 0.99).
-inline int64_t row_tile(bool decodes, int64_t k) { return decodes || k <= 768 ? kRowTile : kRowTile / 2; }
+// Rows a full tile has: the quantized types up to kRowTile, balanced (11 rows: 6 + 5, not 10 + 1: a tile of few rows
+// pays a whole decode of the weights for them); the float types 8, or 4 past K = 768, where 8 rows of x (32 K bytes)
+// no longer fit L1 beside the weights and are read from L2 for each channel (SmolLM2's 576 x 1,536 at 16 rows: F32
+// 0.86 -> 0.73 ns a weight). The quantized types keep their tiles: decoding each piece for 4 rows cost more than that
+// (Q6_K 0.75 -> 0.99).
+inline int64_t row_tile(bool decodes, int64_t k, int64_t rows) {
+  if (!decodes) return k <= 768 ? 8 : 4;
+  const int64_t tiles = (rows + kRowTile - 1) / kRowTile;
+  return std::max<int64_t>(1, (rows + tiles - 1) / tiles);
+}
 
 // x [rows, K] as tiles of row_tile rows (the last one shorter), each tile's R rows interleaved by pieces of 8:
 // row r's piece p at tile + (p * R + r) * 8, a tile of R rows at r0 * K. Every x piece a tile's FMAs read is then a
@@ -226,6 +234,8 @@ int tile_rows(int rows, bool single, const float* x, const uint8_t* w, int64_t l
     case 5: return dot_tile<T, 5, 1, RoundBf16>(x, w, ldw, units, sums), 1;
     case 6: return dot_tile<T, 6, 1, RoundBf16>(x, w, ldw, units, sums), 1;
     case 7: return dot_tile<T, 7, 1, RoundBf16>(x, w, ldw, units, sums), 1;
+    case 8: return dot_tile<T, 8, 1, RoundBf16>(x, w, ldw, units, sums), 1;
+    case 9: return dot_tile<T, 9, 1, RoundBf16>(x, w, ldw, units, sums), 1;
     default: return dot_tile<T, kRowTile, 1, RoundBf16>(x, w, ldw, units, sums), 1;
   }
 }
@@ -239,7 +249,7 @@ void linear_channels(const float* x, int64_t rows, const RowWeights& w, int64_t 
     return tile_rows<T, RoundBf16>(rows_here, n + channels_for(rows_here) > c1, x + r0 * k, w.raw + n * w.row_bytes,
                                    w.row_bytes, k / T::kWeights, sums);
   };
-  radixserve::walk_decode_tiles<kRowTile, kChunk>(rows, n0, n1, out, tile, row_tile(decodes<T>(), k));
+  radixserve::walk_decode_tiles<kRowTile, kChunk>(rows, n0, n1, out, tile, row_tile(decodes<T>(), k, rows));
 }
 
 // Every row of xf ([rows, K] float32, contiguous; bfloat16 x widened, its weights then rounded) through the tiles,
@@ -248,7 +258,7 @@ template <typename T>
 void linear(const at::Tensor& xf, bool bf16, const RowWeights& w, const radixserve::Epilogue& out) {
   const int64_t rows = xf.size(0), k = w.in_features;
   const at::Tensor xi = rows == 1 ? xf : at::empty_like(xf);  // one row is interleaved already
-  if (rows > 1) interleave_rows(xf.data_ptr<float>(), rows, k, row_tile(decodes<T>(), k), xi.data_ptr<float>());
+  if (rows > 1) interleave_rows(xf.data_ptr<float>(), rows, k, row_tile(decodes<T>(), k, rows), xi.data_ptr<float>());
   const float* xp = xi.data_ptr<float>();
   at::parallel_for(0, out.out_features, 16, [&](int64_t n0, int64_t n1) {
     if (bf16) linear_channels<T, true>(xp, rows, w, n0, n1, out);
