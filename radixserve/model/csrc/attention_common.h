@@ -34,18 +34,21 @@ inline int64_t first_visible(int64_t limit, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, limit - window) : 0;
 }
 
+// fast_exp's constants, shared by its vector forms (exp16, exp8): inputs clamped at kExpFloor, 2^(x log2 e) as
+// 2^n times a degree-6 polynomial in the fraction f (Horner, highest power first).
+constexpr float kExpFloor = -87.f;
+constexpr float kLog2e = 1.44269504f;
+constexpr int kExp2Terms = 7;
+constexpr float kExp2Poly[kExp2Terms] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
+                                         2.4022651e-1f, 6.9314718e-1f, 1.f};
+
 // exp for x <= 0 (softmax after subtracting the max), vectorisable: 2^(x log2 e) split into
 // 2^n (exponent bits) times a degree-6 polynomial of the fraction; relative error ~2e-7.
 inline float fast_exp(float x) {
-  const float t = std::max(x, -87.f) * 1.44269504f;
+  const float t = std::max(x, kExpFloor) * kLog2e;
   const float n = std::floor(t), f = t - n;
-  float p = 1.5403530e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.f;
+  float p = kExp2Poly[0];
+  for (int i = 1; i < kExp2Terms; ++i) p = p * f + kExp2Poly[i];
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -154,15 +157,10 @@ inline __m512 load16(const i8* p) {
 
 // exp(x) for x <= 0, 16 at a time: fast_exp's polynomial, 2^n applied by scalef.
 inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504f));
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpFloor)), _mm512_set1_ps(kLog2e));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < kExp2Terms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
 
