@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from radixserve import Engine
+from radixserve.engine.spec_costs import timed_rows
 from radixserve.model.runner import StepInput
 from radixserve.scheduler.batch import ScheduledBatch, StepOutput
 from radixserve.scheduler.draft import Drafter
@@ -168,13 +169,19 @@ def test_sampled_output_keeps_its_distribution(tiny_model_dir: Path) -> None:
     engine.close()
 
 
+def test_timed_row_counts_cover_the_drafts_and_a_tile_edge() -> None:
+    assert timed_rows(8) == [1, 2, 4, 8, 9, 18]
+    assert timed_rows(16) == [1, 2, 4, 8, 9, 17, 34]
+    assert timed_rows(1) == [1, 2, 4]
+
+
 def test_verify_costs_are_measured_at_start(engine: Engine, tiny_model_dir: Path) -> None:
-    """The engine times verify forwards of 1 .. 9 rows (and 18) before any request and prices drafts by them: on a
+    """The engine times verify forwards of 1, 2, 4, 8, 9 and 18 rows before any request and prices drafts by them: on a
     CPU SmolLM2's 9 rows cost well over one decode step; the timed slots go back to the pool; a fixed row cost
     (``speculative_row_cost``) or a pool with no room for the timing keeps the modelled costs."""
     costs = engine.drafter.costs if engine.drafter else None
     assert costs is not None and costs.source == "measured"
-    assert [n for n, _ in costs.points] == [*range(1, 10), 18]
+    assert [n for n, _ in costs.points] == [1, 2, 4, 8, 9, 18]
     steps = [cost for _, cost in costs.points]
     assert steps[0] == 1 and steps == sorted(steps)
     if engine.device.type == "cpu":

@@ -4,9 +4,11 @@ The drafter (``scheduler/draft.py``) drafts as many tokens as pay: expected acce
 rows cost. That cost is the machine's and the model's: a CPU's rows are bound by multiplies (SmolLM2 at 1 thread:
 a row ~0.2 of a decode step with AVX512-BF16, ~0.25 in float32 on an AVX2 Zen 3, with jumps where a kernel opens a
 new tile of rows), a GPU's step by reading the weights (a row nearly free). So the engine times the forward the
-scheduler runs for one request verifying k drafts (its newest token and its drafts as one-token decode rows) for
-k = 0 .. the most drafts, and twice that many rows (the slope for batches), on a context of zeroed slots; the best
-of a few repeats, on the thread's CPU clock where the forward runs on this thread alone. About 70 decode steps
+scheduler runs for one request verifying k drafts (its newest token and its drafts as one-token decode rows) at
+a few k (``timed_rows``: the first drafts, the most drafts and one more row, where a kernel's tile of 8 rows ends,
+and twice that for batches; linear between them), on a context of zeroed slots; the best of 5 repeats, on the
+thread's CPU clock where the forward runs on this thread alone (on 2 busy cores every row count 1 .. 9 at 3 repeats
+each gave tables up to 30% apart from run to run: fewer row counts, more repeats). About 65 decode steps
 (SmolLM2 at 1 thread on a Zen 3: ~1.1 s at start); the slots go back to the pool.
 """
 
@@ -26,15 +28,15 @@ from radixserve.scheduler.draft import VerifyCosts
 logger = logging.getLogger(__name__)
 
 CONTEXT = 256  # tokens of context each timed row reads (a chat turn's; attention is a small part at this length)
-REPEATS = 3  # timings of each row count: the best is kept
+REPEATS = 5  # timings of each row count: the best is kept
 
 
 def measure_verify_costs(
     runner: ModelRunner, allocator: TokenAllocator, max_drafts: int, context: int = CONTEXT, repeats: int = REPEATS
 ) -> VerifyCosts | None:
-    """The costs of forwards of 1 .. max_drafts + 1 rows (one request verifying 0 .. max_drafts drafts) and of
-    twice that many (batches), measured; None where the pool has no room for them (the modelled costs stand)."""
-    rows = [*range(1, max_drafts + 2), 2 * (max_drafts + 1)]
+    """The costs of forwards of ``timed_rows(max_drafts)`` rows, measured; None where the pool has no room for them
+    (the modelled costs stand)."""
+    rows = timed_rows(max_drafts)
     context = min(context, max(allocator.free_size() - 2 * allocator.page_size - rows[-1], 0))
     slots = allocator.alloc(context + rows[-1]) if context >= 16 else None
     if slots is None:
@@ -44,7 +46,7 @@ def measure_verify_costs(
         ids = np.random.default_rng(0).integers(0, vocab, rows[-1])
         clock = _clock(runner.device)
         forward = {n: _verify_forward(runner, ids, slots, context, n) for n in rows}
-        forward[max_drafts + 1]()  # warm: the kernels' first call allocates
+        forward[rows[-2]]()  # warm: the kernels' first call allocates
         best = dict.fromkeys(rows, float("inf"))
         for _ in range(repeats):  # row counts in turn, so a burst of load spreads over all of them
             for n in rows:
@@ -52,6 +54,13 @@ def measure_verify_costs(
     finally:
         allocator.free(slots)
     return VerifyCosts([(n, best[n]) for n in rows], source="measured")
+
+
+def timed_rows(max_drafts: int) -> list[int]:
+    """The row counts timed: a decode, 1 and 3 drafts, 7 and 8 (a tile of 8 rows full, then one more: where the
+    AVX512 K-quant kernel decodes every weight again), the most drafts and one more row, and twice that."""
+    most = max_drafts + 1
+    return sorted({1, 2, 4, min(8, most), min(9, most), most, 2 * most})
 
 
 def _verify_forward(
