@@ -18,6 +18,7 @@
 #include "block_q8_panels.h"
 #include "block_q8_rows.h"
 #include "gguf_rows_q8.h"
+#include "gguf_rows_q8_avx2.h"
 
 namespace {
 
@@ -126,6 +127,11 @@ at::Tensor linear_q8_op(const at::Tensor& x, const at::Tensor& raw, int64_t qtyp
         gr::RowChannels<T> channels{w.raw, w.row_bytes, in_features / kBlock, n1};
         radixserve::q8::linear_channels<gr::kFormat<T>>(rows, x.size(0), channels, n0, store);
       });
+#elif defined(RADIXSERVE_ROWS_Q8_AVX2)
+      const int32_t* second = s.second.empty() ? nullptr : s.second.data();
+      at::parallel_for(0, raw.size(0), 16, [&](int64_t n0, int64_t n1) {
+        gr::q8avx2::linear_channels<T>(xq, s.first.data(), second, w, n0, n1, epilogue);
+      });
 #else
       at::parallel_for(0, raw.size(0), 16,
                        [&](int64_t n0, int64_t n1) { linear_portable<T>(xq, s, w, n0, n1, epilogue); });
@@ -137,7 +143,7 @@ at::Tensor linear_q8_op(const at::Tensor& x, const at::Tensor& raw, int64_t qtyp
 
 // Whether this build runs the int8 rows on block_q8_panels.h (AVX512-VNNI): elsewhere they take the portable loop.
 bool q8_rows_simd() {
-#ifdef RADIXSERVE_Q8_PANELS
+#if defined(RADIXSERVE_Q8_PANELS) || defined(RADIXSERVE_ROWS_Q8_AVX2)
   return true;
 #else
   return false;

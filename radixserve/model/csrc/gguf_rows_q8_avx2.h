@@ -1,0 +1,225 @@
+// The int8-activation linear over the GGUF row types with codes (gguf_rows_q8.h) on AVX2 without AVX512-VNNI (the
+// panels, block_q8_panels.h, run there): block_q8_linear.cpp's AVX2 kernel for these rows. Per block of 32, the
+// channel's 32 unsigned codes decoded into one register (block_codes) once for a tile of up to 8 rows, then per
+// row vpmaddubsw + vpmaddwd (8 int32 lanes, each an exact partial dot: codes <= 63 and |x| <= 127), converted to
+// float and scaled by d * s in one FMA; Q6_K's vpmaddwd multiplies by the two sub-block scales (sc_a on weights
+// 0..15, sc_b on 16..31) instead of ones. Per row, 8 blocks at a time, the terms without codes: a min's m * s sum
+// (Q4_K / Q5_K / Q5_1) or the integer start (Q5_0: -16 sum; Q6_K: -32 (sc_a sum_a + sc_b sum_b)) times d * s.
+// Even and odd blocks go to two accumulators per row (against the FMA's latency); their lanes are summed last.
+//
+// A row's operations are the same at every tile size and thread split (threads split channels), so its bits
+// never depend on its batch; they differ from the panels' and the portable loop's (other builds, other sums).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "block_common.h"
+#include "block_q8_rows.h"
+#include "gguf_rows_q8.h"
+
+#if defined(RADIXSERVE_BLOCK_AVX2) && !defined(RADIXSERVE_Q8_PANELS)
+#define RADIXSERVE_ROWS_Q8_AVX2 1
+
+namespace radixserve::gguf_rows::q8avx2 {
+
+// Rows sharing one decode of a channel's block (block_q8_linear.cpp's tile).
+constexpr int kRowTile = 8;
+
+RADIXSERVE_ROWS_INLINE __m256i load256(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Byte l of the result 16 where bit l of qh is set, else 0 (Q5_0 / Q5_1's fifth bits): qh's byte l / 8 spread to
+// bytes l, tested against bit l % 8.
+RADIXSERVE_ROWS_INLINE __m256i fifth_bits(const uint8_t* qh) {
+  const __m256i spread =
+      _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(u32_at(qh))),
+                          _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// Bits 2k, 2k + 1 of each byte of v moved to bits 4, 5 (others: any); epi16 shifts by <= 4 keep them in their byte.
+template <int K>
+RADIXSERVE_ROWS_INLINE __m256i bits_to_4(__m256i v) {
+  if constexpr (K < 2) return _mm256_slli_epi16(v, 4 - 2 * K);
+  else if constexpr (K == 3) return _mm256_srli_epi16(v, 2);
+  else return v;
+}
+
+// Block J of the unit at u (K-quants: sub-block J of 8; Q5_0 / Q5_1: the block) as 32 unsigned codes, weight
+// order: gguf_rows_q8.h's code<T>.
+template <typename T, int J>
+RADIXSERVE_ROWS_INLINE __m256i block_codes(const uint8_t* u) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  if constexpr (T::kWeights == 32) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + T::kHigh + 4));
+    const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nibble);
+    return _mm256_or_si256(low, fifth_bits(u + T::kHigh));
+  } else if constexpr (T::kType == Q6_K) {  // low nibbles: bytes 64 h + 32 (k % 2), nibble k / 2; highs: bits 2k
+    constexpr int h = J / 4, k = J % 4;
+    __m256i low = load256(u + 64 * h + 32 * (k % 2));
+    if constexpr (k >= 2) low = _mm256_srli_epi16(low, 4);
+    const __m256i high = bits_to_4<k>(load256(u + 128 + 32 * h));
+    return _mm256_or_si256(_mm256_and_si256(low, nibble), _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+  } else {  // sub-blocks 2p, 2p + 1: the low and high nibbles of bytes 32p ..; Q5_K: bit J of the 32 high bytes
+    __m256i q = load256(u + T::kCodeBytes + 32 * (J / 2));
+    if constexpr (J % 2 == 1) q = _mm256_srli_epi16(q, 4);
+    q = _mm256_and_si256(q, nibble);
+    if constexpr (T::kType == Q5_K) {
+      const __m256i h = load256(u + 16);
+      const __m256i moved = J < 4 ? _mm256_slli_epi16(h, 4 - J) : J > 4 ? _mm256_srli_epi16(h, J - 4) : h;
+      q = _mm256_or_si256(q, _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
+    }
+    return q;
+  }
+}
+
+// One channel's per-block values, its blocks padded to ld (zeros past them): d, m (block_scales's; 0 where the
+// type has no min) and, Q6_K, its sub-block scales as int32 (sa, sb) and as vpmaddwd's words (16 a block).
+struct ChannelBlocks {
+  std::vector<float> d, m;
+  std::vector<int32_t> sa, sb;
+  std::vector<int16_t> words;
+};
+
+template <typename T>
+void channel_blocks(const uint8_t* row, int64_t blocks, int64_t ld, ChannelBlocks& c) {
+  c.d.assign(ld, 0.f), c.m.assign(ld, 0.f);
+  if constexpr (T::kType == Q6_K) c.sa.assign(ld, 0), c.sb.assign(ld, 0), c.words.resize(blocks * 16);
+  for (int64_t u = 0; u < blocks * kBlock / T::kWeights; ++u)
+    block_scales<T>(row + u * T::kBytes, [&](int j, float dj, float mj, int sa, int sb) {
+      const int64_t b = u * T::kWeights / kBlock + j;
+      c.d[b] = dj, c.m[b] = mj;
+      if constexpr (T::kType == Q6_K) {
+        c.sa[b] = sa, c.sb[b] = sb;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(c.words.data() + 16 * b),
+                            _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(sb)), _mm_set1_epi16(static_cast<int16_t>(sa))));
+      }
+    });
+}
+
+// The activation rows of one tile: codes (K a row), each block's d * s for this channel (ld a row), and x's own
+// per-block values (ld a row): scales s, s * sum, the integer starts (Q5_0: -16 sum; Q6_K: -32 sum of each half).
+struct TileRows {
+  const int8_t* codes;
+  int64_t k, ld;
+  const float* scale;  // d_b * s_rb
+  const float* sums;
+  const int32_t* first;
+  const int32_t* second;
+};
+
+// acc[r] += float(codes . x_rb) * (d_b s_rb) for the tile's R rows, block b = the unit's block J.
+template <typename T, int R, int J>
+RADIXSERVE_ROWS_INLINE void add_block(const TileRows& t, const uint8_t* u, int64_t b, const int16_t* words,
+                                      __m256* acc) {
+  const __m256i c = block_codes<T, J>(u);
+  __m256i w;
+  if constexpr (T::kType == Q6_K) w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 16 * b));
+  else w = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.codes + r * t.k + b * kBlock));
+    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), w);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(t.scale + r * t.ld + b), acc[r]);
+  }
+}
+
+// The unit's blocks J..: even ones into even, odd ones into odd (K-quants 8, Q5_0 / Q5_1 2 blocks a unit; `count`
+// of them: a row's last Q5 unit may hold one).
+template <typename T, int R, size_t... J>
+RADIXSERVE_ROWS_INLINE void add_unit(const TileRows& t, const uint8_t* row, int64_t b0, int count, const int16_t* words,
+                                     __m256* even, __m256* odd, std::index_sequence<J...>) {
+  const auto one = [&](auto j) {
+    constexpr int kJ = decltype(j)::value;
+    if constexpr (T::kWeights == 32) {
+      if (kJ < count) add_block<T, R, 0>(t, row + (b0 + kJ) * T::kBytes, b0 + kJ, words, kJ % 2 ? odd : even);
+    } else {
+      add_block<T, R, kJ>(t, row + b0 / 8 * T::kBytes, b0 + kJ, words, kJ % 2 ? odd : even);
+    }
+  };
+  (one(std::integral_constant<int, static_cast<int>(J)>{}), ...);
+}
+
+// The terms without codes, 8 blocks at a time, into odd: m * (s sum) (a min), or (d s) * float(start).
+template <typename T, int R>
+RADIXSERVE_ROWS_INLINE void add_starts(const TileRows& t, const ChannelBlocks& c, int64_t blocks, __m256* odd) {
+  for (int64_t b = 0; b < (blocks + 7) / 8 * 8; b += 8) {
+    if constexpr (T::kType == Q5_0 || T::kType == Q6_K) {
+      __m256i sa, sb;
+      if constexpr (T::kType == Q6_K) {
+        sa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.sa.data() + b));
+        sb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.sb.data() + b));
+      }
+      for (int r = 0; r < R; ++r) {
+        __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.first + r * t.ld + b));
+        if constexpr (T::kType == Q6_K) {
+          const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.second + r * t.ld + b));
+          start = _mm256_add_epi32(_mm256_mullo_epi32(sa, start), _mm256_mullo_epi32(sb, second));
+        }
+        odd[r] = _mm256_fmadd_ps(_mm256_loadu_ps(t.scale + r * t.ld + b), _mm256_cvtepi32_ps(start), odd[r]);
+      }
+    } else {
+      const __m256 m = _mm256_loadu_ps(c.m.data() + b);
+      for (int r = 0; r < R; ++r) odd[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(t.sums + r * t.ld + b), odd[r]);
+    }
+  }
+}
+
+// R rows against one channel's row of units: sums[r].
+template <typename T, int R>
+void dot_rows(const TileRows& t, const uint8_t* row, const ChannelBlocks& c, int64_t blocks, float* sums) {
+  constexpr int64_t kUnit = T::kWeights == 32 ? 2 : 8;
+  __m256 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  const int16_t* words = c.words.data();
+  for (int64_t b = 0; b < blocks; b += kUnit)
+    add_unit<T, R>(t, row, b, static_cast<int>(std::min(kUnit, blocks - b)), words, even, odd,
+                   std::make_index_sequence<kUnit>{});
+  add_starts<T, R>(t, c, blocks, odd);
+  for (int r = 0; r < R; ++r) sums[r] = hsum(_mm256_add_ps(even[r], odd[r]));
+}
+
+template <typename T>
+void tile_rows(int rows, const TileRows& t, const uint8_t* row, const ChannelBlocks& c, int64_t blocks, float* sums) {
+  switch (rows) {
+#define RADIXSERVE_TILE(R) \
+  case R: return dot_rows<T, R>(t, row, c, blocks, sums);
+    RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4)
+    RADIXSERVE_TILE(5) RADIXSERVE_TILE(6) RADIXSERVE_TILE(7)
+#undef RADIXSERVE_TILE
+    default: return dot_rows<T, kRowTile>(t, row, c, blocks, sums);
+  }
+}
+
+// Output channels n0..n1 of every row: a channel's per-block values made once, then each tile of rows.
+template <typename T>
+void linear_channels(const Q8Rows& x, const int32_t* first, const int32_t* second, const RowWeights& w, int64_t n0,
+                     int64_t n1, const Epilogue& out) {
+  const int64_t rows = x.codes.size(0), k = w.in_features, blocks = k / kBlock, ld = x.ld;
+  const int8_t* xq = x.codes.data_ptr<int8_t>();
+  ChannelBlocks c;
+  std::vector<float> scale(kRowTile * ld);
+  float sums[kRowTile];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.raw + n * w.row_bytes;
+    channel_blocks<T>(row, blocks, ld, c);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+      for (int r = 0; r < tile; ++r)
+#pragma omp simd
+        for (int64_t b = 0; b < ld; ++b) scale[r * ld + b] = c.d[b] * x.scales[(r0 + r) * ld + b];
+      const TileRows t{xq + r0 * k, k, ld, scale.data(), x.sums.data() + r0 * ld, first + r0 * ld,
+                       second == nullptr ? nullptr : second + r0 * ld};
+      tile_rows<T>(tile, t, row, c, blocks, sums);
+      for (int r = 0; r < tile; ++r) out.store(r0 + r, n, sums[r]);
+    }
+  }
+}
+
+}  // namespace radixserve::gguf_rows::q8avx2
+
+#endif
