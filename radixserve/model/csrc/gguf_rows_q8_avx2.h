@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -78,28 +79,73 @@ RADIXSERVE_ROWS_INLINE __m256i block_codes(const uint8_t* u) {
   }
 }
 
-// One channel's per-block values, its blocks padded to ld (zeros past them): d, m (block_scales's; 0 where the
-// type has no min) and, Q6_K, its sub-block scales as int32 (sa, sb) and as vpmaddwd's words (16 a block).
+// One channel's per-block values, its blocks padded to ld (zeros past them, written once): d, m (block_scales's; 0
+// where the type has no min) and, Q6_K, its sub-block scales as int32 (sa, sb) and as vpmaddwd's words (16 a block).
 struct ChannelBlocks {
   std::vector<float> d, m;
   std::vector<int32_t> sa, sb;
   std::vector<int16_t> words;
+  explicit ChannelBlocks(int64_t ld) : d(ld), m(ld), sa(ld), sb(ld), words(16 * ld) {}
 };
 
+// The float16 at u + i * stride for i = 0..7 as 8 floats (Q5_0 / Q5_1's d or m of 8 blocks: one conversion, not 8).
+RADIXSERVE_ROWS_INLINE __m256 halves8(const uint8_t* u, int64_t stride) {
+  const auto at = [&](int i) {
+    uint16_t v;
+    std::memcpy(&v, u + i * stride, sizeof v);
+    return static_cast<int>(v);
+  };
+  __m128i h = _mm_cvtsi32_si128(at(0));
+  h = _mm_insert_epi16(h, at(1), 1), h = _mm_insert_epi16(h, at(2), 2), h = _mm_insert_epi16(h, at(3), 3);
+  h = _mm_insert_epi16(h, at(4), 4), h = _mm_insert_epi16(h, at(5), 5), h = _mm_insert_epi16(h, at(6), 6);
+  h = _mm_insert_epi16(h, at(7), 7);
+  return _mm256_cvtph_ps(h);
+}
+
+// A Q6_K unit's 16 int8 sub-block scales (at p + 192; block j: sc_2j, sc_2j+1) as sa, sb [8] and, for each block,
+// vpmaddwd's 16 words (8 sc_2j, then 8 sc_2j+1).
+RADIXSERVE_ROWS_INLINE void Q6_words(const uint8_t* p, int32_t* sa, int32_t* sb, int16_t* words) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+  const __m128i split = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sa), _mm256_cvtepi8_epi32(split));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sb), _mm256_cvtepi8_epi32(_mm_srli_si128(split, 8)));
+  const __m256i w = _mm256_cvtepi8_epi16(sc);  // word i = sc_i: lane 0 sc 0..7, lane 1 sc 8..15
+  // dwords (sc_i, sc_i): low = sc 0..3 | sc 8..11, high = sc 4..7 | sc 12..15
+  const __m256i low = _mm256_unpacklo_epi16(w, w), high = _mm256_unpackhi_epi16(w, w);
+  for (int j = 0; j < 8; ++j) {
+    const int at = 4 * (j / 4) + 2 * (j % 2);  // sc_2j's dword in low (j % 4 < 2) or high
+    const __m256i pick = _mm256_setr_epi32(at, at, at, at, at + 1, at + 1, at + 1, at + 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + 16 * j),
+                        _mm256_permutevar8x32_epi32(j % 4 < 2 ? low : high, pick));
+  }
+}
+
 template <typename T>
-void channel_blocks(const uint8_t* row, int64_t blocks, int64_t ld, ChannelBlocks& c) {
-  c.d.assign(ld, 0.f), c.m.assign(ld, 0.f);
-  if constexpr (T::kType == Q6_K) c.sa.assign(ld, 0), c.sb.assign(ld, 0), c.words.resize(blocks * 16);
-  for (int64_t u = 0; u < blocks * kBlock / T::kWeights; ++u)
-    block_scales<T>(row + u * T::kBytes, [&](int j, float dj, float mj, int sa, int sb) {
-      const int64_t b = u * T::kWeights / kBlock + j;
-      c.d[b] = dj, c.m[b] = mj;
-      if constexpr (T::kType == Q6_K) {
-        c.sa[b] = sa, c.sb[b] = sb;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(c.words.data() + 16 * b),
-                            _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(sb)), _mm_set1_epi16(static_cast<int16_t>(sa))));
-      }
-    });
+void channel_blocks(const uint8_t* row, int64_t blocks, ChannelBlocks& c) {
+  if constexpr (T::kWeights == 32) {  // block_scales's d (and Q5_1's m), 8 blocks at a time
+    int64_t b = 0;
+    for (; b + 8 <= blocks; b += 8) {
+      _mm256_storeu_ps(c.d.data() + b, halves8(row + b * T::kBytes, T::kBytes));
+      if constexpr (T::kType == Q5_1) _mm256_storeu_ps(c.m.data() + b, halves8(row + b * T::kBytes + 2, T::kBytes));
+    }
+    for (; b < blocks; ++b) {
+      c.d[b] = half_at(row + b * T::kBytes);
+      if constexpr (T::kType == Q5_1) c.m[b] = half_at(row + b * T::kBytes + 2);
+    }
+    return;
+  }
+  for (int64_t u = 0; u < blocks / 8; ++u) {  // a K-quant unit's 8 blocks
+    const uint8_t* p = row + u * T::kBytes;
+    if constexpr (T::kType == Q6_K) {
+      Q6_words(p, c.sa.data() + 8 * u, c.sb.data() + 8 * u, c.words.data() + 128 * u);
+      _mm256_storeu_ps(c.d.data() + 8 * u, _mm256_set1_ps(half_at(p + 208)));
+    } else {  // block_scales's d = D_j, m = -dm_j
+      alignas(64) float sv[16];
+      T::scales(p, sv);
+      _mm256_storeu_ps(c.d.data() + 8 * u, _mm256_load_ps(sv));
+      _mm256_storeu_ps(c.m.data() + 8 * u, _mm256_xor_ps(_mm256_load_ps(sv + 8), _mm256_set1_ps(-0.f)));
+    }
+  }
 }
 
 // The activation rows of one tile: codes (K a row), each block's d * s for this channel (ld a row), and x's own
@@ -201,17 +247,22 @@ void linear_channels(const Q8Rows& x, const int32_t* first, const int32_t* secon
                      int64_t n1, const Epilogue& out) {
   const int64_t rows = x.codes.size(0), k = w.in_features, blocks = k / kBlock, ld = x.ld;
   const int8_t* xq = x.codes.data_ptr<int8_t>();
-  ChannelBlocks c;
+  const int64_t padded = (blocks + 7) / 8 * 8;
+  ChannelBlocks c(ld);
   std::vector<float> scale(kRowTile * ld);
+  float* sp = scale.data();
+  const float* dp = c.d.data();
+  const float* xs = x.scales.data();
   float sums[kRowTile];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.raw + n * w.row_bytes;
-    channel_blocks<T>(row, blocks, ld, c);
+    channel_blocks<T>(row, blocks, c);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
       for (int r = 0; r < tile; ++r)
-#pragma omp simd
-        for (int64_t b = 0; b < ld; ++b) scale[r * ld + b] = c.d[b] * x.scales[(r0 + r) * ld + b];
+        for (int64_t b = 0; b < padded; b += 8)
+          _mm256_storeu_ps(sp + r * ld + b,
+                           _mm256_mul_ps(_mm256_loadu_ps(dp + b), _mm256_loadu_ps(xs + (r0 + r) * ld + b)));
       const TileRows t{xq + r0 * k, k, ld, scale.data(), x.sums.data() + r0 * ld, first + r0 * ld,
                        second == nullptr ? nullptr : second + r0 * ld};
       tile_rows<T>(tile, t, row, c, blocks, sums);
