@@ -217,7 +217,8 @@ RADIXSERVE_ROWS_INLINE void add_starts(const TileRows& t, const ChannelBlocks& c
 
 // R rows against one channel's row of units: sums[r].
 template <typename T, int R>
-void dot_rows(const TileRows& t, const uint8_t* row, const ChannelBlocks& c, int64_t blocks, float* sums) {
+RADIXSERVE_ROWS_INLINE void dot_rows(const TileRows& t, const uint8_t* row, const ChannelBlocks& c, int64_t blocks,
+                                     float* sums) {
   constexpr int64_t kUnit = T::kWeights == 32 ? 2 : 8;
   __m256 even[R], odd[R];
   for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
@@ -229,44 +230,54 @@ void dot_rows(const TileRows& t, const uint8_t* row, const ChannelBlocks& c, int
   for (int r = 0; r < R; ++r) sums[r] = hsum(_mm256_add_ps(even[r], odd[r]));
 }
 
-template <typename T>
-void tile_rows(int rows, const TileRows& t, const uint8_t* row, const ChannelBlocks& c, int64_t blocks, float* sums) {
-  switch (rows) {
-#define RADIXSERVE_TILE(R) \
-  case R: return dot_rows<T, R>(t, row, c, blocks, sums);
-    RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4)
-    RADIXSERVE_TILE(5) RADIXSERVE_TILE(6) RADIXSERVE_TILE(7)
-#undef RADIXSERVE_TILE
-    default: return dot_rows<T, kRowTile>(t, row, c, blocks, sums);
+// A chunk of channels' per-block values (made once, read by each tile of rows) and the weights they come from.
+constexpr int64_t kChunk = 16;
+struct Chunk {
+  const RowWeights& w;
+  int64_t c0, c1, blocks;
+  const ChannelBlocks* c;  // [c1 - c0]
+};
+
+// Rows r0 .. r0 + R - 1 against the chunk's channels: each channel's d * s per row, then its dot products. One
+// function per tile size, the channel loop inside (its constants loaded once, not once a channel).
+template <typename T, int R>
+void tile_channels(const Q8Rows& x, const int32_t* first, const int32_t* second, const Chunk& ch, int64_t r0,
+                   float* scale, const Epilogue& out) {
+  const int64_t k = ch.w.in_features, ld = x.ld, padded = (ch.blocks + 7) / 8 * 8;
+  const float* xs = x.scales.data() + r0 * ld;
+  const TileRows t{x.codes.data_ptr<int8_t>() + r0 * k, k, ld, scale, x.sums.data() + r0 * ld, first + r0 * ld,
+                   second == nullptr ? nullptr : second + r0 * ld};
+  float sums[R];
+  for (int64_t n = ch.c0; n < ch.c1; ++n) {
+    const ChannelBlocks& c = ch.c[n - ch.c0];
+    for (int r = 0; r < R; ++r)
+      for (int64_t b = 0; b < padded; b += 8)
+        _mm256_storeu_ps(scale + r * ld + b, _mm256_mul_ps(_mm256_loadu_ps(c.d.data() + b),
+                                                           _mm256_loadu_ps(xs + r * ld + b)));
+    dot_rows<T, R>(t, ch.w.raw + n * ch.w.row_bytes, c, ch.blocks, sums);
+    for (int r = 0; r < R; ++r) out.store(r0 + r, n, sums[r]);
   }
 }
 
-// Output channels n0..n1 of every row: a channel's per-block values made once, then each tile of rows.
+// Output channels n0..n1 of every row, kChunk channels at a time, each tile of rows dispatched by its size.
 template <typename T>
 void linear_channels(const Q8Rows& x, const int32_t* first, const int32_t* second, const RowWeights& w, int64_t n0,
                      int64_t n1, const Epilogue& out) {
-  const int64_t rows = x.codes.size(0), k = w.in_features, blocks = k / kBlock, ld = x.ld;
-  const int8_t* xq = x.codes.data_ptr<int8_t>();
-  const int64_t padded = (blocks + 7) / 8 * 8;
-  ChannelBlocks c(ld);
-  std::vector<float> scale(kRowTile * ld);
-  float* sp = scale.data();
-  const float* dp = c.d.data();
-  const float* xs = x.scales.data();
-  float sums[kRowTile];
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w.raw + n * w.row_bytes;
-    channel_blocks<T>(row, blocks, c);
+  const int64_t rows = x.codes.size(0), blocks = w.in_features / kBlock;
+  std::vector<ChannelBlocks> c(kChunk, ChannelBlocks(x.ld));
+  std::vector<float> scale(kRowTile * x.ld);
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+    const Chunk ch{w, c0, std::min(n1, c0 + kChunk), blocks, c.data()};
+    for (int64_t n = ch.c0; n < ch.c1; ++n) channel_blocks<T>(w.raw + n * w.row_bytes, blocks, c[n - c0]);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
-      for (int r = 0; r < tile; ++r)
-        for (int64_t b = 0; b < padded; b += 8)
-          _mm256_storeu_ps(sp + r * ld + b,
-                           _mm256_mul_ps(_mm256_loadu_ps(dp + b), _mm256_loadu_ps(xs + (r0 + r) * ld + b)));
-      const TileRows t{xq + r0 * k, k, ld, scale.data(), x.sums.data() + r0 * ld, first + r0 * ld,
-                       second == nullptr ? nullptr : second + r0 * ld};
-      tile_rows<T>(tile, t, row, c, blocks, sums);
-      for (int r = 0; r < tile; ++r) out.store(r0 + r, n, sums[r]);
+      switch (std::min<int64_t>(kRowTile, rows - r0)) {
+#define RADIXSERVE_TILE(R) \
+  case R: tile_channels<T, R>(x, first, second, ch, r0, scale.data(), out); break;
+        RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4)
+        RADIXSERVE_TILE(5) RADIXSERVE_TILE(6) RADIXSERVE_TILE(7)
+#undef RADIXSERVE_TILE
+        default: tile_channels<T, kRowTile>(x, first, second, ch, r0, scale.data(), out);
+      }
     }
   }
 }
