@@ -80,12 +80,11 @@ RADIXSERVE_ROWS_INLINE __m256i block_codes(const uint8_t* u) {
 }
 
 // One channel's per-block values, its blocks padded to ld (zeros past them, written once): d, m (block_scales's; 0
-// where the type has no min) and, Q6_K, its sub-block scales as int32 (sa, sb) and as vpmaddwd's words (16 a block).
+// where the type has no min) and, Q6_K, its sub-block scales as int32 (sa, sb).
 struct ChannelBlocks {
   std::vector<float> d, m;
   std::vector<int32_t> sa, sb;
-  std::vector<int16_t> words;
-  explicit ChannelBlocks(int64_t ld) : d(ld), m(ld), sa(ld), sb(ld), words(16 * ld) {}
+  explicit ChannelBlocks(int64_t ld) : d(ld), m(ld), sa(ld), sb(ld) {}
 };
 
 // The float16 at u + i * stride for i = 0..7 as 8 floats (Q5_0 / Q5_1's d or m of 8 blocks: one conversion, not 8).
@@ -102,23 +101,29 @@ RADIXSERVE_ROWS_INLINE __m256 halves8(const uint8_t* u, int64_t stride) {
   return _mm256_cvtph_ps(h);
 }
 
-// A Q6_K unit's 16 int8 sub-block scales (at p + 192; block j: sc_2j, sc_2j+1) as sa, sb [8] and, for each block,
-// vpmaddwd's 16 words (8 sc_2j, then 8 sc_2j+1).
-RADIXSERVE_ROWS_INLINE void Q6_words(const uint8_t* p, int32_t* sa, int32_t* sb, int16_t* words) {
+// A Q6_K unit's 16 int8 sub-block scales (at p + 192; block j: sc_2j, sc_2j+1) as sa, sb [8].
+RADIXSERVE_ROWS_INLINE void q6_sub_scales(const uint8_t* p, int32_t* sa, int32_t* sb) {
   const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
   const __m128i split = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(sa), _mm256_cvtepi8_epi32(split));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(sb), _mm256_cvtepi8_epi32(_mm_srli_si128(split, 8)));
-  const __m256i w = _mm256_cvtepi8_epi16(sc);  // word i = sc_i: lane 0 sc 0..7, lane 1 sc 8..15
-  // dwords (sc_i, sc_i): low = sc 0..3 | sc 8..11, high = sc 4..7 | sc 12..15
-  const __m256i low = _mm256_unpacklo_epi16(w, w), high = _mm256_unpackhi_epi16(w, w);
-  for (int j = 0; j < 8; ++j) {
-    const int at = 4 * (j / 4) + 2 * (j % 2);  // sc_2j's dword in low (j % 4 < 2) or high
-    const __m256i pick = _mm256_setr_epi32(at, at, at, at, at + 1, at + 1, at + 1, at + 1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + 16 * j),
-                        _mm256_permutevar8x32_epi32(j % 4 < 2 ? low : high, pick));
-  }
 }
+
+// vpmaddwd's words for a Q6_K unit's block J (8 sc_2J, then 8 sc_2J+1), made in registers from the unit's scales
+// widened once (a table of them in memory, 16 channels' worth, crowded the weights out of L1: 1.25x the time).
+struct Q6Words {
+  __m256i low, high;  // dwords (sc_i, sc_i): low = sc 0..3 | sc 8..11, high = sc 4..7 | sc 12..15
+  RADIXSERVE_ROWS_INLINE explicit Q6Words(const uint8_t* u) {
+    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 192)));
+    low = _mm256_unpacklo_epi16(w, w), high = _mm256_unpackhi_epi16(w, w);
+  }
+  template <int J>
+  RADIXSERVE_ROWS_INLINE __m256i block() const {
+    constexpr int at = 4 * (J / 4) + 2 * (J % 2);  // sc_2J's dword in low (J % 4 < 2) or high
+    return _mm256_permutevar8x32_epi32(J % 4 < 2 ? low : high,
+                                       _mm256_setr_epi32(at, at, at, at, at + 1, at + 1, at + 1, at + 1));
+  }
+};
 
 template <typename T>
 void channel_blocks(const uint8_t* row, int64_t blocks, ChannelBlocks& c) {
@@ -137,7 +142,7 @@ void channel_blocks(const uint8_t* row, int64_t blocks, ChannelBlocks& c) {
   for (int64_t u = 0; u < blocks / 8; ++u) {  // a K-quant unit's 8 blocks
     const uint8_t* p = row + u * T::kBytes;
     if constexpr (T::kType == Q6_K) {
-      Q6_words(p, c.sa.data() + 8 * u, c.sb.data() + 8 * u, c.words.data() + 128 * u);
+      q6_sub_scales(p, c.sa.data() + 8 * u, c.sb.data() + 8 * u);
       _mm256_storeu_ps(c.d.data() + 8 * u, _mm256_set1_ps(half_at(p + 208)));
     } else {  // block_scales's d = D_j, m = -dm_j
       alignas(64) float sv[16];
@@ -161,12 +166,8 @@ struct TileRows {
 
 // acc[r] += float(codes . x_rb) * (d_b s_rb) for the tile's R rows, block b = the unit's block J.
 template <typename T, int R, int J>
-RADIXSERVE_ROWS_INLINE void add_block(const TileRows& t, const uint8_t* u, int64_t b, const int16_t* words,
-                                      __m256* acc) {
+RADIXSERVE_ROWS_INLINE void add_block(const TileRows& t, const uint8_t* u, int64_t b, __m256i w, __m256* acc) {
   const __m256i c = block_codes<T, J>(u);
-  __m256i w;
-  if constexpr (T::kType == Q6_K) w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 16 * b));
-  else w = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.codes + r * t.k + b * kBlock));
     const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), w);
@@ -177,14 +178,22 @@ RADIXSERVE_ROWS_INLINE void add_block(const TileRows& t, const uint8_t* u, int64
 // The unit's blocks J..: even ones into even, odd ones into odd (K-quants 8, Q5_0 / Q5_1 2 blocks a unit; `count`
 // of them: a row's last Q5 unit may hold one).
 template <typename T, int R, size_t... J>
-RADIXSERVE_ROWS_INLINE void add_unit(const TileRows& t, const uint8_t* row, int64_t b0, int count, const int16_t* words,
-                                     __m256* even, __m256* odd, std::index_sequence<J...>) {
+RADIXSERVE_ROWS_INLINE void add_unit(const TileRows& t, const uint8_t* row, int64_t b0, int count, __m256* even,
+                                     __m256* odd, std::index_sequence<J...>) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* u = row + b0 / 8 * T::kBytes;  // K-quants: the unit
+  const auto q6 = [&] {  // Q6_K: the unit's scales, widened once
+    if constexpr (T::kType == Q6_K) return Q6Words(u);
+    else return 0;
+  }();
   const auto one = [&](auto j) {
     constexpr int kJ = decltype(j)::value;
     if constexpr (T::kWeights == 32) {
-      if (kJ < count) add_block<T, R, 0>(t, row + (b0 + kJ) * T::kBytes, b0 + kJ, words, kJ % 2 ? odd : even);
+      if (kJ < count) add_block<T, R, 0>(t, row + (b0 + kJ) * T::kBytes, b0 + kJ, ones, kJ % 2 ? odd : even);
+    } else if constexpr (T::kType == Q6_K) {
+      add_block<T, R, kJ>(t, u, b0 + kJ, q6.template block<kJ>(), kJ % 2 ? odd : even);
     } else {
-      add_block<T, R, kJ>(t, row + b0 / 8 * T::kBytes, b0 + kJ, words, kJ % 2 ? odd : even);
+      add_block<T, R, kJ>(t, u, b0 + kJ, ones, kJ % 2 ? odd : even);
     }
   };
   (one(std::integral_constant<int, static_cast<int>(J)>{}), ...);
@@ -222,9 +231,8 @@ RADIXSERVE_ROWS_INLINE void dot_rows(const TileRows& t, const uint8_t* row, cons
   constexpr int64_t kUnit = T::kWeights == 32 ? 2 : 8;
   __m256 even[R], odd[R];
   for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-  const int16_t* words = c.words.data();
   for (int64_t b = 0; b < blocks; b += kUnit)
-    add_unit<T, R>(t, row, b, static_cast<int>(std::min(kUnit, blocks - b)), words, even, odd,
+    add_unit<T, R>(t, row, b, static_cast<int>(std::min(kUnit, blocks - b)), even, odd,
                    std::make_index_sequence<kUnit>{});
   add_starts<T, R>(t, c, blocks, odd);
   for (int r = 0; r < R; ++r) sums[r] = hsum(_mm256_add_ps(even[r], odd[r]));
