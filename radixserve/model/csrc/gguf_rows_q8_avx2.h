@@ -57,8 +57,9 @@ template <typename T, int J>
 RADIXSERVE_ROWS_INLINE __m256i block_codes(const uint8_t* u) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   if constexpr (T::kWeights == 32) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + T::kHigh + 4));
-    const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nibble);
+    // The 16 bytes in both lanes, the high lane's shifted down a nibble (no lane insert: one shuffle-port op less)
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + T::kHigh + 4)));
+    const __m256i low = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), nibble);
     return _mm256_or_si256(low, fifth_bits(u + T::kHigh));
   } else if constexpr (T::kType == Q6_K) {  // low nibbles: bytes 64 h + 32 (k % 2), nibble k / 2; highs: bits 2k
     constexpr int h = J / 4, k = J % 4;
@@ -87,18 +88,19 @@ struct ChannelBlocks {
   explicit ChannelBlocks(int64_t ld) : d(ld), m(ld), sa(ld), sb(ld) {}
 };
 
-// The float16 at u + i * stride for i = 0..7 as 8 floats (Q5_0 / Q5_1's d or m of 8 blocks: one conversion, not 8).
+// The float16 at u + i * stride for i = 0..7 as 8 floats (Q5_0 / Q5_1's d or m of 8 blocks: one conversion, not 8),
+// gathered in two general registers (8 vpinsrw took the shuffle ports the codes' decode needs).
 RADIXSERVE_ROWS_INLINE __m256 halves8(const uint8_t* u, int64_t stride) {
-  const auto at = [&](int i) {
-    uint16_t v;
-    std::memcpy(&v, u + i * stride, sizeof v);
-    return static_cast<int>(v);
+  const auto four = [&](int i) {
+    uint64_t v = 0;
+    for (int k = 3; k >= 0; --k) {
+      uint16_t h;
+      std::memcpy(&h, u + (i + k) * stride, sizeof h);
+      v = v << 16 | h;
+    }
+    return static_cast<long long>(v);
   };
-  __m128i h = _mm_cvtsi32_si128(at(0));
-  h = _mm_insert_epi16(h, at(1), 1), h = _mm_insert_epi16(h, at(2), 2), h = _mm_insert_epi16(h, at(3), 3);
-  h = _mm_insert_epi16(h, at(4), 4), h = _mm_insert_epi16(h, at(5), 5), h = _mm_insert_epi16(h, at(6), 6);
-  h = _mm_insert_epi16(h, at(7), 7);
-  return _mm256_cvtph_ps(h);
+  return _mm256_cvtph_ps(_mm_set_epi64x(four(4), four(0)));
 }
 
 // A Q6_K unit's 16 int8 sub-block scales (at p + 192; block j: sc_2j, sc_2j+1) as sa, sb [8].
@@ -238,12 +240,15 @@ RADIXSERVE_ROWS_INLINE void dot_rows(const TileRows& t, const uint8_t* row, cons
   for (int r = 0; r < R; ++r) sums[r] = hsum(_mm256_add_ps(even[r], odd[r]));
 }
 
-// A chunk of channels' per-block values (made once, read by each tile of rows) and the weights they come from.
+// Channels c0..c1 and their per-block values: a chunk's, made once and read by each tile of rows (c[n - c0]), or
+// (one tile: c null) each channel's made into `fresh` just before its dot products, while its row is in L1 (a pass
+// over 16 channels first left one row 1.1x slower with the weights streamed from memory).
 constexpr int64_t kChunk = 16;
 struct Chunk {
   const RowWeights& w;
   int64_t c0, c1, blocks;
-  const ChannelBlocks* c;  // [c1 - c0]
+  const ChannelBlocks* c;
+  ChannelBlocks* fresh;
 };
 
 // Rows r0 .. r0 + R - 1 against the chunk's channels: each channel's d * s per row, then its dot products. One
@@ -257,36 +262,50 @@ void tile_channels(const Q8Rows& x, const int32_t* first, const int32_t* second,
                    second == nullptr ? nullptr : second + r0 * ld};
   float sums[R];
   for (int64_t n = ch.c0; n < ch.c1; ++n) {
-    const ChannelBlocks& c = ch.c[n - ch.c0];
+    const uint8_t* row = ch.w.raw + n * ch.w.row_bytes;
+    if (ch.c == nullptr) channel_blocks<T>(row, ch.blocks, *ch.fresh);
+    const ChannelBlocks& c = ch.c == nullptr ? *ch.fresh : ch.c[n - ch.c0];
     for (int r = 0; r < R; ++r)
       for (int64_t b = 0; b < padded; b += 8)
         _mm256_storeu_ps(scale + r * ld + b, _mm256_mul_ps(_mm256_loadu_ps(c.d.data() + b),
                                                            _mm256_loadu_ps(xs + r * ld + b)));
-    dot_rows<T, R>(t, ch.w.raw + n * ch.w.row_bytes, c, ch.blocks, sums);
+    dot_rows<T, R>(t, row, c, ch.blocks, sums);
     for (int r = 0; r < R; ++r) out.store(r0 + r, n, sums[r]);
   }
 }
 
-// Output channels n0..n1 of every row, kChunk channels at a time, each tile of rows dispatched by its size.
+template <typename T>
+void tile_channels(int rows, const Q8Rows& x, const int32_t* first, const int32_t* second, const Chunk& ch,
+                   int64_t r0, float* scale, const Epilogue& out) {
+  switch (rows) {
+#define RADIXSERVE_TILE(R) \
+  case R: return tile_channels<T, R>(x, first, second, ch, r0, scale, out);
+    RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4)
+    RADIXSERVE_TILE(5) RADIXSERVE_TILE(6) RADIXSERVE_TILE(7)
+#undef RADIXSERVE_TILE
+    default: return tile_channels<T, kRowTile>(x, first, second, ch, r0, scale, out);
+  }
+}
+
+// Output channels n0..n1 of every row: up to kRowTile rows in one tile, channel by channel; more, kChunk channels
+// at a time, each tile of rows dispatched by its size.
 template <typename T>
 void linear_channels(const Q8Rows& x, const int32_t* first, const int32_t* second, const RowWeights& w, int64_t n0,
                      int64_t n1, const Epilogue& out) {
   const int64_t rows = x.codes.size(0), blocks = w.in_features / kBlock;
-  std::vector<ChannelBlocks> c(kChunk, ChannelBlocks(x.ld));
   std::vector<float> scale(kRowTile * x.ld);
+  if (rows <= kRowTile) {
+    ChannelBlocks fresh(x.ld);
+    return tile_channels<T>(static_cast<int>(rows), x, first, second, {w, n0, n1, blocks, nullptr, &fresh}, 0,
+                            scale.data(), out);
+  }
+  std::vector<ChannelBlocks> c(kChunk, ChannelBlocks(x.ld));
   for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
-    const Chunk ch{w, c0, std::min(n1, c0 + kChunk), blocks, c.data()};
+    const Chunk ch{w, c0, std::min(n1, c0 + kChunk), blocks, c.data(), nullptr};
     for (int64_t n = ch.c0; n < ch.c1; ++n) channel_blocks<T>(w.raw + n * w.row_bytes, blocks, c[n - c0]);
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-      switch (std::min<int64_t>(kRowTile, rows - r0)) {
-#define RADIXSERVE_TILE(R) \
-  case R: tile_channels<T, R>(x, first, second, ch, r0, scale.data(), out); break;
-        RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4)
-        RADIXSERVE_TILE(5) RADIXSERVE_TILE(6) RADIXSERVE_TILE(7)
-#undef RADIXSERVE_TILE
-        default: tile_channels<T, kRowTile>(x, first, second, ch, r0, scale.data(), out);
-      }
-    }
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile)
+      tile_channels<T>(static_cast<int>(std::min<int64_t>(kRowTile, rows - r0)), x, first, second, ch, r0,
+                       scale.data(), out);
   }
 }
 
