@@ -52,7 +52,7 @@ INT8_ROW_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 def int8_rows_pay() -> bool:
     """Whether a model asked for int8 activations (``--quantization q4_1``) runs them on its INT8_ROW_TYPES rows: only
     where the int8 rows kernel has a SIMD path (AVX512-VNNI panels, or AVX2: every one of the five types; on a Zen 3,
-    Q4_K_M decodes at 51.7 tok/s int8 against 36.6 float). Without AVX2 that kernel is a portable loop, 6x slower
+    Q4_K_M decodes at 55 tok/s int8 against 39 float). Without AVX2 that kernel is a portable loop, 6x slower
     than the float rows' kernel (Q4_K_M: 5.7 tok/s against 36.7 when the Zen 3 had no AVX2 path), so those rows keep
     float activations (and the model's quantization detail says so); Q4_0 / Q4_1 / Q8_0 blocks run int8 everywhere."""
     return not paged_kernel.load() or bool(torch.ops.radixserve.gguf_rows_q8_simd())

@@ -89,7 +89,7 @@ struct ChannelBlocks {
 };
 
 // The float16 at u + i * stride for i = 0..7 as 8 floats (Q5_0 / Q5_1's d or m of 8 blocks: one conversion, not 8),
-// gathered in two general registers (8 vpinsrw took the shuffle ports the codes' decode needs).
+// gathered in two general registers rather than by 8 vpinsrw (shuffle-port work the codes' decode also needs).
 RADIXSERVE_ROWS_INLINE __m256 halves8(const uint8_t* u, int64_t stride) {
   const auto four = [&](int i) {
     uint64_t v = 0;
