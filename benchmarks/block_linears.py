@@ -16,8 +16,9 @@ layer count: ms per forward. Paths, interleaved round by round in one process (e
 ``--formats`` times GGUF row types instead (gguf_rows.py: q4_k, q5_k, q6_k, q5_0, q5_1, f16, bf16, f32): random
 valid rows (``random_rows``) of each fused linear's shape whose width holds whole blocks of the type (the
 K-quants' 256: only down_proj's 1,536 on SmolLM2), through gguf_rows_linear.cpp's ``kernel`` and ``tiled``
-(and ``dequant``, ``gemm``, ``whole``); ``file`` is the model's own blocks, as without the flag. Each table is
-followed by its cells as ns per weight and GB/s of weight bytes read.
+(and ``dequant``, ``gemm``, ``whole``; ``kernel-q8``: gguf_rows_q8_linear.cpp, int8 activations); ``file`` is
+the model's own blocks, as without the flag. Each table is followed by its cells as ns per weight and GB/s of
+weight bytes read.
 
 At one thread the figures are this thread's CPU time (time spent waiting for a core shared with other
 jobs is left out; cache and memory bandwidth they take is not): read one run's columns side by side.
@@ -76,6 +77,7 @@ ROW_PATHS: dict[str, Path] = {
         x, w.raw, w.type_id, w.in_features, None, tile_columns(w.in_features)
     ),
     "kernel": lambda w, wf, x: ops.gguf_rows_linear(x, w.raw, w.type_id, w.in_features),
+    "kernel-q8": lambda w, wf, x: ops.gguf_rows_linear_q8(x, w.raw, w.type_id, w.in_features),
 }
 # Where each row type keeps float16 scales (byte offsets in a block), set to sane values by random_rows.
 _SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}

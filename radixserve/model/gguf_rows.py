@@ -17,8 +17,8 @@ three matmuls by what the machine offers:
 With ``int8_activations`` (``--quantization q4_1``) the types with codes (INT8_ROW_TYPES) run
 csrc/gguf_rows_q8_linear.cpp instead: each activation row quantized to int8 blocks of 32 (as the Q4_0 / Q8_0 path,
 quant_blocks.py), each block's dot with the weights' codes exact integer arithmetic, as llama.cpp multiplies them
-(AVX512-VNNI: block_q8_panels.h at every row count; elsewhere a portable loop with the same math). The float types
-keep float activations.
+(AVX512-VNNI: block_q8_panels.h at every row count; AVX2: csrc/gguf_rows_q8_avx2.h, vpmaddubsw as llama.cpp;
+elsewhere a portable loop with the same math). The float types keep float activations.
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ INT8_ROW_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 
 def int8_rows_pay() -> bool:
     """Whether a model asked for int8 activations (``--quantization q4_1``) runs them on its INT8_ROW_TYPES rows: only
-    where the int8 rows kernel has its SIMD path (AVX512-VNNI). Elsewhere that kernel is a portable loop, 6x slower
-    than the float rows' kernel (an AVX2 Zen 3, Q4_K_M: 5.7 tok/s against 36.7), so those rows keep float
-    activations (and the model's quantization detail says so); Q4_0 / Q4_1 / Q8_0 blocks run int8 everywhere."""
+    where the int8 rows kernel has a SIMD path (AVX512-VNNI panels, or AVX2: every one of the five types; on a Zen 3,
+    Q4_K_M decodes at 55 tok/s int8 against 39 float). Without AVX2 that kernel is a portable loop, 6x slower
+    than the float rows' kernel (Q4_K_M: 5.7 tok/s against 36.7 when the Zen 3 had no AVX2 path), so those rows keep
+    float activations (and the model's quantization detail says so); Q4_0 / Q4_1 / Q8_0 blocks run int8 everywhere."""
     return not paged_kernel.load() or bool(torch.ops.radixserve.gguf_rows_q8_simd())
 
 

@@ -1,8 +1,9 @@
 """The int8-activation kernel for the GGUF row types with codes (csrc/gguf_rows_q8_linear.cpp: Q4_K, Q5_K, Q6_K, Q5_0,
-Q5_1; AVX512-VNNI through block_q8_panels.h, a portable loop elsewhere): gguf-py's dequantized weights against the
-int8-rounded activations in float64 within a pinned bound (each block's integer dot is exact, the float32 steps
-are the only error), on random valid blocks and on the K-quant fixtures; a row's bits alone, in any batch and on
-1 or 2 threads; GGUFRowsLinear's paths and a fixture loaded with ``--quantization q4_1``."""
+Q5_1; AVX512-VNNI through block_q8_panels.h, AVX2 through gguf_rows_q8_avx2.h, a portable loop elsewhere): gguf-py's
+dequantized weights against the int8-rounded activations in float64 within a pinned bound (each block's integer dot
+is exact, the float32 steps are the only error), on random valid blocks and on the K-quant fixtures; a row's bits
+alone, in any batch and on 1 or 2 threads; GGUFRowsLinear's paths and a fixture loaded with ``--quantization
+q4_1``."""
 
 from __future__ import annotations
 
@@ -24,9 +25,12 @@ ops = torch.ops.radixserve
 FIXTURES = ("llama-k256-q4_k_m", "llama-k256-q5_k_m", "llama-k256-q6_k")
 # |kernel - reference| / (|x_hat| . |w|) (x_hat: the int8 codes times their scales; w: gguf's values), max over the
 # random cases below: Q4_K 9.0e-8, Q5_K 9.7e-8, Q6_K 4.8e-8, Q5_0 7.0e-8, Q5_1 9.0e-8 (one float32 rounding is
-# 6e-8: d * s, the fused multiply-add per block, the min's s * sum). Pinned with ~3x room.
+# 6e-8: d * s, the fused multiply-add per block, the min's s * sum). Pinned with ~3x room. The AVX2 kernel (8 float
+# lanes a row, each an uncentred partial dot; Q5_0's -16 and Q6_K's -32 added 8 blocks at a time): Q4_K 4.2e-8, Q5_K
+# 3.6e-8, Q6_K 8.9e-8, Q5_0 1.2e-7, Q5_1 4.9e-8.
 BOUND = {"Q4_K": 3e-7, "Q5_K": 3e-7, "Q6_K": 2e-7, "Q5_0": 2e-7, "Q5_1": 3e-7}
-ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 33]  # streamed (1-4), tiles of 6 (Q6_K: 4) and their remainders
+# Panels: streamed (1-4), tiles of 6 (Q6_K: 4) and their remainders; AVX2: tiles of 1-8 rows, and 17 = 8 + 8 + 1.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13, 17, 33]
 
 
 def width(qtype: str) -> int:
@@ -143,9 +147,16 @@ def test_module_paths_run_the_same_int8_math(qtype: str, monkeypatch: pytest.Mon
     assert float(((linear(x).double() - expected).abs() / scale).max()) <= 1e-6
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="a CPU without AVX2")
+def test_an_avx2_cpu_runs_the_int8_rows_on_simd() -> None:
+    """AVX2 (with or without AVX512) has a SIMD int8 rows kernel: a model asked for int8 activations runs them on
+    every row type with codes."""
+    assert ops.gguf_rows_q8_simd() and int8_rows_pay()
+
+
 def test_a_k_quant_file_with_int8_activations_runs_the_kernel_and_says_so() -> None:
-    """Where the int8 rows kernel has its SIMD path (AVX512-VNNI) the K-quant rows run int8 activations; elsewhere
-    (AVX2: a portable loop, 6x the float kernel's time) they keep float ones, and the detail says why."""
+    """Where the int8 rows kernel has a SIMD path (AVX512-VNNI panels, AVX2) the K-quant rows run int8 activations;
+    elsewhere (no AVX2: a portable loop, 6x the float kernel's time) they keep float ones, and the detail says why."""
     loaded = load_model(str(gguf_path("llama-k256-q4_k_m")), torch.device("cpu"), torch.float32, quantization="q4_1")
     model = loaded.model
     pays = int8_rows_pay()

@@ -1,11 +1,13 @@
 // Linear over the GGUF row types with codes (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1; gguf_rows_q8.h) with int8 activations,
 // as llama.cpp's CPU backend multiplies them (it quantizes activations to 8 bits for every quantized dot product;
 // here per block of 32, block_q8_rows.h, as the Q4_0 / Q8_0 path does). Each block's dot product is exact integer
-// arithmetic; the float steps, one float32 accumulator per output in block order, are block_q8_panels.h's, at any
-// row count and thread split (threads split output channels): a row's bits never depend on its batch.
+// arithmetic; the float steps are each kernel's own (below), the same at any row count and thread split (threads
+// split output channels): a row's bits never depend on its batch.
 //
-// With AVX512-VNNI the panel kernel (block_q8_panels.h) runs every row count; elsewhere a portable loop with the
-// same integers and the same float operations (std::fma where the vector code fuses).
+// With AVX512-VNNI the panel kernel (block_q8_panels.h: one float32 accumulator per output, blocks in order) runs
+// every row count; with AVX2 and no VNNI panels gguf_rows_q8_avx2.h's kernel (the same integers, its own float sums:
+// 8 lanes a row, even and odd blocks apart, the terms without codes 8 blocks at a time); elsewhere a portable loop
+// with the panels' integers and float operations (std::fma where the vector code fuses).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -18,6 +20,7 @@
 #include "block_q8_panels.h"
 #include "block_q8_rows.h"
 #include "gguf_rows_q8.h"
+#include "gguf_rows_q8_avx2.h"
 
 namespace {
 
@@ -126,6 +129,11 @@ at::Tensor linear_q8_op(const at::Tensor& x, const at::Tensor& raw, int64_t qtyp
         gr::RowChannels<T> channels{w.raw, w.row_bytes, in_features / kBlock, n1};
         radixserve::q8::linear_channels<gr::kFormat<T>>(rows, x.size(0), channels, n0, store);
       });
+#elif defined(RADIXSERVE_ROWS_Q8_AVX2)
+      const int32_t* second = s.second.empty() ? nullptr : s.second.data();
+      at::parallel_for(0, raw.size(0), 16, [&](int64_t n0, int64_t n1) {
+        gr::q8avx2::linear_channels<T>(xq, s.first.data(), second, w, n0, n1, epilogue);
+      });
 #else
       at::parallel_for(0, raw.size(0), 16,
                        [&](int64_t n0, int64_t n1) { linear_portable<T>(xq, s, w, n0, n1, epilogue); });
@@ -135,9 +143,10 @@ at::Tensor linear_q8_op(const at::Tensor& x, const at::Tensor& raw, int64_t qtyp
   return out;
 }
 
-// Whether this build runs the int8 rows on block_q8_panels.h (AVX512-VNNI): elsewhere they take the portable loop.
+// Whether this build runs the int8 rows on SIMD code (AVX512-VNNI: block_q8_panels.h; AVX2: gguf_rows_q8_avx2.h):
+// elsewhere they take the portable loop, slower than the float rows' kernel.
 bool q8_rows_simd() {
-#ifdef RADIXSERVE_Q8_PANELS
+#if defined(RADIXSERVE_Q8_PANELS) || defined(RADIXSERVE_ROWS_Q8_AVX2)
   return true;
 #else
   return false;
