@@ -26,7 +26,10 @@
 
 namespace radixserve::gguf_rows::q8avx2 {
 
-// Rows sharing one decode of a channel's block (block_q8_linear.cpp's tile).
+// Rows sharing one decode of a channel's block (block_q8_linear.cpp's tile). 8 rows' two accumulators spill, but
+// smaller tiles decode more often and were no faster on a Zen 3 (`bench block-linears --formats Q4_K,Q6_K,Q5_0
+// --paths kernel-q8`, ms a forward at 8 / 16 rows: tiles of 8 Q5_0 29.1 / 60.5, Q6_K 10.6 / 17.1; of 6 35.8 / 61.3,
+// 9.2 / 15.9; of 4 35.0 / 64.1, 8.8 / 16.2).
 constexpr int kRowTile = 8;
 
 RADIXSERVE_ROWS_INLINE __m256i load256(const uint8_t* p) {
