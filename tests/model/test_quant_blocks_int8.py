@@ -48,7 +48,7 @@ def test_activation_codes_round_half_to_even_within_half_a_step() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16])  # tiles of 8 rows and their remainders
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 10, 11, 16, 21])  # tiles of up to 10 rows, balanced
 @pytest.mark.parametrize(("out_features", "in_features"), [(37, 160), (64, 32), (5, 1536)])
 def test_kernel_equals_the_integer_reference_and_a_row_alone(
     fmt: str, rows: int, out_features: int, in_features: int

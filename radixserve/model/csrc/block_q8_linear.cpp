@@ -39,8 +39,11 @@ using radixserve::quantize_block;
 using radixserve::quantize_rows;
 
 // Rows sharing one decode of a weight block. Measured on SmolLM2's linears at 16 rows (2 accumulators
-// per row, so 8 spill a few): tiles of 4, 6, 8 took 63, 61, 51 ms.
-constexpr int kRowTile = 8;
+// per row, so 8 spill a few): tiles of 4, 6, 8 took 63, 61, 51 ms. Tiles of up to 10, balanced (11 rows: 6 + 5): a
+// verify of 8 drafts is 9 rows, which as 8 + 1 decoded every weight again (Zen 3, `bench block-linears --paths
+// kernel-q8`, ms a forward: 9 rows 32.4-32.6 -> 29.2-29.6, 16 rows 51.5-51.9 -> 50.4-50.6; 1-8 rows run the same
+// code). One accumulator a row instead of two fit 10 rows without spilling but left one row 6% slower.
+constexpr int kRowTile = 10;
 
 #ifdef RADIXSERVE_BLOCK_AVX2
 // 8 int32 lanes, lane i = sum of bytes 4i..4i+3 of u (unsigned) times s (signed). No saturation here:
@@ -133,7 +136,7 @@ void tile_rows(int rows, const int8_t* xq, int64_t ldx, const float* scale, cons
 #define RADIXSERVE_TILE(R) \
   case R: return dot_rows<R, Q4>(xq, ldx, scale, xsum, ldxs, qs, m, blocks, sums);
     RADIXSERVE_TILE(1) RADIXSERVE_TILE(2) RADIXSERVE_TILE(3) RADIXSERVE_TILE(4)
-    RADIXSERVE_TILE(5) RADIXSERVE_TILE(6) RADIXSERVE_TILE(7)
+    RADIXSERVE_TILE(5) RADIXSERVE_TILE(6) RADIXSERVE_TILE(7) RADIXSERVE_TILE(8) RADIXSERVE_TILE(9)
 #undef RADIXSERVE_TILE
     default: return dot_rows<kRowTile, Q4>(xq, ldx, scale, xsum, ldxs, qs, m, blocks, sums);
   }
@@ -150,11 +153,12 @@ void linear_channels(const Q8Rows& x, const BlockWeights& w, int64_t n0, int64_t
   const float* xsum = x.sums.data();
   std::vector<float> d(kChunk * ldxs), m(kChunk * ldxs), scale(kRowTile * ldxs);
   float sums[kRowTile];
+  const int64_t tiles = (rows + kRowTile - 1) / kRowTile, row_tile = (rows + tiles - 1) / tiles;  // balanced
   for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
     const int64_t c1 = std::min(n1, c0 + kChunk);
     chunk_scales<Q4>(w, c0, c1, d.data(), m.data(), ldxs);
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+    for (int64_t r0 = 0; r0 < rows; r0 += row_tile) {
+      const int tile = static_cast<int>(std::min<int64_t>(row_tile, rows - r0));
       for (int64_t n = c0; n < c1; ++n) {
         // Each block's two scales as one product per row, 8 blocks an instruction, before the block loop.
         const float* dn = d.data() + (n - c0) * ldxs;
