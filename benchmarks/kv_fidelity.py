@@ -1,15 +1,15 @@
 """The 8-bit KV pool against the 16-bit one on fixed prompts: ``radixserve bench kv-fidelity``.
 
 On the embedded SmolLM2 (or ``--model-path``), two engines that differ only in ``--kv-cache-dtype``
-(``--baseline``, bfloat16 by default, and int8), the same weights and dtype. Per prompt (a chat turn, a
-piece of code, a long document with a question: the Python reference manual's "compound statements"
-topic, fixed text shipped with Python):
+(``--baseline``, bfloat16 by default, and ``--candidate``, int8 by default, or fp8_e4m3), the same weights, dtype
+and ``--attention-backend``. Per prompt (a chat turn, a piece of code, a long document with a question: the Python
+reference manual's "compound statements" topic, fixed text shipped with Python):
 
 - top-1: the share of positions where both pools' next-token argmax agree, teacher-forced over every
   prompt token (the prompt prefilled in chunks of ``--chunk`` tokens, each an extend on the cached part:
   every position reads the pool, its own key and value included; the last ``--decode-tail`` positions one
   decode step each instead, read by the decode kernel as a generated token is);
-- KL: the mean KL(baseline || int8) of those next-token distributions, in nats;
+- KL: the mean KL(baseline || candidate) of those next-token distributions, in nats;
 - divergence: the first position where the two greedy continuations of ``--new-tokens`` tokens differ
   (``--new-tokens`` when they never do).
 """
@@ -108,23 +108,36 @@ def measure(engines: list[Engine], ids: list[int], chunk: int, new_tokens: int, 
     return Fidelity(len(ids), top1, kl, first_divergence(engines, ids, new_tokens))
 
 
-def build(model_path: str | None, kv_dtypes: list[str], pool_tokens: int) -> list[Engine]:
-    return [Engine.create(model_path=model_path, max_total_tokens=pool_tokens, kv_cache_dtype=kv) for kv in kv_dtypes]
+def build(model_path: str | None, kv_dtypes: list[str], pool_tokens: int, backend: str = "auto") -> list[Engine]:
+    return [
+        Engine.create(model_path=model_path, max_total_tokens=pool_tokens, kv_cache_dtype=kv, attention_backend=backend)
+        for kv in kv_dtypes
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixserve bench kv-fidelity", description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", default=None, help="HF folder or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--baseline", default="bfloat16", help="the 16-bit (or float32) pool compared against")
-    parser.add_argument("--candidate", default="int8", help="the pool measured (bfloat16 against a float32 baseline")
+    parser.add_argument(
+        "--candidate", default="int8", help="the pool measured: int8, fp8_e4m3 (bfloat16 against a float32 baseline)"
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="both engines' (reference: gather + SDPA, as CUDA; what fp8_e4m3 needs on CPU)",
+    )
     parser.add_argument("--document-chars", type=int, default=DOCUMENT_CHARS, help="of the long document")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk, tokens")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--decode-tail", type=int, default=0, help="last positions forced as decode steps")
     args = parser.parse_args(argv)
-    engines = build(args.model_path, [args.baseline, args.candidate], 8192)
+    engines = build(args.model_path, [args.baseline, args.candidate], 8192, args.attention_backend)
     info = engines[1].describe()
-    print(f"{info['resolved_dtype']} weights ({info['resolved_quantization']}); KV {args.baseline} vs {args.candidate}")
+    print(
+        f"{info['resolved_dtype']} weights ({info['resolved_quantization']}), attention "
+        f"{info['resolved_attention_backend']}; KV {args.baseline} vs {args.candidate}"
+    )
     print(f"{'prompt':<10}{'tokens':>8}{'top-1':>8}{'mean KL':>11}{'first greedy divergence':>26}")
     rows = []
     for name, ids in prompts(engines[0], args.document_chars).items():

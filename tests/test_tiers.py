@@ -237,11 +237,17 @@ def test_prefetched_pages_evicted_or_corrupt_or_aborted_change_nothing(
     engine.close(30)
 
 
-def test_8bit_pages_move_through_host_and_disk_as_they_are(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """An int8 pool's pages (codes and scales) in L2 and L3: half a bfloat16 page's bytes, loaded back bit for bit,
-    so the tiered engine gives the tokens of the int8 engine without tiers."""
-    expected = run(make(tiny_model_dir, kv_cache_dtype="int8"), PROMPTS)
-    tiered = make(tiny_model_dir, kv_cache_dtype="int8", hicache_size=0.01, cache_dir=str(tmp_path / "kv"))
+# fp8 on CPU reads through the reference backend; its L2 asks for compression, which 8-bit pages skip.
+EIGHT_BIT_POOLS = {"int8": {}, "fp8_e4m3": {"attention_backend": "reference", "hicache_compress": True}}
+
+
+@pytest.mark.parametrize("kv", list(EIGHT_BIT_POOLS))
+def test_8bit_pages_move_through_host_and_disk_as_they_are(tiny_model_dir: Path, tmp_path: Path, kv: str) -> None:
+    """An 8-bit pool's pages (codes and scales) in L2 and L3: half a bfloat16 page's bytes, loaded back bit for bit,
+    so the tiered engine gives the tokens of the same pool without tiers."""
+    options = {"kv_cache_dtype": kv, **EIGHT_BIT_POOLS[kv]}
+    expected = run(make(tiny_model_dir, **options), PROMPTS)
+    tiered = make(tiny_model_dir, **options, hicache_size=0.01, cache_dir=str(tmp_path / "kv"))
     assert run(tiered, PROMPTS) == expected
     tiers = tiered.cache.tiers
     assert tiers is not None and tiers.stats.hit_tokens["host"] > 0
@@ -251,22 +257,39 @@ def test_8bit_pages_move_through_host_and_disk_as_they_are(tiny_model_dir: Path,
     assert tiers.host is not None and tiers.host.used_bytes % layout.page_bytes == 0
     tiered.check_idle_invariants()
     assert tiered.close(30)
-    again = make(tiny_model_dir, kv_cache_dtype="int8", cache_dir=str(tmp_path / "kv"))
+    again = make(tiny_model_dir, **options, cache_dir=str(tmp_path / "kv"))
     result = again.generate(input_ids=PROMPTS[6], sampling_params=GREEDY)
     assert result.output_ids == expected[6] and result.cached_tokens == 48
     again.close(30)
 
 
+@pytest.mark.parametrize(
+    "before,after,message",
+    [
+        ({}, {"kv_cache_dtype": "int8"}, "float32 in the files, int8 now"),
+        (
+            {"kv_cache_dtype": "int8"},
+            {"kv_cache_dtype": "fp8_e4m3", **EIGHT_BIT_POOLS["fp8_e4m3"]},
+            "int8 in the files, float8_e4m3fn now",
+        ),
+    ],
+    ids=["float32-int8", "int8-fp8"],
+)
 def test_a_restart_with_another_kv_dtype_does_not_use_the_directory(
-    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    before: dict[str, Any],
+    after: dict[str, Any],
+    message: str,
 ) -> None:
-    first = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"))  # float32 pages
+    first = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"), **before)
     run(first, PROMPTS[:6])
     assert first.close(30)
     with caplog.at_level("WARNING"):
-        other = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"), kv_cache_dtype="int8")
+        other = make(tiny_model_dir, cache_dir=str(tmp_path / "kv"), **after)
     assert other.cache.tiers is not None and other.cache.tiers.disk is None
-    assert any("kv_layout dtype: float32 in the files, int8 now" in record.getMessage() for record in caplog.records)
+    assert any(f"kv_layout dtype: {message}" in record.getMessage() for record in caplog.records)
     result = other.generate(input_ids=PROMPTS[6], sampling_params=GREEDY)
     assert result.cached_tokens == 0
     other.close(30)

@@ -13,7 +13,7 @@ from radixserve.cache import EVICTION_POLICIES, PREFIX_CACHES, WRITE_POLICIES
 from radixserve.model.invariance import INVARIANT_KERNELS, amx_available
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
 from radixserve.model.precision import DTYPES as DTYPES  # re-exported: server/args.py builds --dtype from it
-from radixserve.model.precision import kv_cache_dtype_error, resolve_dtype
+from radixserve.model.precision import kv_cache_dtype_device_error, kv_cache_dtype_error, resolve_dtype
 from radixserve.model.quant import QUANTIZATIONS
 from radixserve.scheduler.draft import SPEC_SOURCES
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
@@ -46,7 +46,7 @@ class EngineConfig:
     # num_draft_tokens + 1 rows cost at start (engine/spec_costs.py); a number fixes it (reproducible drafting)
     speculative_row_cost: float | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32
-    kv_cache_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16 | int8: the KV pool's own dtype
+    kv_cache_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16 | int8 | fp8_e4m3: the KV pool's own dtype
     # auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks with float activations (q4_1-exact, lossless) where it stores only
     # those and the CPU block kernel runs, else none | none | int8 (weight-only, per-channel scales) |
     # q4_1 (GGUF-style blocks, int8 activations as llama.cpp) | q4_1-exact (the same, float activations)
@@ -70,6 +70,11 @@ class EngineConfig:
     cache_dir_size: float | None = None  # GiB the disk tier may use; None: unbounded
 
     def __post_init__(self) -> None:
+        valid_device = self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        device = self.resolved_device() if valid_device else None  # fp8 pools need the reference backend on CPU
+        kv_device_error = (
+            None if device is None else kv_cache_dtype_device_error(self.kv_cache_dtype, device, self.attention_backend)
+        )
         checks = [
             (self.prefix_cache in PREFIX_CACHES, f"prefix_cache must be one of {PREFIX_CACHES}"),
             (
@@ -82,6 +87,7 @@ class EngineConfig:
             (self.max_running_requests >= 1 and self.chunked_prefill_size >= 1, "limits must be >= 1"),
             (self.dtype == "auto" or self.dtype in DTYPES, f"dtype must be auto or one of {sorted(DTYPES)}"),
             (kv_cache_dtype_error(self.kv_cache_dtype) is None, kv_cache_dtype_error(self.kv_cache_dtype) or ""),
+            (kv_device_error is None, kv_device_error or ""),
             (
                 self.quantization == "auto" or self.quantization in QUANTIZATIONS,
                 f"quantization must be one of {('auto', *QUANTIZATIONS)}",
@@ -95,7 +101,7 @@ class EngineConfig:
                 "split_invariant_kernel amx needs a CPU (and kernel build) with AMX-BF16; use vector",
             ),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
-            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device: auto|cpu|cuda[:N]"),
+            (valid_device, "device: auto|cpu|cuda[:N]"),
             (self.num_threads >= 1, "num_threads must be >= 1"),
             (self.speculative_algorithm in (None, *SPECULATIVE_ALGORITHMS), "speculative_algorithm: None or ngram"),
             (1 <= self.speculative_num_draft_tokens <= 16, "speculative_num_draft_tokens must be 1..16"),

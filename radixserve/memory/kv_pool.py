@@ -1,11 +1,12 @@
 """The KV pool: per layer, K and V tensors of [num_kv_heads, num_slots, head_dim].
 
-The 8-bit pool (dtype torch.int8, ``--kv-cache-dtype int8``) stores per layer K and V as int8
-[num_kv_heads, num_slots, head_dim] plus their scales as bfloat16 [num_kv_heads, num_slots]: one
-symmetric absmax scale per token and head (scale = max|x| / 127 of that row, kv_quant.py), so
-x ~ code * scale. 66 bytes a head row against bfloat16's 128 at head_dim 64: 1.94x the tokens per GiB.
-Writing a token quantizes it; attention reads codes and scales in place (the kernels fold the scale into
-the score and the softmax weight), the reference path dequantizes what it gathers.
+The 8-bit pools (``--kv-cache-dtype int8``: dtype torch.int8; ``fp8_e4m3``: torch.float8_e4m3fn) store per layer
+K and V as 8-bit codes [num_kv_heads, num_slots, head_dim] plus their scales as bfloat16 [num_kv_heads,
+num_slots]: one symmetric absmax scale per token and head (scale = max|x| / 127 of that row for int8, / 448 for
+fp8_e4m3: kv_quant.py), so x ~ code * scale. 66 bytes a head row against bfloat16's 128 at head_dim 64: 1.94x
+the tokens per GiB. Writing a token quantizes it; the CPU kernels read an int8 pool's codes and scales in place
+(folding the scale into the score and the softmax weight), the reference path (CUDA's) dequantizes what it
+gathers.
 
 Slot i holds the K/V of whichever token the allocator handed it to; slot 0
 (page 0) is padding. The pool knows nothing of requests: the model writes the
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.memory.kv_quant import dequantize, quantize_absmax
+from radixserve.memory.kv_quant import CODE_MAX, dequantize, quantize_absmax
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # linux/mman.h
@@ -70,14 +71,15 @@ def zeros_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return raw[offset : offset + nbytes].view(dtype).zero_()
 
 
-# The 8-bit pool's scales: bfloat16 (2 bytes a row; float32 would leave 1.88x, not 1.9x, of bfloat16's tokens).
+# The 8-bit pools' scales: bfloat16 (2 bytes a row; float32 would leave 1.88x, not 1.9x, of bfloat16's tokens).
 SCALE_DTYPE = torch.bfloat16
+EIGHT_BIT_DTYPES = tuple(CODE_MAX)  # pools of 8-bit codes and scales: int8, float8_e4m3fn
 
 
 def kv_row_bytes(head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of one token's K (or V) row of one head: the values, and an 8-bit pool's scale."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return head_dim * itemsize + (SCALE_DTYPE.itemsize if dtype == torch.int8 else 0)
+    return head_dim * itemsize + (SCALE_DTYPE.itemsize if dtype in EIGHT_BIT_DTYPES else 0)
 
 
 class KVPool:
@@ -93,7 +95,7 @@ class KVPool:
         self.num_slots = num_slots
         self.dtype = dtype
         self.device = torch.device(device)
-        self.quantized = dtype == torch.int8
+        self.quantized = dtype in EIGHT_BIT_DTYPES
         self.k, self.v = self._layers(num_layers, (num_kv_heads, num_slots, head_dim), dtype)
         self.k_scale: list[torch.Tensor] = []  # the 8-bit pool's scales, per layer [num_kv_heads, num_slots]
         self.v_scale: list[torch.Tensor] = []
@@ -126,7 +128,7 @@ class KVPool:
             self.v[layer][:, slots] = v.transpose(0, 1).to(self.dtype)
             return
         for x, codes, scales in ((k, self.k[layer], self.k_scale[layer]), (v, self.v[layer], self.v_scale[layer])):
-            q, scale = quantize_absmax(x.transpose(0, 1), -1, SCALE_DTYPE)
+            q, scale = quantize_absmax(x.transpose(0, 1), -1, SCALE_DTYPE, self.dtype)
             codes[:, slots] = q
             scales[:, slots] = scale[..., 0]
 
@@ -139,7 +141,8 @@ class KVPool:
 
     def gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Every layer's K and V rows at ``slots`` [n] as stored: [layers, 2, Hkv, n, row] (row: head_dim values;
-        an 8-bit pool's are int8 with the bfloat16 scale's 2 bytes appended). What the tiers move."""
+        an 8-bit pool's are its codes with the bfloat16 scale's 2 bytes appended, in the codes' dtype). What the
+        tiers move."""
         rows = [torch.stack((self._raw(k, ks, slots), self._raw(v, vs, slots))) for k, v, ks, vs in self._all()]
         return torch.stack(rows)
 
@@ -163,7 +166,7 @@ class KVPool:
     def _raw(values: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
         if scales is None:
             return values[:, slots]
-        scale_bytes = scales[:, slots].contiguous().view(torch.int8)  # [Hkv, 2n]: each bfloat16's two bytes
+        scale_bytes = scales[:, slots].contiguous().view(values.dtype)  # [Hkv, 2n]: each bfloat16's two bytes
         return torch.cat((values[:, slots], scale_bytes.view(*scale_bytes.shape[:-1], -1, 2)), -1)
 
     def write_rotated(
@@ -172,7 +175,7 @@ class KVPool:
         """The fused CPU path of attention's rotary + ``write``: qkv [n, (num_heads + 2 Hkv) * head_dim] (q | k | v
         of n tokens), cos/sin [n, 1, head_dim] in qkv's dtype. Rotates q and k, stores k and v at ``slots``
         [n] (int64) in one pass over the rows (csrc/fused_ops.cpp: the bits of apply_rotary + ``write``);
-        returns q rotated, [n, num_heads, head_dim]. float32 or bfloat16 qkv, a float32, bfloat16 or 8-bit pool (its
+        returns q rotated, [n, num_heads, head_dim]. float32 or bfloat16 qkv, a float32, bfloat16 or int8 pool (its
         rows quantized as ``write`` quantizes them), on CPU."""
         scales = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
         k = self.k[layer]

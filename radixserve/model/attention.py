@@ -205,11 +205,11 @@ class AttentionPlan:
 
     def fused_write(self, qkv: torch.Tensor, cos: torch.Tensor, kv_pool: KVPool) -> bool:
         """Whether the fused rotary + K/V write (KVPool.write_rotated) takes this step's qkv: cos in qkv's dtype,
-        a float or 8-bit pool, the fused ops built. Decided at the first layer: every layer's qkv, cos and pool
-        dtype are the same."""
+        a float or int8 pool (an fp8 pool takes KVPool.write), the fused ops built. Decided at the first layer: every
+        layer's qkv, cos and pool dtype are the same."""
         fused = self._decided.get("fused_write")
         if fused is None:
-            pool_ok = kv_pool.dtype in FUSED_DTYPES or kv_pool.quantized
+            pool_ok = kv_pool.dtype in (*FUSED_DTYPES, torch.int8)
             fused = self._decided["fused_write"] = cos.dtype == qkv.dtype and pool_ok and fused_ops_apply(qkv)
         return fused
 

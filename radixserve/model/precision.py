@@ -20,23 +20,33 @@ from radixserve.model.gguf_rows import ROW_TYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The KV pool's own dtype (SGLang's --kv-cache-dtype): auto = the model's. bfloat16 under float32
-# weights holds twice the tokens per GiB, and the paged kernel reads half the bytes per key; int8
-# (symmetric, one bfloat16 scale per token and head: memory/kv_pool.py) 1.94x bfloat16's, lossy.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
-# Names users know from other servers that this one refuses, and why (the flag accepts them to say so).
-REFUSED_KV_CACHE_DTYPES = {
-    "fp8_e4m3": "not implemented: no CPU here multiplies fp8, so its kernels would widen it exactly as int8's do, "
-    "with fewer mantissa bits; use int8",
-}
+# weights holds twice the tokens per GiB, and the paged kernel reads half the bytes per key; the 8-bit pools
+# (codes and one bfloat16 scale per token and head: memory/kv_pool.py) 1.94x bfloat16's, lossy: int8 (symmetric,
+# max|x| / 127) read in place by the CPU kernels, fp8_e4m3 (max|x| / 448, vLLM's and SGLang's name) for CUDA, where
+# attention gathers and widens a context either way (on CPU: ``kv_cache_dtype_device_error``).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
+EIGHT_BIT_KV = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def kv_cache_dtype_error(requested: str) -> str | None:
     """Why ``requested`` is no pool dtype; None when it is one of KV_CACHE_DTYPES."""
     if requested in KV_CACHE_DTYPES:
         return None
-    if requested in REFUSED_KV_CACHE_DTYPES:
-        return f"kv_cache_dtype {requested!r} is {REFUSED_KV_CACHE_DTYPES[requested]}"
     return f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}"
+
+
+def kv_cache_dtype_device_error(requested: str, device: torch.device, attention_backend: str) -> str | None:
+    """Why the pool dtype ``requested`` cannot serve on ``device`` with ``attention_backend`` (as asked: auto on a
+    CPU is the paged kernel wherever it builds); None when it can.
+
+    The CPU's paged kernels read float32, bfloat16 and int8 pools in place; an fp8 pool there would have to be
+    gathered and widened to float every layer (the reference backend), as CUDA's attention does with any pool."""
+    if requested == "fp8_e4m3" and device.type == "cpu" and attention_backend != "reference":
+        return (
+            "kv_cache_dtype 'fp8_e4m3' on CPU needs --attention-backend reference (gather + SDPA: each context "
+            "copied and widened every layer); the CPU kernels read int8 pools in place, in the same bytes: use int8"
+        )
+    return None
 
 
 def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -44,8 +54,8 @@ def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dt
     error = kv_cache_dtype_error(requested)
     if error is not None:
         raise ValueError(error)
-    if requested == "int8":
-        return torch.int8
+    if requested in EIGHT_BIT_KV:
+        return EIGHT_BIT_KV[requested]
     return model_dtype if requested == "auto" else DTYPES[requested]
 
 

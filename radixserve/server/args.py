@@ -21,7 +21,7 @@ from radixserve.engine.config import ENGINE_OPTIONS, SPECULATIVE_ALGORITHMS
 from radixserve.kv_events.config import KVEventsConfig, parse_kv_events_config
 from radixserve.model.invariance import INVARIANT_KERNELS
 from radixserve.model.paged_kernel import ATTENTION_BACKENDS
-from radixserve.model.precision import KV_CACHE_DTYPES, REFUSED_KV_CACHE_DTYPES
+from radixserve.model.precision import KV_CACHE_DTYPES
 from radixserve.model.quant import QUANTIZATIONS
 from radixserve.scheduler.draft import SPEC_SOURCES
 from radixserve.scheduler.policy import SCHEDULE_POLICIES
@@ -197,9 +197,10 @@ def _model_flags(model: argparse._ArgumentGroup, d: EngineConfig) -> None:
     model.add_argument(
         "--kv-cache-dtype",
         default=d.kv_cache_dtype,
-        choices=(*KV_CACHE_DTYPES, *REFUSED_KV_CACHE_DTYPES),
+        choices=KV_CACHE_DTYPES,
         help="the KV pool's dtype; auto = --dtype. bfloat16 under float32 weights: 2x tokens per GiB; int8 (one "
-        "scale per token and head): 1.94x bfloat16's, lossy (docs: server/precision.md); fp8_e4m3 is refused",
+        "scale per token and head): 1.94x bfloat16's, lossy (docs: server/precision.md); fp8_e4m3 the same size, for "
+        "CUDA (on CPU only with --attention-backend reference)",
     )
     model.add_argument(
         "--quantization",

@@ -7,8 +7,9 @@ evicted page is handed back to the caller, which spills it to the disk tier.
 ``compress=True`` stores K/V as int8 with one fp32 scale per (layer, K/V, head)
 of each page: about 4x the tokens per GiB of fp32 pages, but lossy (loaded K/V
 differ by up to scale/2). Off by default: a hit must reproduce the cold output
-exactly. Pages of the 8-bit pool (int8 codes with their scales) are stored as they
-are, compressed or not: they are 8 bits already. On CUDA the lossless pages sit in pinned memory (fast copies back).
+exactly. Pages of the 8-bit pools (int8 or fp8 codes with their scales) are stored as
+they are, compressed or not: they are 8 bits already. On CUDA the lossless pages sit in
+pinned memory (fast copies back).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class HostArena:
         assert self.used_bytes <= self.capacity_bytes, "host arena over capacity"
 
     def _encode(self, page: torch.Tensor) -> _Stored:
-        if not self.compress or not page.dtype.is_floating_point:
+        if not self.compress or page.element_size() == 1:  # 8-bit pages (int8, fp8 codes) stay as they are
             data = page.detach().to("cpu", copy=True).contiguous()
             if self.pin:
                 data = data.pin_memory()

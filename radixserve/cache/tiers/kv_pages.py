@@ -3,7 +3,7 @@
 A tier page holds ``page_tokens`` consecutive tokens of one cached sequence, for
 every layer: a tensor ``[num_layers, 2 (K, V), num_kv_heads, page_tokens, row]``
 in the pool's dtype, as the pool stores it (``KVPool.gather_rows``): row = head_dim values, and
-for the 8-bit pool int8 codes followed by their bfloat16 scale's two bytes (head_dim + 2), so
+for the 8-bit pools their codes followed by their bfloat16 scale's two bytes (head_dim + 2), so
 the host and disk tiers hold 8-bit pages as they are. On disk it is those bytes, raw: the
 directory's fingerprint (``PageLayout.describe``: the dtype and the row among it) says how to read
 them back, and a directory written with another KV dtype is not used.
