@@ -59,6 +59,15 @@ def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dt
     return model_dtype if requested == "auto" else DTYPES[requested]
 
 
+def cpu_flags() -> set[str]:
+    """The kernel's cpuinfo flags for this CPU (avx2, avx512f, avx_vnni, amx_bf16, ...); empty outside Linux."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+
+
 @dataclass(frozen=True)
 class CpuFeatures:
     capability: str  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
@@ -68,12 +77,7 @@ class CpuFeatures:
     @classmethod
     def detect(cls) -> CpuFeatures:
         """Ask torch, and the kernel's cpuinfo flags as a second opinion (Linux only)."""
-        flags: set[str] = set()
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-            flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
-        except OSError:
-            pass
+        flags = cpu_flags()
         cpu = torch.cpu
         amx = bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)()) or "amx_bf16" in flags
         avx512_bf16 = bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()) or "avx512_bf16" in flags

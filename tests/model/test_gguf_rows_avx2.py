@@ -5,8 +5,6 @@ to bfloat16. Emulated here with numpy over every row and channel at once."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -14,16 +12,13 @@ import torch
 from benchmarks.block_linears import random_rows
 from radixserve.model import paged_kernel
 from radixserve.model.gguf_rows import ROW_TYPES
+from radixserve.model.precision import cpu_flags
 from tests.model.test_gguf_rows_kernels import gguf_values, kernel, same_bits, width
 
 
 def avx2_path() -> bool:
     """Whether the kernel builds its AVX2 path here (gguf_rows.h: RADIXSERVE_ROWS_AVX2)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+    flags = cpu_flags()
     avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
     return {"avx2", "fma", "f16c"} <= flags and not avx512
 
