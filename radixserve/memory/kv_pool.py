@@ -129,15 +129,17 @@ class KVPool:
             return
         for x, codes, scales in ((k, self.k[layer], self.k_scale[layer]), (v, self.v[layer], self.v_scale[layer])):
             q, scale = quantize_absmax(x.transpose(0, 1), -1, SCALE_DTYPE, self.dtype)
-            codes[:, slots] = q
+            codes.view(torch.uint8)[:, slots] = q.view(torch.uint8)  # as bytes: fp8 indexing is patchy by device
             scales[:, slots] = scale[..., 0]
 
     def dequantized(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of an 8-bit pool at ``slots`` [..., S] as [Hkv, ..., S, D] in ``dtype`` (a copy: the reference
         path's gather)."""
-        k = dequantize(self.k[layer][:, slots], self.k_scale[layer][:, slots][..., None], dtype)
-        v = dequantize(self.v[layer][:, slots], self.v_scale[layer][:, slots][..., None], dtype)
-        return k, v
+        k, v = (codes.view(torch.uint8)[:, slots].view(self.dtype) for codes in (self.k[layer], self.v[layer]))
+        return (
+            dequantize(k, self.k_scale[layer][:, slots][..., None], dtype),
+            dequantize(v, self.v_scale[layer][:, slots][..., None], dtype),
+        )
 
     def gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Every layer's K and V rows at ``slots`` [n] as stored: [layers, 2, Hkv, n, row] (row: head_dim values;
@@ -152,9 +154,11 @@ class KVPool:
         for layer, (k, v, ks, vs) in enumerate(self._all()):
             for kind, (values, scales) in enumerate(((k, ks), (v, vs))):
                 part = rows[layer, kind].to(values.device)
-                values[:, slots] = part[..., :head_dim].to(values.dtype)
-                if scales is not None:
-                    scales[:, slots] = part[..., head_dim:].contiguous().view(SCALE_DTYPE)[..., 0]
+                if scales is None:
+                    values[:, slots] = part.to(values.dtype)
+                    continue
+                values.view(torch.uint8)[:, slots] = part[..., :head_dim].view(torch.uint8)
+                scales[:, slots] = part[..., head_dim:].contiguous().view(SCALE_DTYPE)[..., 0]
 
     def _all(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         """Per layer (K, V, K's scales, V's scales); the scales None for a float pool."""
@@ -166,8 +170,9 @@ class KVPool:
     def _raw(values: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
         if scales is None:
             return values[:, slots]
-        scale_bytes = scales[:, slots].contiguous().view(values.dtype)  # [Hkv, 2n]: each bfloat16's two bytes
-        return torch.cat((values[:, slots], scale_bytes.view(*scale_bytes.shape[:-1], -1, 2)), -1)
+        scale_bytes = scales[:, slots].contiguous().view(torch.uint8)  # [Hkv, 2n]: each bfloat16's two bytes
+        codes = values.view(torch.uint8)[:, slots]  # 8-bit codes as bytes: fp8 indexing is patchy by device
+        return torch.cat((codes, scale_bytes.view(*scale_bytes.shape[:-1], -1, 2)), -1).view(values.dtype)
 
     def write_rotated(
         self, layer: int, slots: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int
